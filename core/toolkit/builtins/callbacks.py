@@ -1,0 +1,1 @@
+"""Core built-in plugin: callbacks (filled in by the engine work)."""

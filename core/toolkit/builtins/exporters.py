@@ -1,0 +1,1 @@
+"""Core built-in plugin: exporters (filled in by the engine work)."""

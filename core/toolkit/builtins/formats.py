@@ -1,0 +1,1 @@
+"""Core built-in plugin: formats (filled in by the engine work)."""

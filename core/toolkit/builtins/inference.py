@@ -1,0 +1,1 @@
+"""Core built-in plugin: inference (filled in by the engine work)."""

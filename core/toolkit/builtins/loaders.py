@@ -1,0 +1,1 @@
+"""Core built-in plugin: loaders (filled in by the engine work)."""

@@ -1,0 +1,1 @@
+"""Core built-in plugin: losses (filled in by the engine work)."""

@@ -1,0 +1,1 @@
+"""Core built-in plugin: strategies (filled in by the engine work)."""

@@ -1,0 +1,1 @@
+"""Core built-in plugin: tuners (filled in by the engine work)."""

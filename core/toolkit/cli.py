@@ -1,0 +1,73 @@
+"""The ``toolkit`` click group, assembled from registered commands (the core's own included)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from toolkit import __version__
+from toolkit.errors import ToolkitError
+
+
+class ToolkitGroup(click.Group):
+    """A click group that turns usage errors and ToolkitErrors into one paragraph, no traceback."""
+
+    def resolve_command(self, ctx: click.Context, args: list[str]):
+        try:
+            return super().resolve_command(ctx, args)
+        except click.UsageError as exc:
+            import difflib
+
+            name = args[0] if args else ""
+            close = difflib.get_close_matches(name, self.list_commands(ctx), n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise click.UsageError(
+                f"unknown command '{name}'.{hint} Commands: {', '.join(self.list_commands(ctx))}. "
+                "A plugin may provide it: see 'toolkit plugins'."
+            ) from exc
+
+
+@click.group(cls=ToolkitGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="toolkit")
+@click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
+def cli(debug: bool) -> None:
+    """Train, align, export and serve large language models; features come from plugins.
+
+    Training: toolkit sft|pt --model tiny-llama --dataset demo. Installed plugins: toolkit plugins.
+    """
+    if debug:
+        os.environ["TOOLKIT_DEBUG"] = "1"
+
+
+def build_cli() -> click.Group:
+    from toolkit.plugins import get_plugin_manager
+
+    get_plugin_manager().register_commands(cli)
+    return cli
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--debug" in args:
+        os.environ["TOOLKIT_DEBUG"] = "1"
+    try:
+        group = build_cli()
+        group.main(args=args, prog_name="toolkit", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        click.echo("Aborted.", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except ToolkitError as exc:
+        if os.environ.get("TOOLKIT_DEBUG"):
+            raise
+        click.echo(f"Error: {exc}", err=True)
+        click.echo("(run with --debug for the traceback)", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)

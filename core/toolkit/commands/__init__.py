@@ -1,0 +1,18 @@
+"""Core CLI commands, registered through ``toolkit_register_commands`` like any plugin's."""
+
+from __future__ import annotations
+
+from toolkit import hookimpl
+
+
+@hookimpl
+def toolkit_register_commands(cli):
+    from toolkit.commands import data, export, infer, launch, plugins, train
+
+    cli.add_command(plugins.plugins_command)
+    train.add_training_commands(cli)
+    cli.add_command(export.export_command)
+    cli.add_command(infer.infer_command)
+    cli.add_command(infer.serve_command)
+    cli.add_command(data.data_group)
+    cli.add_command(launch.launch_command)

@@ -1,0 +1,20 @@
+"""``toolkit export``: turn a run, checkpoint, HF directory or preset into another tool's artefact."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command("export")
+@click.argument("source")
+@click.option("--to", "exporter", default="hf", show_default=True, help="Exporter: hf, mcore, vllm, lmdeploy.")
+@click.option("--output", "-o", required=True, type=click.Path(file_okay=False), help="Directory to write.")
+@click.option("--merge-lora/--no-merge-lora", default=True, help="Merge adapters into the base weights (hf).")
+@click.option("--adapter-only", is_flag=True, help="Write only the adapters in PEFT's format.")
+@click.option("--option", "extra", multiple=True, help="Exporter option KEY=VALUE (repeatable), e.g. tp=2.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+def export_command(source: str, exporter: str, output: str, merge_lora: bool, adapter_only: bool, extra: tuple[str, ...], overwrite: bool) -> None:
+    """Export SOURCE (run dir, checkpoint, HF dir, mcore dir or preset) with an exporter."""
+    from toolkit.export import run_export
+
+    run_export(source, exporter, output, merge_lora=merge_lora, adapter_only=adapter_only, extra=extra, overwrite=overwrite)

@@ -1,0 +1,34 @@
+"""``toolkit infer`` and ``toolkit serve``: generate from or serve an exported model."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command("infer")
+@click.argument("model")
+@click.option("--prompt", "prompts", multiple=True, required=True, help="Prompt text (repeatable).")
+@click.option("--backend", default="hf", show_default=True, help="Inference backend: hf, vllm, lmdeploy.")
+@click.option("--max-new-tokens", default=64, show_default=True, type=int)
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 means greedy.")
+@click.option("--no-chat-template", is_flag=True, help="Feed the prompt as raw text.")
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
+def infer_command(model: str, prompts: tuple[str, ...], backend: str, max_new_tokens: int, temperature: float, no_chat_template: bool, dtype: str) -> None:
+    """Generate completions for --prompt from MODEL (a run, HF dir or preset); the completion is the last line."""
+    from toolkit.inference import run_infer
+
+    run_infer(model, list(prompts), backend, max_new_tokens=max_new_tokens, temperature=temperature,
+              chat_template=not no_chat_template, dtype=dtype)
+
+
+@click.command("serve")
+@click.argument("model")
+@click.option("--backend", default="vllm", show_default=True, help="Serving backend: vllm, lmdeploy.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--option", "extra", multiple=True, help="Backend option KEY=VALUE (repeatable).")
+def serve_command(model: str, backend: str, host: str, port: int, extra: tuple[str, ...]) -> None:
+    """Serve MODEL through an engine's OpenAI-compatible server; prints the URL once it answers."""
+    from toolkit.inference import run_serve
+
+    run_serve(model, backend, host=host, port=port, extra=extra)

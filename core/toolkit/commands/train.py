@@ -1,0 +1,131 @@
+"""Training commands: one per registered loss (``toolkit sft``, ``toolkit dpo``) and ``toolkit train``.
+
+Flags are generated from :class:`toolkit.recipe.Recipe` and from the ``Config`` dataclass of
+every registered strategy, tuner, loss and dataset format (``--lora-rank``, ``--dpo-beta``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Literal, get_args, get_origin
+
+import click
+
+from toolkit.config import describe_type, field_types, flag_name
+from toolkit.recipe import OPTION_KINDS, Recipe
+
+
+def _click_type(tp: Any) -> tuple[Any, bool]:
+    """(click type, is_list) for a dataclass field type."""
+    origin = get_origin(tp)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType")):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        return _click_type(args[0]) if len(args) == 1 else (str, False)
+    if origin is Literal:
+        return click.Choice([str(a) for a in get_args(tp)]), False
+    if origin is list:
+        return _click_type(get_args(tp)[0])[0], True
+    if origin is dict:
+        return str, True
+    return {int: int, float: float, str: str, bool: bool}.get(tp, str), False
+
+
+def _options_for(cls: type, prefix: str | None, dest_prefix: str) -> list[click.Option]:
+    options = []
+    hints = field_types(cls)
+    for field in dataclasses.fields(cls):
+        if field.name == "options":
+            continue
+        tp = hints[field.name]
+        ctype, is_list = _click_type(tp)
+        flag = flag_name(prefix, field)
+        help_text = field.metadata.get("help", "")
+        dest = f"{dest_prefix}{field.name}"
+        names = [flag, *field.metadata.get("aliases", ())]
+        if ctype is bool:
+            negative = "--no-" + flag[2:]
+            options.append(click.Option([f"{flag}/{negative}", dest], default=None, help=help_text))
+        elif is_list:
+            help_text += " (repeatable" + (", KEY=VALUE)" if get_origin(tp) is dict else ")")
+            options.append(click.Option([*names, dest], type=ctype, multiple=True, default=None, help=help_text))
+        else:
+            default = field.default if field.default is not dataclasses.MISSING else None
+            show = f" [default: {default}]" if default not in (None, "") else ""
+            options.append(click.Option([*names, dest], type=ctype, default=None, help=help_text + show,
+                                        metavar=describe_type(tp).upper() if ctype in (int, float, str) else None))
+    return options
+
+
+def _collect_values(params: dict[str, Any], manager: Any) -> dict[str, Any]:
+    """Flags the user actually set, as a nested dict like a YAML recipe."""
+    values: dict[str, Any] = {}
+    for key, value in params.items():
+        if value is None or value == ():
+            continue
+        if key.startswith("opt__"):
+            _, section, name = key.split("__", 2)
+            values.setdefault(section, {})[name] = list(value) if isinstance(value, tuple) else value
+        elif key == "columns":
+            pairs = {}
+            for item in value:
+                if "=" not in item:
+                    raise click.BadParameter(f"expected OURS=THEIRS, got {item!r}", param_hint="--columns")
+                ours, theirs = item.split("=", 1)
+                pairs[ours] = theirs
+            values["columns"] = pairs
+        elif key in ("config", "debug"):
+            continue
+        else:
+            values[key] = list(value) if isinstance(value, tuple) else value
+    return values
+
+
+def make_training_command(name: str, loss: str | None, help_text: str, manager: Any) -> click.Command:
+    params: list[click.Parameter] = [
+        click.Option(["--config", "config"], type=click.Path(dir_okay=False), default=None,
+                     help="YAML recipe; flags given on the command line override it."),
+    ]
+    params += _options_for(Recipe, None, "")
+    seen = {p.name for p in params}
+    for kind in OPTION_KINDS:
+        for thing_name, cls in manager.registry(kind).items():
+            for opt in _options_for(cls.Config, thing_name, f"opt__{thing_name}__"):
+                if opt.name not in seen:
+                    seen.add(opt.name)
+                    params.append(opt)
+
+    def callback(**kwargs: Any) -> None:
+        from toolkit.recipe import read_yaml, resolve_recipe
+
+        config = kwargs.get("config")
+        values = read_yaml(config) if config else {}
+        flags = _collect_values(kwargs, manager)
+        for key, value in flags.items():
+            if isinstance(value, dict) and isinstance(values.get(key), dict):
+                values[key] = {**values[key], **value}
+            else:
+                values[key] = value
+        if loss is not None:
+            if "loss" in values and values["loss"] != loss:
+                raise click.UsageError(f"'toolkit {name}' trains with loss {loss!r}; the recipe asks for {values['loss']!r}. Use 'toolkit train' to choose the loss in the recipe.")
+            values["loss"] = loss
+        recipe = resolve_recipe(values, source=config or "command line", manager=manager)
+        from toolkit.train.runner import run_training
+
+        run_training(recipe)
+
+    return click.Command(name, params=params, callback=callback, help=help_text, short_help=help_text.split("\n")[0],
+                         context_settings={"max_content_width": 110})
+
+
+def add_training_commands(cli: click.Group) -> None:
+    from toolkit.plugins import get_plugin_manager
+
+    manager = get_plugin_manager()
+
+    for loss_name, cls in manager.registry("loss").items():
+        if getattr(cls, "cli_command", True) and loss_name not in cli.commands:
+            doc = (cls.__doc__ or f"Train with the {loss_name} objective.").strip()
+            cli.add_command(make_training_command(loss_name, loss_name, doc, manager))
+    cli.add_command(make_training_command("train", None, "Train with any registered objective (--loss NAME).", manager))

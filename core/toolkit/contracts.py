@@ -1,0 +1,248 @@
+"""Protocols of registered things and the data types that flow between them (no torch import).
+
+Data flow of one run (DESIGN.md): recipe -> ModelLoader -> ModelSource -> Strategy.build ->
+Engine; DatasetFormat -> Example -> packed micro-batches -> Engine.train_step(Loss) ->
+metrics; Engine.export_tensors / Strategy.checkpoint_tensors -> ExportModel -> Exporter.
+
+Label convention: ``labels`` are already shifted, ``labels[t]`` is the token that follows
+``input_ids[t]`` (``-100`` where nothing is trained), so a strategy computes
+``log_softmax(logits[t])[labels[t]]`` with no shifting and packing stays trivially correct.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from toolkit.recipe import Recipe
+
+IGNORE_INDEX = -100
+
+
+# ----------------------------------------------------------------------------- data
+
+
+@dataclass
+class Sequence:
+    """One token sequence: ids, shifted labels (-100 = not trained) and per-sequence meta."""
+
+    input_ids: list[int]
+    labels: list[int]
+    role: int = 0
+    """0 for plain/chosen/desirable sequences, 1 for rejected (preference pairs)."""
+    meta: dict[str, float] = field(default_factory=dict)
+    """Scalars a loss may read per sequence (e.g. ``kto_label``)."""
+
+
+@dataclass
+class Example:
+    """What a dataset format makes of one record: the sequences that must share a micro-batch."""
+
+    sequences: list[Sequence]
+    kind: str = "lm"
+    """``lm`` (pt/sft), ``preference`` (chosen + rejected), ``unpaired`` (KTO)."""
+
+
+@dataclass
+class TokenLogps:
+    """What a strategy hands a loss: log-probabilities of the labels, per token.
+
+    ``logps``, ``mask`` and ``sequence_ids`` are ``[rows, tokens]``; ``sequence_ids`` maps
+    each token to its sequence in the micro-batch (``-1`` for padding). ``sequence_meta``
+    holds ``[num_sequences]`` tensors: ``example_ids`` (which example a sequence belongs to),
+    ``roles`` and any format meta or precomputed ``reference_logps``.
+    """
+
+    logps: torch.Tensor
+    mask: torch.Tensor
+    sequence_ids: torch.Tensor
+    num_sequences: int
+    sequence_meta: dict[str, torch.Tensor]
+    reference_logps: torch.Tensor | None = None
+    """``[num_sequences]`` summed reference log-probs when the loss needs a reference."""
+    scores: torch.Tensor | None = None
+    """``[num_sequences]`` scalar scores from a value head (reward modeling)."""
+    aux_loss: torch.Tensor | None = None
+    """Auxiliary losses the model produced (MoE load balancing), already weighted."""
+
+    def sequence_sums(self, values: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum ``values`` (default: masked logps) per sequence: ``[num_sequences]``."""
+        import torch
+
+        values = self.logps * self.mask if values is None else values * self.mask
+        ids = self.sequence_ids.clamp(min=0).flatten()
+        out = torch.zeros(self.num_sequences, dtype=values.dtype, device=values.device)
+        return out.index_add(0, ids, (values * (self.sequence_ids >= 0)).flatten())
+
+    def sequence_token_counts(self) -> torch.Tensor:
+        """Number of label tokens per sequence: ``[num_sequences]``."""
+        return self.sequence_sums(self.mask.new_ones(self.mask.shape, dtype=self.logps.dtype))
+
+
+@dataclass
+class StepContext:
+    """Global counts of one optimizer step (all micro-batches, all data-parallel ranks).
+
+    Loss contract: each micro-batch's loss is its *contribution* to the step loss, normalised
+    by these global counts, so summing over micro-batches and ranks gives the step loss and
+    accumulation or data parallelism give the same update as one big batch. Strategies sum
+    gradients over ranks (they undo DDP's averaging). Metrics follow the same rule.
+    """
+
+    label_tokens: int
+    sequences: int
+    examples: int
+    step: int = 0
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Contributions that sum over micro-batches and ranks to the step's value."""
+
+
+@dataclass
+class ModelSource:
+    """A resolved model reference: an HF directory with config, weights and tokenizer."""
+
+    reference: str
+    directory: Path
+    config: Any
+    """``transformers.PretrainedConfig``."""
+    tokenizer: Any
+    weight_files: list[Path]
+    trust_remote_code: bool = False
+
+    @property
+    def architecture(self) -> str:
+        return self.config.model_type
+
+
+@dataclass
+class ExportModel:
+    """What exporters consume: HF-named full tensors (a lazy iterator) plus metadata."""
+
+    source: ModelSource
+    tensors: Any
+    """Callable returning an iterator of ``(hf_name, tensor)``; called once by the exporter."""
+    adapter: Any = None
+    """Optional ``(peft_config_dict, tensors_callable)`` for adapter-only exports."""
+    description: str = ""
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    metrics: dict[str, float]
+
+
+# ----------------------------------------------------------------------------- protocols
+
+
+@runtime_checkable
+class Registered(Protocol):
+    name: ClassVar[str]
+    Config: ClassVar[type]
+
+
+class ModelLoader(Registered, Protocol):
+    def accepts(self, reference: str) -> bool: ...
+
+    def load(self, reference: str, *, trust_remote_code: bool = False) -> ModelSource: ...
+
+
+class Architecture(Registered, Protocol):
+    families: ClassVar[tuple[str, ...]]
+
+
+class Tuner(Registered, Protocol):
+    """What trains. Works on HF modules; strategies with their own modules call ``apply_megatron``."""
+
+    def validate(self, recipe: Recipe, source: ModelSource) -> list[str]: ...
+
+    def model_load_kwargs(self) -> dict[str, Any]: ...
+
+    def apply(self, model: torch.nn.Module, source: ModelSource) -> torch.nn.Module: ...
+
+    def checkpoint_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]: ...
+
+    def load_checkpoint_state(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None: ...
+
+    def export_tensors(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+class Loss(Registered, Protocol):
+    consumes: ClassVar[Literal["logps", "scores"]]
+    needs_reference: ClassVar[bool]
+    example_kinds: ClassVar[tuple[str, ...]]
+
+    def __call__(self, out: TokenLogps, ctx: StepContext) -> LossOutput: ...
+
+
+class DatasetFormat(Registered, Protocol):
+    example_kind: ClassVar[str]
+
+    def detect(self, columns: list[str]) -> bool: ...
+
+    def encode(self, record: dict[str, Any], tokenizer: Any, template: Any) -> Example: ...
+
+
+class Engine(Protocol):
+    """A model placed by a strategy: steps, checkpoints and exports it."""
+
+    dp_rank: int
+    dp_world_size: int
+    is_main: bool
+
+    def train_step(self, micro_batches: list[dict], loss: Loss, ctx: StepContext) -> StepResult: ...
+
+    def evaluate(self, micro_batches: list[dict], loss: Loss, ctx: StepContext) -> dict[str, float]: ...
+
+    def reference_logps(self, micro_batch: dict) -> torch.Tensor: ...
+
+    def save_checkpoint(self, directory: Path) -> None: ...
+
+    def load_checkpoint(self, directory: Path) -> None: ...
+
+    def export_tensors(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]: ...
+
+    def barrier(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Strategy(Registered, Protocol):
+    def validate(self, recipe: Recipe, world_size: int) -> list[str]: ...
+
+    def build(self, source: ModelSource, tuner: Tuner, loss: Loss, recipe: Recipe) -> Engine: ...
+
+    def checkpoint_tensors(
+        self, checkpoint: Path, source: ModelSource, tuner: Tuner, recipe: Recipe
+    ) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+class Exporter(Registered, Protocol):
+    def export(self, model: ExportModel, output: Path, options: Any) -> Path: ...
+
+
+class InferenceBackend(Registered, Protocol):
+    def generate(self, model_dir: Path, prompts: list[str], options: Any) -> list[str]: ...
+
+
+class Callback(Registered, Protocol):
+    def available(self) -> bool: ...
+
+    def on_train_start(self, run: Any) -> None: ...
+
+    def on_log(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def on_train_end(self, run: Any) -> None: ...

@@ -1,0 +1,262 @@
+"""Plugin manager: entry-point discovery, isolation of broken plugins, and the registries.
+
+The rest of the code goes through :class:`Toolkit` (a typed facade) and never calls
+``pm.hook.x(...)`` itself. Built-in plugins are listed under the same ``toolkit`` entry-point
+group as third-party ones (``[project.entry-points.toolkit]`` in pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+import traceback
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+import pluggy
+
+from toolkit import __version__, hookspecs
+from toolkit.errors import PluginLoadError, RegistryError
+
+ENTRY_POINT_GROUP = "toolkit"
+
+KINDS = {
+    "model_loader": "toolkit_register_model_loaders",
+    "architecture": "toolkit_register_architectures",
+    "strategy": "toolkit_register_strategies",
+    "tuner": "toolkit_register_tuners",
+    "loss": "toolkit_register_losses",
+    "dataset_format": "toolkit_register_dataset_formats",
+    "exporter": "toolkit_register_exporters",
+    "inference_backend": "toolkit_register_inference_backends",
+    "callback": "toolkit_register_callbacks",
+}
+
+# Names the first-party plugins provide, so an unknown name can say what to install.
+FIRST_PARTY = {
+    ("strategy", "megatron"): "toolkit-megatron",
+    ("strategy", "deepspeed"): "toolkit-deepspeed",
+    ("tuner", "lora"): "toolkit-peft",
+    ("tuner", "dora"): "toolkit-peft",
+    ("tuner", "qlora"): "toolkit-peft",
+    **{("loss", n): "toolkit-dpo" for n in ("dpo", "ipo", "hinge", "kto", "simpo", "orpo", "cpo", "rm")},
+    ("dataset_format", "preference"): "toolkit-dpo",
+    ("dataset_format", "kto"): "toolkit-dpo",
+    ("exporter", "mcore"): "toolkit-megatron",
+    ("exporter", "vllm"): "toolkit-vllm",
+    ("exporter", "lmdeploy"): "toolkit-lmdeploy",
+    ("inference_backend", "vllm"): "toolkit-vllm",
+    ("inference_backend", "lmdeploy"): "toolkit-lmdeploy",
+}
+
+
+@dataclass
+class PluginInfo:
+    """One loaded (or failed) plugin, as ``toolkit plugins`` shows it."""
+
+    name: str
+    distribution: str
+    version: str
+    module: str
+    error: str | None = None
+    registered: dict[str, list[str]] = field(default_factory=dict)
+    hooks: list[str] = field(default_factory=list)
+
+
+def _env_list(name: str) -> set[str] | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    return {item.strip() for item in value.split(",") if item.strip()}
+
+
+class Registry:
+    """Registered classes of one kind, by name, remembering which plugin registered each."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._items: dict[str, type] = {}
+        self._owners: dict[str, str] = {}
+
+    def add(self, cls: type, owner: str) -> None:
+        name = getattr(cls, "name", None)
+        if not isinstance(name, str) or not name:
+            raise RegistryError(f"plugin {owner!r} registered a {self.kind} without a 'name': {cls!r}")
+        if name in self._items:
+            raise RegistryError(
+                f"{self.kind} {name!r} is registered twice: by plugin {self._owners[name]!r} "
+                f"and by plugin {owner!r}. Uninstall one of them or disable it with "
+                f"TOOLKIT_DISABLE_PLUGINS={owner}."
+            )
+        self._items[name] = cls
+        self._owners[name] = owner
+
+    def get(self, name: str) -> type:
+        if name in self._items:
+            return self._items[name]
+        installed = ", ".join(sorted(self._items)) or "none"
+        provider = FIRST_PARTY.get((self.kind, name))
+        if provider:
+            hint = f"{self.kind} {name!r} is not installed: pip install {provider}"
+        else:
+            close = difflib.get_close_matches(name, list(self._items), n=1)
+            hint = f"unknown {self.kind} {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+        raise RegistryError(f"{hint}. Installed {self.kind}s: {installed}.")
+
+    def owner(self, name: str) -> str:
+        return self._owners[name]
+
+    def names(self) -> list[str]:
+        return list(self._items)
+
+    def items(self) -> list[tuple[str, type]]:
+        return list(self._items.items())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._items
+
+
+class Toolkit:
+    """Typed facade over the pluggy manager: plugin list, registries, commands."""
+
+    def __init__(self, pm: pluggy.PluginManager, plugins: list[PluginInfo]):
+        self.pm = pm
+        self.plugins = plugins
+        self._registries: dict[str, Registry] = {}
+
+    def registry(self, kind: str) -> Registry:
+        if kind not in KINDS:
+            raise RegistryError(f"no registry kind {kind!r}; kinds: {', '.join(KINDS)}")
+        if kind not in self._registries:
+            self._registries[kind] = self._collect(kind)
+        return self._registries[kind]
+
+    def _collect(self, kind: str) -> Registry:
+        registry = Registry(kind)
+        hook = getattr(self.pm.hook, KINDS[kind])
+        by_name = {p.name: p for p in self.plugins}
+        for impl in reversed(hook.get_hookimpls()):  # registration order: first plugin first
+            owner = self.pm.get_name(impl.plugin) or "?"
+            info = by_name.get(owner)
+
+            def register(cls: type, _owner: str = owner, _info: PluginInfo | None = info) -> None:
+                registry.add(cls, _owner)
+                if _info is not None:
+                    _info.registered.setdefault(kind, []).append(cls.name)
+
+            try:
+                impl.function(register=register)
+            except RegistryError:
+                raise
+            except Exception as exc:  # a plugin's registration code is its own business
+                _report_broken(owner, info.version if info else "?", exc)
+                if info is not None:
+                    info.error = f"{type(exc).__name__}: {exc}"
+        return registry
+
+    def get(self, kind: str, name: str) -> type:
+        return self.registry(kind).get(name)
+
+    def create(self, kind: str, name: str, options: Any = None) -> Any:
+        """Instantiate a registered class with its ``Config`` (default options if ``None``)."""
+        cls = self.get(kind, name)
+        config = options if options is not None else cls.Config()
+        return cls(config)
+
+    def collect_all(self) -> None:
+        for kind in KINDS:
+            self.registry(kind)
+
+    def register_commands(self, cli: Any) -> None:
+        for impl in reversed(self.pm.hook.toolkit_register_commands.get_hookimpls()):
+            owner = self.pm.get_name(impl.plugin) or "?"
+            try:
+                impl.function(cli=cli)
+            except Exception as exc:
+                info = next((p for p in self.plugins if p.name == owner), None)
+                _report_broken(owner, info.version if info else "?", exc)
+
+    def resolve_export_source(self, path: str) -> Any:
+        return self.pm.hook.toolkit_resolve_export_source(path=path)
+
+
+def _report_broken(name: str, version: str, exc: BaseException) -> None:
+    message = f"toolkit: plugin {name} {version} failed and was skipped (core {__version__}): {type(exc).__name__}: {exc}"
+    print(message, file=sys.stderr)
+    if os.environ.get("TOOLKIT_DEBUG"):
+        traceback.print_exception(exc)
+
+
+def _entry_points() -> list[metadata.EntryPoint]:
+    return sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: (ep.value.split(".")[0] != "toolkit", ep.name))
+
+
+def build_plugin_manager(extra_plugins: list[tuple[str, object]] | None = None) -> Toolkit:
+    """Discover and load every plugin, each inside its own guard.
+
+    ``TOOLKIT_PLUGINS`` (comma-separated names) loads only those; ``TOOLKIT_DISABLE_PLUGINS``
+    skips those. ``extra_plugins`` registers in-process plugins (tests, embedding apps).
+    """
+    pm = pluggy.PluginManager("toolkit")
+    pm.add_hookspecs(hookspecs)
+    allow, block = _env_list("TOOLKIT_PLUGINS"), _env_list("TOOLKIT_DISABLE_PLUGINS") or set()
+    infos: list[PluginInfo] = []
+    candidates: list[tuple[str, str, str, Any]] = []
+    for ep in _entry_points():
+        dist = ep.dist.name if ep.dist else "?"
+        version = ep.dist.version if ep.dist else "?"
+        candidates.append((ep.name, dist, version, ep))
+    for name, obj in extra_plugins or []:
+        candidates.append((name, "(in-process)", __version__, obj))
+    for name, dist, version, target in candidates:
+        if (allow is not None and name not in allow and not name.startswith("toolkit.")) or name in block:
+            continue
+        if pm.has_plugin(name):
+            continue
+        info = PluginInfo(name=name, distribution=dist, version=version, module=getattr(target, "value", repr(target)))
+        infos.append(info)
+        try:
+            plugin = target.load() if isinstance(target, metadata.EntryPoint) else target
+            pm.register(plugin, name=name)
+            _check_hooks(pm, name, plugin)
+        except Exception as exc:
+            if pm.has_plugin(name):
+                pm.unregister(name=name)
+            info.error = f"{type(exc).__name__}: {exc}"
+            _report_broken(name, version, exc)
+            continue
+        info.hooks = sorted(h.name for h in pm.get_hookcallers(pm.get_plugin(name)) or [])
+    return Toolkit(pm, infos)
+
+
+def _check_hooks(pm: pluggy.PluginManager, name: str, plugin: object) -> None:
+    """Reject misspelled or unprefixed hook implementations (pluggy's ``check_pending``)."""
+    known = {n for n in dir(pm.hook) if n.startswith("toolkit_")}
+    for attr in dir(plugin):
+        function = getattr(plugin, attr, None)
+        marked = callable(function) and hasattr(function, "toolkit_impl")
+        if marked and attr not in known:
+            close = difflib.get_close_matches(attr, sorted(known), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise PluginLoadError(f"hook implementation {attr!r} matches no toolkit hook{hint}")
+    pm.check_pending()
+
+
+_MANAGER: Toolkit | None = None
+
+
+def get_plugin_manager() -> Toolkit:
+    """The process-wide :class:`Toolkit`, built on first use (never at import time)."""
+    global _MANAGER
+    if _MANAGER is None:
+        _MANAGER = build_plugin_manager()
+    return _MANAGER
+
+
+def set_plugin_manager(manager: Toolkit | None) -> Toolkit | None:
+    """Replace the process-wide manager (tests); returns the previous one."""
+    global _MANAGER
+    previous, _MANAGER = _MANAGER, manager
+    return previous

@@ -1,0 +1,172 @@
+"""The training recipe: shared flags as one dataclass, per-thing option sections, YAML + flag merging."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Literal
+
+from toolkit.config import build_dataclass, option, to_dict
+from toolkit.errors import ConfigError
+
+# Kinds whose registered things expose their Config as CLI flags (``--lora-rank``) and as
+# YAML sections (``lora: {rank: 16}``).
+OPTION_KINDS = ("strategy", "tuner", "loss", "dataset_format")
+
+
+@dataclasses.dataclass(kw_only=True)
+class Recipe:
+    """Everything one training run needs; ``recipe.yaml`` in the run directory is this, resolved."""
+
+    model: str = option("tiny-llama", help="HF model directory or embedded preset (tiny-llama, tiny-qwen2, ...).")
+    dataset: list[str] = option(["demo"], help="Dataset file (jsonl/json/parquet/csv) or bundled name; repeatable.")
+    dataset_format: str = option("auto", help="Record format: auto, alpaca, messages, sharegpt, text, or a plugin's.")
+    columns: dict[str, str] = option({}, help="Column remapping, 'ours=theirs' (e.g. instruction=question).")
+    output: str = option("runs/latest", help="Run directory (recipe.yaml, metrics.jsonl, checkpoints/).")
+    loss: str = option("sft", help="Training objective (pt, sft, or a plugin's: dpo, kto, ...).")
+    tuner: str = option("full", help="What trains: full, freeze, or a plugin's (lora, dora, qlora).")
+    strategy: str = option("local", help="How the model is placed: local (one process or DDP), fsdp, deepspeed, megatron, auto.")
+
+    tensor_parallel: int = option(1, help="Tensor-parallel size.", flag="--tp", aliases=("--tensor-parallel",))
+    pipeline_parallel: int = option(1, help="Pipeline-parallel size.", flag="--pp", aliases=("--pipeline-parallel",))
+    virtual_pipeline: int = option(1, help="Virtual pipeline stages per rank (interleaved 1F1B).", flag="--vpp")
+    context_parallel: int = option(1, help="Context-parallel size (long sequences).", flag="--cp")
+    expert_parallel: int = option(1, help="Expert-parallel size (MoE).", flag="--ep")
+    expert_tensor_parallel: int = option(1, help="Expert tensor-parallel size (MoE).", flag="--etp")
+    sequence_parallel: bool = option(False, help="Sequence parallelism with tensor parallelism.")
+    zero: int = option(0, help="DeepSpeed ZeRO stage (0-3) for --strategy deepspeed.")
+
+    max_steps: int = option(0, help="Optimizer steps; 0 runs --epochs over the data.")
+    epochs: float = option(1.0, help="Passes over the data when --max-steps is 0.")
+    lr: float = option(1e-4, help="Peak learning rate.")
+    min_lr_ratio: float = option(0.1, help="Final learning rate as a fraction of --lr.")
+    warmup_steps: int = option(0, help="Linear warmup steps.")
+    schedule: Literal["cosine", "linear", "constant"] = option("cosine", help="Learning-rate decay after warmup.")
+    weight_decay: float = option(0.0, help="AdamW weight decay.")
+    adam_beta1: float = option(0.9, help="AdamW beta1.")
+    adam_beta2: float = option(0.999, help="AdamW beta2.")
+    adam_eps: float = option(1e-8, help="AdamW epsilon.")
+    max_grad_norm: float = option(1.0, help="Gradient clipping norm; 0 disables clipping.")
+    micro_batch_size: int = option(1, help="Rows per micro-batch per data-parallel rank.")
+    global_batch_size: int = option(0, help="Rows per optimizer step over all ranks; 0 means micro-batch x DP.")
+    seq_len: int = option(512, help="Maximum tokens per row (longer samples are truncated).")
+    packing: bool = option(False, help="Pack several samples per row (no attention across samples).")
+    precision: Literal["fp32", "bf16", "fp16"] = option("fp32", help="Training precision (bf16 keeps fp32 master weights).")
+    gradient_checkpointing: bool = option(False, help="Recompute activations in the backward pass.")
+    seed: int = option(42, help="Seed for initialisation, shuffling and dropout.")
+    max_samples: int = option(0, help="Use at most this many records per dataset (0: all).")
+    eval_samples: int = option(0, help="Hold out this many examples for evaluation at each log step.")
+
+    save_every: int = option(0, help="Save a checkpoint every N steps (0: only at the end).")
+    keep_last: int = option(2, help="Checkpoints to keep.")
+    resume: str | None = option(None, help="'auto' (newest complete checkpoint) or a checkpoint path.")
+    overwrite: bool = option(False, help="Allow reusing an output directory that holds a different run.")
+    log_every: int = option(1, help="Log metrics every N steps.")
+    export: str | None = option(None, help="Export at the end with this exporter (hf, vllm, ...).")
+    trust_remote_code: bool = option(False, help="Allow model code from the model directory.")
+
+    options: dict[str, Any] = option({}, help="Per-plugin option sections (filled from YAML sections and --NAME-KEY flags).", flag="--no-such-flag")
+
+    def check(self) -> list[str]:
+        problems = []
+        for name in ("tensor_parallel", "pipeline_parallel", "virtual_pipeline", "context_parallel", "expert_parallel",
+                     "expert_tensor_parallel", "micro_batch_size", "seq_len", "keep_last", "log_every"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_steps", "global_batch_size", "save_every", "warmup_steps", "max_samples", "eval_samples"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must be 0 or more, got {getattr(self, name)}")
+        if self.lr <= 0:
+            problems.append(f"lr must be positive, got {self.lr}")
+        if self.zero not in (0, 1, 2, 3):
+            problems.append(f"zero must be 0, 1, 2 or 3, got {self.zero}")
+        if not self.dataset:
+            problems.append("dataset: give at least one --dataset")
+        return problems
+
+    def section(self, name: str) -> dict[str, Any]:
+        return dict(self.options.get(name, {}))
+
+    def to_yaml_dict(self) -> dict[str, Any]:
+        data = to_dict(self)
+        options = data.pop("options")
+        data.update({k: v for k, v in options.items() if v})
+        return data
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"recipe file {path} does not exist", source=str(path))
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path} is not valid YAML{where}: {getattr(exc, 'problem', exc)}", source=str(path)) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of option: value at the top level", source=str(path))
+    return data
+
+
+def resolve_recipe(values: dict[str, Any], source: str = "recipe", manager: Any = None) -> Recipe:
+    """Build a validated :class:`Recipe` from merged YAML + flag values.
+
+    Top-level keys are Recipe fields or names of registered strategies/tuners/losses/formats
+    (their option sections). Every problem is collected and raised together.
+    """
+    from toolkit.plugins import get_plugin_manager
+
+    manager = manager or get_plugin_manager()
+    problems: list[str] = []
+    recipe_fields = {f.name for f in dataclasses.fields(Recipe)}
+    sections: dict[str, dict[str, Any]] = {}
+    top: dict[str, Any] = {}
+    for key, value in values.items():
+        name = key.replace("-", "_")
+        if name in recipe_fields and name != "options":
+            top[name] = value
+        elif isinstance(value, dict) and _option_owner(manager, key) is not None:
+            sections.setdefault(key, {}).update(value)
+        elif name == "options" and isinstance(value, dict):
+            for section, content in value.items():
+                sections.setdefault(section, {}).update(content or {})
+        else:
+            import difflib
+
+            close = difflib.get_close_matches(name, sorted(recipe_fields - {"options"}), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            problems.append(f"unknown key {key!r}{hint}")
+    recipe = build_dataclass(Recipe, top, source, problems)
+    for kind, attr in (("strategy", "strategy"), ("tuner", "tuner"), ("loss", "loss")):
+        name = getattr(recipe, attr)
+        if kind == "strategy" and name == "auto":
+            continue
+        if name not in manager.registry(kind):
+            try:
+                manager.registry(kind).get(name)
+            except Exception as exc:
+                problems.append(f"{attr}: {exc}")
+    options: dict[str, Any] = {}
+    for section, content in sections.items():
+        owner = _option_owner(manager, section)
+        options[section] = dataclasses.asdict(build_dataclass(owner.Config, content, f"{source}: {section}", problems))
+    recipe.options = options
+    if problems:
+        raise ConfigError(problems, source=source)
+    return recipe
+
+
+def _option_owner(manager: Any, name: str) -> type | None:
+    for kind in OPTION_KINDS:
+        registry = manager.registry(kind)
+        if name in registry:
+            return registry.get(name)
+    return None
+
+
+def thing_options(recipe: Recipe, cls: type) -> Any:
+    """The ``Config`` instance for a registered class, from the recipe's section for it."""
+    return cls.Config(**recipe.section(cls.name))
