@@ -1,0 +1,177 @@
+"""Exports: adapters merged into full-precision HF tensors, and adapter-only in PEFT's own layout."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from toolkit.errors import ToolkitError
+
+if TYPE_CHECKING:
+    import torch
+
+    from toolkit_peft.tuners import LoraConfig
+
+log = logging.getLogger("toolkit.peft")
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def _export_dtype(hf_model: torch.nn.Module, export_dtype: str) -> torch.dtype:
+    import torch
+
+    if export_dtype != "auto":
+        return getattr(torch, DTYPES[export_dtype])
+    # The embedding is never quantised, so its dtype is the model's (the compute dtype for qlora).
+    return hf_model.get_input_embeddings().weight.dtype
+
+
+def _is_quantized(weight: torch.Tensor) -> bool:
+    return type(weight).__name__ in ("Params4bit", "Int8Params")
+
+
+def _full_weight(layer: torch.nn.Module) -> torch.Tensor:
+    """The layer's weight in fp32, dequantised when bitsandbytes stores it in 4 or 8 bits."""
+    weight = layer.weight
+    if _is_quantized(weight):
+        from peft.utils.integrations import dequantize_bnb_weight
+
+        return dequantize_bnb_weight(weight, state=getattr(layer, "state", None)).float()
+    return weight.detach().float()
+
+
+def _merged_weight(layer: torch.nn.Module, adapter: str) -> torch.Tensor:
+    """Base weight + adapter update in fp32 (PEFT's merge formulas for LoRA and DoRA)."""
+    from peft.utils.other import transpose
+
+    weight = _full_weight(layer.get_base_layer())
+    if adapter not in layer.lora_A and adapter not in getattr(layer, "lora_embedding_A", {}):
+        return weight
+    delta = layer.get_delta_weight(adapter).detach().float()
+    if adapter not in layer.lora_magnitude_vector:
+        return weight + delta
+    # DoRA: W' = m / ||W + dW||_row * (W + dW), norms over the unmerged weight as in forward.
+    fan_in_fan_out = layer.fan_in_fan_out
+    combined = transpose(weight + delta, fan_in_fan_out)
+    norm = combined.norm(dim=1)
+    magnitude = layer.lora_magnitude_vector[adapter].weight.detach().float()
+    return transpose((magnitude / norm).view(-1, 1) * combined, fan_in_fan_out)
+
+
+def merged_tensors(model: torch.nn.Module, export_dtype: str = "auto") -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named tensors of ``model`` with its adapters merged in fp32, without changing the model.
+
+    A 4-bit or 8-bit (QLoRA) base cannot take the update without rounding it away, so such
+    weights are dequantised first; the result is a full-size model in the export dtype.
+    Tied parameters (``lm_head`` tied to the embedding) are yielded once, like ``named_parameters``.
+    """
+    import torch
+    from peft.tuners.lora import LoraLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    from toolkit_peft.adapters import peft_model_of, unwrap
+
+    peft_model = peft_model_of(model)
+    hf_model = unwrap(model)
+    adapter = peft_model.active_adapter
+    dtype = _export_dtype(hf_model, export_dtype)
+    seen: set[int] = set()
+    warned = False
+
+    def out(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach().to(device="cpu", dtype=dtype if tensor.is_floating_point() else tensor.dtype).contiguous()
+
+    def walk(module: torch.nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+        nonlocal warned
+        if isinstance(module, ModulesToSaveWrapper):
+            inner = module.modules_to_save[adapter] if adapter in module.modules_to_save else module.original_module
+            yield from walk(inner, prefix)
+            return
+        if isinstance(module, LoraLayer) or _is_quantized(module._parameters.get("weight")):
+            base = module.get_base_layer() if isinstance(module, LoraLayer) else module
+            if _is_quantized(base.weight) and not warned:
+                warned = True
+                log.warning(
+                    "the base model is quantised (%s); adapters cannot be merged into 4/8-bit weights without "
+                    "rounding the update away, so every quantised weight is dequantised, merged in fp32 and "
+                    "exported as %s: the export is a full-size model, not a 4-bit one",
+                    type(base.weight).__name__, str(dtype).replace("torch.", ""),
+                )
+            weight = _merged_weight(module, adapter) if isinstance(module, LoraLayer) else _full_weight(base)
+            seen.add(id(base.weight))
+            yield prefix + "weight", out(weight)
+            if getattr(base, "bias", None) is not None:
+                yield prefix + "bias", out(base.bias)
+            return
+        for name, param in module._parameters.items():
+            if param is not None and id(param) not in seen:
+                seen.add(id(param))
+                yield prefix + name, out(param)
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                yield prefix + name, out(buffer)
+        for name, child in module._modules.items():
+            if child is not None:
+                yield from walk(child, f"{prefix}{name}.")
+
+    with torch.no_grad():
+        yield from walk(hf_model, "")
+
+
+def adapter_export(model: torch.nn.Module, config: LoraConfig) -> tuple[dict[str, Any], Any]:
+    """``(adapter_config_dict, tensors_callable)``: what ``PeftModel.save_pretrained`` would write."""
+    from peft.utils import get_peft_model_state_dict
+
+    from toolkit_peft.adapters import peft_model_of, source_of
+
+    if config.init.startswith(("pissa", "olora")):
+        raise ToolkitError(
+            f"init {config.init!r} rewrites the base weights, so the adapter alone does not reproduce the model "
+            "on the original base; export the merged model instead (toolkit export RUN --to hf --merge-lora)"
+        )
+    peft_model = peft_model_of(model)
+    adapter = peft_model.active_adapter
+    peft_config = peft_model.peft_config[adapter].to_dict()
+    for key, value in peft_config.items():
+        if isinstance(value, set):
+            peft_config[key] = sorted(value)
+    source = source_of(model)
+    if source is not None:
+        peft_config["base_model_name_or_path"] = str(source.directory)
+    peft_config["inference_mode"] = True
+
+    def tensors() -> dict[str, torch.Tensor]:
+        state = get_peft_model_state_dict(peft_model, adapter_name=adapter)
+        return {name: tensor.detach().cpu().contiguous() for name, tensor in state.items()}
+
+    return peft_config, tensors
+
+
+def write_adapter(output: Path, peft_config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
+    """Write PEFT's adapter layout to ``output`` (complete or absent: written aside, then renamed)."""
+    from safetensors.torch import save_file
+
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    try:
+        save_file(tensors, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        (staging / ADAPTER_CONFIG).write_text(json.dumps(peft_config, indent=2, sort_keys=True, default=str) + "\n")
+        if output.exists():
+            for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
+                os.replace(staging / name, output / name)
+            shutil.rmtree(staging)
+        else:
+            os.replace(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return output
