@@ -55,6 +55,12 @@ def inject(model: torch.nn.Module, config: LoraConfig, *, use_dora: bool, source
     # optimizer then updates full-precision adapter weights without a separate master copy.
     peft_model = peft.get_peft_model(model, peft_lora_config(config, use_dora=use_dora), autocast_adapter_dtype=True)
     hf_model = peft_model.base_model.model
+    for module in hf_model.modules():
+        # bitsandbytes repacks 4-bit weights for a bf16 CPU kernel on the first eval forward without
+        # grad; that rounds the stored constants (exports drift) and evaluates with other numerics
+        # than training, so keep the training kernel.
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
     if config.fast_forward:
         from toolkit_peft.fast_lora import install_fast_forward
 

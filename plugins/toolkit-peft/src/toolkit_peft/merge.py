@@ -25,11 +25,17 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
-def _export_dtype(hf_model: torch.nn.Module, export_dtype: str) -> torch.dtype:
+def _export_dtype(hf_model: torch.nn.Module, export_dtype: str, source: Any) -> torch.dtype:
+    """The export dtype: as asked, else the base model's own dtype on disk, else the embedding's."""
     import torch
 
     if export_dtype != "auto":
         return getattr(torch, DTYPES[export_dtype])
+    on_disk = getattr(getattr(source, "config", None), "dtype", None)
+    if isinstance(on_disk, str) and isinstance(getattr(torch, on_disk, None), torch.dtype):
+        on_disk = getattr(torch, on_disk)
+    if isinstance(on_disk, torch.dtype) and on_disk.is_floating_point:
+        return on_disk
     # The embedding is never quantised, so its dtype is the model's (the compute dtype for qlora).
     return hf_model.get_input_embeddings().weight.dtype
 
@@ -43,6 +49,14 @@ def _full_weight(layer: torch.nn.Module) -> torch.Tensor:
     weight = layer.weight
     if _is_quantized(weight):
         from peft.utils.integrations import dequantize_bnb_weight
+
+        state = getattr(weight, "quant_state", None)
+        if getattr(state, "packing_format_for_cpu", False):
+            # bitsandbytes repacks 4-bit weights for its CPU inference kernel on the first eval
+            # forward; dequantisation needs the canonical layout back (what its state_dict does too).
+            from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+            weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, state)
 
         return dequantize_bnb_weight(weight, state=getattr(layer, "state", None)).float()
     return weight.detach().float()
@@ -77,12 +91,12 @@ def merged_tensors(model: torch.nn.Module, export_dtype: str = "auto") -> Iterat
     from peft.tuners.lora import LoraLayer
     from peft.utils import ModulesToSaveWrapper
 
-    from toolkit_peft.adapters import peft_model_of, unwrap
+    from toolkit_peft.adapters import peft_model_of, source_of, unwrap
 
     peft_model = peft_model_of(model)
     hf_model = unwrap(model)
     adapter = peft_model.active_adapter
-    dtype = _export_dtype(hf_model, export_dtype)
+    dtype = _export_dtype(hf_model, export_dtype, source_of(model))
     seen: set[int] = set()
     warned = False
 
@@ -126,8 +140,8 @@ def merged_tensors(model: torch.nn.Module, export_dtype: str = "auto") -> Iterat
         yield from walk(hf_model, "")
 
 
-def adapter_export(model: torch.nn.Module, config: LoraConfig) -> tuple[dict[str, Any], Any]:
-    """``(adapter_config_dict, tensors_callable)``: what ``PeftModel.save_pretrained`` would write."""
+def adapter_export(model: torch.nn.Module, config: LoraConfig) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """``(adapter_config_dict, tensors)``: what ``PeftModel.save_pretrained`` would write."""
     from peft.utils import get_peft_model_state_dict
 
     from toolkit_peft.adapters import peft_model_of, source_of
@@ -147,12 +161,32 @@ def adapter_export(model: torch.nn.Module, config: LoraConfig) -> tuple[dict[str
     if source is not None:
         peft_config["base_model_name_or_path"] = str(source.directory)
     peft_config["inference_mode"] = True
+    state = get_peft_model_state_dict(peft_model, adapter_name=adapter)
+    return peft_config, {name: tensor.detach().cpu().contiguous() for name, tensor in state.items()}
 
-    def tensors() -> dict[str, torch.Tensor]:
-        state = get_peft_model_state_dict(peft_model, adapter_name=adapter)
-        return {name: tensor.detach().cpu().contiguous() for name, tensor in state.items()}
 
-    return peft_config, tensors
+def adapter_from_checkpoint(tuner: Any, checkpoint: Path, source: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The adapter in a checkpoint, in PEFT's format: adapters are injected into a meta-device model
+    (no base weights are read) and the checkpoint tensors are assigned in place of the meta ones."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from toolkit_peft.adapters import unwrap
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(source.config, trust_remote_code=source.trust_remote_code)
+        model = tuner.apply(model, source)
+    state = load_file(str(checkpoint / "model.safetensors"))
+    trainable = {name for name, param in unwrap(model).named_parameters() if param.requires_grad}
+    if set(state) != trainable:
+        raise ToolkitError(
+            f"{checkpoint / 'model.safetensors'} does not hold this tuner's adapters (missing "
+            f"{sorted(trainable - set(state))[:3]}, unexpected {sorted(set(state) - trainable)[:3]}); was the run's "
+            "tuner configuration changed?"
+        )
+    unwrap(model).load_state_dict(state, strict=False, assign=True)
+    return adapter_export(model, tuner.config)
 
 
 def write_adapter(output: Path, peft_config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:

@@ -27,8 +27,11 @@ def torch_dtype(name: str) -> Any:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
-def quantization_kwargs(config: QLoraConfig) -> dict[str, Any]:
-    """``from_pretrained`` keyword arguments that load the base in 4 bits (NF4 + double quant)."""
+def quantization_kwargs(config: QLoraConfig, base_dtype: str) -> dict[str, Any]:
+    """``from_pretrained`` keyword arguments that load the base in 4 bits (NF4 + double quant).
+
+    ``base_dtype`` is the dtype of what stays unquantised (norms, embeddings, the head).
+    """
     require_bitsandbytes("qlora (4-bit base weights)")
     from transformers import BitsAndBytesConfig
 
@@ -42,21 +45,21 @@ def quantization_kwargs(config: QLoraConfig) -> dict[str, Any]:
         bnb_4bit_compute_dtype=dtype,
         llm_int8_skip_modules=keep,
     )
-    return {"quantization_config": quantization, "dtype": dtype}
+    return {"quantization_config": quantization, "dtype": torch_dtype(base_dtype)}
 
 
 def build_optimizer(name: str, params: Any, recipe: Recipe) -> Any:
     """AdamW with the recipe's hyper-parameters: torch's, or bitsandbytes' 8-bit / paged variants."""
     import torch
 
-    kwargs = {
-        "lr": recipe.lr,
-        "betas": (recipe.adam_beta1, recipe.adam_beta2),
-        "eps": recipe.adam_eps,
-        "weight_decay": recipe.weight_decay,
-    }
+    params = list(params)
+    # Same grouping as the core optimizer: no weight decay on vectors (DoRA magnitudes, biases).
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": recipe.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [group for group in groups if group["params"]]
+    kwargs = {"lr": recipe.lr, "betas": (recipe.adam_beta1, recipe.adam_beta2), "eps": recipe.adam_eps}
     if name == "adamw":
-        return torch.optim.AdamW(params, **kwargs)
+        return torch.optim.AdamW(groups, **kwargs)
     bnb = require_bitsandbytes(f"optimizer {name!r}")
     classes = {"adamw8bit": bnb.optim.AdamW8bit, "paged_adamw": bnb.optim.PagedAdamW, "paged_adamw8bit": bnb.optim.PagedAdamW8bit}
-    return classes[name](params, **kwargs)
+    return classes[name](groups, **kwargs)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -58,6 +58,11 @@ class LoraConfig:
     )
     optimizer: Literal["adamw", "adamw8bit", "paged_adamw", "paged_adamw8bit"] = option(
         "adamw", help="Optimizer for the adapters: adamw (torch), or bitsandbytes adamw8bit, paged_adamw, paged_adamw8bit."
+    )
+    base_dtype: Literal["auto", "fp32", "bf16", "fp16"] = option(
+        "auto",
+        help="dtype of the frozen base weights: auto loads them in the --precision dtype (bf16/fp16 need no fp32 "
+        "master copy of weights that never change), fp32 otherwise.",
     )
     export_dtype: Literal["auto", "fp32", "bf16", "fp16"] = option(
         "auto", help="dtype of merged exports: auto keeps the base model's dtype (the compute dtype for qlora)."
@@ -114,12 +119,15 @@ class LoraTuner:
 
     def __init__(self, config: LoraConfig | None = None):
         self.config = config or self.Config()
+        self.precision = "fp32"
+        """The recipe's --precision, recorded by :meth:`validate` (runs before the model is loaded)."""
 
     # ------------------------------------------------------------------ protocol
 
     def validate(self, recipe: Recipe, source: ModelSource) -> list[str]:
         from toolkit_peft.targets import target_problems
 
+        self.precision = getattr(recipe, "precision", "fp32")
         problems = [f"{self.name}: {p}" for p in self.config.check()]
         if self.config.optimizer != "adamw" or self.quantized:
             problems += [f"{self.name}: {p}" for p in bitsandbytes_problems(self.name)]
@@ -130,7 +138,14 @@ class LoraTuner:
         return problems
 
     def model_load_kwargs(self) -> dict[str, Any]:
-        return {}
+        from toolkit_peft.quant import torch_dtype
+
+        return {"dtype": torch_dtype(self.base_dtype())}
+
+    def base_dtype(self) -> str:
+        if self.config.base_dtype != "auto":
+            return self.config.base_dtype
+        return self.precision if self.precision in ("bf16", "fp16") else "fp32"
 
     def apply(self, model: torch.nn.Module, source: ModelSource) -> torch.nn.Module:
         from toolkit_peft.adapters import inject
@@ -154,18 +169,29 @@ class LoraTuner:
 
     # ------------------------------------------------------------------ extras
 
-    def export_adapter(self, model: torch.nn.Module) -> tuple[dict[str, Any], Any]:
-        """``(adapter_config_dict, tensors_callable)`` in PEFT's format, for ``ExportModel.adapter``."""
+    def adapter_export(self, model: torch.nn.Module) -> Callable[[], tuple[dict[str, Any], Iterable[tuple[str, torch.Tensor]]]]:
+        """For ``ExportModel.adapter``: a callable giving ``(adapter_config_dict, (name, tensor) pairs)``."""
         from toolkit_peft.merge import adapter_export
 
-        return adapter_export(model, self.config)
+        def export() -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]:
+            config, tensors = adapter_export(model, self.config)
+            return config, list(tensors.items())
+
+        return export
+
+    def adapter_from_checkpoint(self, checkpoint: Path, source: ModelSource, recipe: Recipe) -> tuple[dict[str, Any], Any]:
+        """The adapter of a training checkpoint in PEFT's format, without loading the base weights."""
+        from toolkit_peft.merge import adapter_from_checkpoint
+
+        config, tensors = adapter_from_checkpoint(self, Path(checkpoint), source)
+        return config, list(tensors.items())
 
     def save_adapter(self, model: torch.nn.Module, output: str | Path) -> Path:
         """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (PEFT/vLLM layout) to ``output``."""
-        from toolkit_peft.merge import write_adapter
+        from toolkit_peft.merge import adapter_export, write_adapter
 
-        config, tensors = self.export_adapter(model)
-        return write_adapter(Path(output), config, tensors())
+        config, tensors = adapter_export(model, self.config)
+        return write_adapter(Path(output), config, dict(tensors))
 
     @contextlib.contextmanager
     def disabled_adapters(self, model: torch.nn.Module) -> Iterator[torch.nn.Module]:
@@ -203,7 +229,7 @@ class QLoraTuner(LoraTuner):
     def model_load_kwargs(self) -> dict[str, Any]:
         from toolkit_peft.quant import quantization_kwargs
 
-        return quantization_kwargs(self.config)
+        return quantization_kwargs(self.config, self.base_dtype())
 
 
 def bitsandbytes_problems(tuner: str) -> list[str]:

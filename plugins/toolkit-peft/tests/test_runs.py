@@ -1,0 +1,118 @@
+"""End to end through the CLI: LoRA resume is bit-identical, exports reload, QLoRA trains and exports."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+COMMON = ["--model", "tiny-llama", "--micro-batch-size", "8", "--seq-len", "64", "--lr", "1e-2", "--seed", "3"]
+
+
+def toolkit(*args):
+    from toolkit.cli import build_cli
+
+    build_cli().main(args=[str(a) for a in args], prog_name="toolkit", standalone_mode=False)
+
+
+def losses(run):
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def engine_model(run, step):
+    """The adapted model exactly as the local engine builds it, with the checkpoint's adapters loaded."""
+    from toolkit.builtins.loaders import resolve_model
+    from toolkit.builtins.strategies import load_hf_model
+    from toolkit.export import load_run_recipe
+    from toolkit.plugins import get_plugin_manager
+    from toolkit.recipe import thing_options
+
+    recipe = load_run_recipe(run)
+    tuner_cls = get_plugin_manager().get("tuner", recipe.tuner)
+    tuner = tuner_cls(thing_options(recipe, tuner_cls))
+    source = resolve_model(recipe.model)
+    model = load_hf_model(source, tuner, recipe, torch.device("cpu"))
+    tuner.load_checkpoint_state(model, load_file(str(run / "checkpoints" / f"step-{step}" / "model.safetensors")))
+    return model.eval(), source, tuner
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("runs") / "lora"
+    toolkit("sft", *COMMON, "--tuner", "lora", "--lora-rank", "4", "--lora-dropout", "0.1", "--max-steps", "6",
+            "--save-every", "3", "--keep-last", "3", "--output", run)
+    return run
+
+
+def test_lora_resume_is_bit_identical(lora_run, tmp_path):
+    resumed = tmp_path / "resumed"
+    shutil.copytree(lora_run, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step-6")
+    toolkit("sft", *COMMON, "--tuner", "lora", "--lora-rank", "4", "--lora-dropout", "0.1", "--max-steps", "6",
+            "--save-every", "3", "--keep-last", "3", "--output", resumed, "--resume", "auto")
+    first, second = (load_file(str(r / "checkpoints" / "step-6" / "model.safetensors")) for r in (lora_run, resumed))
+    assert first.keys() == second.keys() and all("lora_" in name for name in first)
+    assert all(torch.equal(first[name], second[name]) for name in first)
+    step3 = load_file(str(lora_run / "checkpoints" / "step-3" / "model.safetensors"))
+    assert not all(torch.equal(first[name], step3[name]) for name in first), "steps 4-6 must change the adapters"
+    optim = [torch.load(r / "checkpoints" / "step-6" / "optimizer.pt", weights_only=True)["state"] for r in (lora_run, resumed)]
+    assert all(torch.equal(optim[0][i]["exp_avg_sq"], optim[1][i]["exp_avg_sq"]) for i in optim[0])
+
+
+def test_lora_exports_reload_with_transformers_and_peft(lora_run, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model, source, _ = engine_model(lora_run, 6)
+    ids = torch.randint(0, source.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids).logits
+        toolkit("export", lora_run, "--to", "hf", "--output", tmp_path / "merged")
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+        torch.testing.assert_close(merged(ids).logits, expected, atol=1e-5, rtol=1e-5)
+        toolkit("export", lora_run, "--to", "hf", "--adapter-only", "--output", tmp_path / "adapter")
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (tmp_path / "adapter").iterdir()}
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(source.directory), tmp_path / "adapter")
+        torch.testing.assert_close(adapted(ids).logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_qlora_trains_and_exports_dequantised(tmp_path, caplog):
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "qlora"
+    toolkit("sft", *COMMON, "--tuner", "qlora", "--qlora-rank", "8", "--qlora-compute-dtype", "fp32", "--max-steps", "8",
+            "--output", run)
+    curve = losses(run)
+    assert sum(curve[-3:]) / 3 < curve[0] - 0.5, f"QLoRA did not learn: {curve}"
+    model, source, tuner = engine_model(run, 8)
+    assert any(type(p).__name__ == "Params4bit" for p in model.parameters()), "the base must really be 4-bit"
+    ids = torch.randint(0, source.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="toolkit.peft"):
+        expected = model(ids).logits
+        toolkit("export", run, "--to", "hf", "--output", tmp_path / "merged")
+        assert "dequantised" in caplog.text and "full-size" in caplog.text
+        assert "quantization_config" not in json.loads((tmp_path / "merged" / "config.json").read_text())
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+        assert all(p.dtype == torch.float32 for p in merged.parameters())
+        torch.testing.assert_close(merged(ids).logits, expected, atol=1e-4, rtol=1e-4)
+        exported = dict(tuner.export_tensors(model))
+        model(ids)  # eval without grad: bitsandbytes would repack (and round) 4-bit weights for its CPU kernel
+        assert all(torch.equal(exported[name], tensor) for name, tensor in tuner.export_tensors(model))
+
+
+def test_qlora_without_bitsandbytes_says_what_to_install(monkeypatch, source):
+    import sys
+
+    from toolkit.errors import ToolkitError
+    from toolkit_peft.tuners import QLoraTuner
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    tuner = QLoraTuner()
+    problems = tuner.validate(None, source)
+    assert len(problems) == 1 and "pip install 'toolkit-peft[qlora]'" in problems[0]
+    with pytest.raises(ToolkitError, match="pip install"):
+        tuner.model_load_kwargs()
