@@ -45,7 +45,14 @@ def quantization_kwargs(config: QLoraConfig, base_dtype: str) -> dict[str, Any]:
         bnb_4bit_compute_dtype=dtype,
         llm_int8_skip_modules=keep,
     )
-    return {"quantization_config": quantization, "dtype": torch_dtype(base_dtype)}
+    kwargs = {"quantization_config": quantization, "dtype": torch_dtype(base_dtype)}
+    import torch
+
+    if torch.cuda.is_available():
+        # bitsandbytes quantises while loading onto the target device; a 4-bit model cannot be
+        # moved with .to() afterwards, so place it on this process's GPU (set by the strategy).
+        kwargs["device_map"] = {"": torch.cuda.current_device()}
+    return kwargs
 
 
 def build_optimizer(name: str, params: Any, recipe: Recipe) -> Any:
