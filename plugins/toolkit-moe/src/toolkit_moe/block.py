@@ -1,0 +1,160 @@
+"""The sparse MoE block that replaces transformers' own: route, permute once, grouped experts, combine.
+
+It adopts the original block's submodules (``gate``, ``experts``, ``shared_expert``,
+``shared_expert_gate``), so parameter names, shapes and checkpoints are unchanged; only the
+forward differs. Under expert parallelism ``experts`` keeps this rank's slice of the fused
+weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from toolkit_moe.experts import expert_ffn, grouped_mm_available
+from toolkit_moe.families import MoeFamily
+from toolkit_moe.parallel import ExpertGroup, expert_parallel_ffn
+from toolkit_moe.routing import Routing, route
+
+
+@dataclass
+class BlockOptions:
+    capacity_factor: float = 0.0
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    experts_backend: str = "auto"
+    """``auto`` (grouped_mm on CUDA, loop elsewhere), ``grouped_mm`` or ``loop``."""
+
+
+@dataclass
+class AuxCollector:
+    """Weighted aux/z losses and routing statistics of the MoE layers in one forward pass.
+
+    ``pop()`` returns ``(loss, metrics)``: ``loss`` is ``aux_coef * mean_layers(aux) + z_coef *
+    mean_layers(z)`` for the last forward (``None`` before any), ``metrics`` detached tensors.
+    """
+
+    losses: list[torch.Tensor] = field(default_factory=list)
+    stats: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
+    def clear(self, *_: Any) -> None:
+        self.losses.clear()
+        self.stats.clear()
+
+    def record(self, loss: torch.Tensor, stats: dict[str, torch.Tensor]) -> None:
+        self.losses.append(loss)
+        self.stats.append(stats)
+
+    def pop(self) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        if not self.losses:
+            return None, {}
+        layers = len(self.losses)
+        loss = torch.stack(self.losses).sum() / layers
+        metrics = {key: torch.stack([s[key] for s in self.stats]).float().mean() for key in ("moe_aux_loss", "moe_z_loss")}
+        routed = torch.stack([s["routed"] for s in self.stats]).sum()
+        dropped = torch.stack([s["dropped"] for s in self.stats]).sum()
+        metrics["moe_dropped_fraction"] = dropped.float() / routed.clamp(min=1).float()
+        metrics["moe_dropped_tokens"] = dropped.float()
+        metrics["moe_max_load"] = torch.stack([s["max_load"] for s in self.stats]).float().max()
+        self.clear()
+        return loss, metrics
+
+
+class MoeBlock(nn.Module):
+    """Drop-in replacement of an HF sparse MoE block (Qwen2-MoE, Qwen3-MoE, Mixtral)."""
+
+    def __init__(self, original: nn.Module, family: MoeFamily, config: Any, options: BlockOptions,
+                 expert_group: ExpertGroup | None = None, collector: AuxCollector | None = None):
+        super().__init__()
+        self.family = family
+        self.num_experts = family.num_experts(config)
+        self.top_k = family.top_k(config)
+        self.normalize = family.normalize(config)
+        self.jitter = family.jitter(config)
+        self.options = options
+        self.expert_group = expert_group
+        self.collector = collector
+        self.gate = original.gate
+        self.experts = original.experts
+        if family.shared_expert:
+            self.shared_expert = original.shared_expert
+            self.shared_expert_gate = original.shared_expert_gate
+        if expert_group is not None:
+            self._keep_local_experts(expert_group)
+
+    def _keep_local_experts(self, group: ExpertGroup) -> None:
+        if self.num_experts % group.size:
+            from toolkit.errors import LayoutError
+
+            raise LayoutError(f"{self.num_experts} experts cannot be split over --ep {group.size} ranks: "
+                              f"choose an expert-parallel size that divides {self.num_experts}")
+        local = group.local_slice(self.num_experts)
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(self.experts, name)
+            param = nn.Parameter(full.data[local].clone(), requires_grad=full.requires_grad)
+            param.toolkit_expert_parallel = True  # strategies must not average it over data parallel
+            param.allreduce = False  # DeepSpeed's marker for expert parameters
+            setattr(self.experts, name, param)
+
+    def _use_grouped_mm(self, rows: torch.Tensor) -> bool:
+        backend = self.options.experts_backend
+        if backend == "loop":
+            return False
+        if backend == "grouped_mm":
+            return True
+        return grouped_mm_available(rows.device, self.experts.gate_up_proj.dtype)
+
+    def local_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """This rank's experts over expert-major ``rows``; ``counts`` rows per local expert."""
+        return expert_ffn(rows, counts, self.experts.gate_up_proj, self.experts.down_proj, self.experts.act_fn,
+                          use_grouped_mm=self._use_grouped_mm(rows))
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        tokens = hidden_states.reshape(-1, shape[-1])
+        if self.training and self.jitter > 0:
+            tokens = tokens * torch.empty_like(tokens).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
+        logits = F.linear(tokens, self.gate.weight)
+        routing = route(logits, self.top_k, normalize=self.normalize,
+                        capacity_factor=self.options.capacity_factor if self.training else 0.0,
+                        weight_dtype=tokens.dtype)
+        rows = tokens[routing.order // self.top_k]
+        if self.expert_group is None:
+            expert_out = self.local_experts(rows, routing.kept_per_expert)
+        else:
+            expert_out = expert_parallel_ffn(rows, routing.kept_per_expert, self.local_experts, self.expert_group)
+        out = self._combine(expert_out, routing, tokens.shape[0])
+        if self.family.shared_expert:
+            out = out + torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
+        if self.training and self.collector is not None:
+            self._record(routing)
+        return out.reshape(shape).to(hidden_states.dtype)
+
+    def _combine(self, expert_out: torch.Tensor, routing: Routing, num_tokens: int) -> torch.Tensor:
+        """Un-permute with one gather and sum the k slots weighted by the router in one bmm."""
+        order = routing.order
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        per_slot = expert_out[inverse].view(num_tokens, self.top_k, -1)
+        weights = routing.weights.to(per_slot.dtype).unsqueeze(1)
+        return torch.bmm(weights, per_slot).squeeze(1)
+
+    def _record(self, routing: Routing) -> None:
+        loss = self.options.aux_loss_coef * routing.aux_loss + self.options.z_loss_coef * routing.z_loss
+        counts = routing.tokens_per_expert
+        self.collector.record(loss, {
+            "moe_aux_loss": routing.aux_loss.detach(),
+            "moe_z_loss": routing.z_loss.detach(),
+            "routed": counts.sum(),
+            "dropped": routing.dropped,
+            "max_load": counts.max().float() * self.num_experts / counts.sum().clamp(min=1).float(),
+        })
+
+    def extra_repr(self) -> str:
+        ep = f", expert_parallel={self.expert_group.size}" if self.expert_group else ""
+        return (f"family={self.family.model_type}, experts={self.num_experts}, top_k={self.top_k}, "
+                f"normalize={self.normalize}, capacity_factor={self.options.capacity_factor}{ep}")
