@@ -1,0 +1,116 @@
+"""EP2 equals EP1: two gloo processes, experts split over ranks, same outputs and gradients."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import tiny_config  # noqa: E402
+
+WORLD = 2
+
+
+def _block(family: str):
+    import transformers
+
+    from toolkit_moe.families import FAMILIES
+
+    config = tiny_config(family)
+    module = transformers.AutoModelForCausalLM.from_config(config).float()
+    torch.manual_seed(0)
+    for p in module.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    block = next(m for m in module.modules() if type(m).__name__ == FAMILIES[family].block_class)
+    return block, config
+
+
+def _run(block, x, probe):
+    block.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_(True)
+    out = block(x)
+    aux, _ = block.collector.pop()
+    ((out * probe).sum() + aux).backward()
+    return out.detach(), x.grad, {n: p.grad.clone() for n, p in block.named_parameters()}
+
+
+CASES = [("qwen3_moe", 0.0), ("qwen2_moe", 1.0), ("mixtral", 0.75)]
+
+
+def _check_case(rank: int, family: str, capacity_factor: float, group) -> None:
+    from toolkit_moe.block import AuxCollector, BlockOptions, MoeBlock
+    from toolkit_moe.families import FAMILIES
+
+    hf_block, config = _block(family)
+    options = BlockOptions(capacity_factor=capacity_factor, aux_loss_coef=0.1, z_loss_coef=0.01, experts_backend="loop")
+    family_facts = FAMILIES[family]
+    ep1 = MoeBlock(copy.deepcopy(hf_block), family_facts, config, options, None, AuxCollector()).train()
+    ep2 = MoeBlock(copy.deepcopy(hf_block), family_facts, config, options, group, AuxCollector()).train()
+    # Rank r's tokens; rank 1 gets a different number of tokens so the splits are uneven.
+    inputs = [torch.randn(2, 6 + 3 * r, config.hidden_size, generator=torch.Generator().manual_seed(10 + r)) for r in range(WORLD)]
+    probes = [torch.randn(x.shape, generator=torch.Generator().manual_seed(20 + r)) for r, x in enumerate(inputs)]
+    references = [_run(ep1, inputs[r], probes[r]) for r in range(WORLD)]
+    out, x_grad, grads = _run(ep2, inputs[rank], probes[rank])
+
+    ref_out, ref_x_grad, ref_grads = references[rank]
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x_grad, ref_x_grad, rtol=1e-5, atol=1e-6)
+    local = ep2.expert_group.local_slice(ep1.num_experts)
+    for name, grad in grads.items():
+        if name.startswith("experts."):
+            # Expert weights serve every rank's tokens: their gradient is the sum over ranks.
+            expected = sum(ref[2][name] for ref in references)[local]
+        else:
+            expected = ref_grads[name]
+        torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    assert grads["experts.gate_up_proj"].shape[0] == ep1.num_experts // WORLD
+
+
+def _worker(rank: int, init_file: str, result_dir: str) -> None:
+    code = 0
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+        from toolkit_moe.parallel import new_expert_groups
+
+        group = new_expert_groups(WORLD)
+        for family, capacity_factor in CASES:
+            try:
+                _check_case(rank, family, capacity_factor, group)
+            except AssertionError as exc:
+                raise AssertionError(f"{family}, capacity_factor={capacity_factor}: {exc}") from exc
+        dist.barrier()
+        Path(result_dir, f"ok-{rank}").write_text("ok")
+    except Exception:
+        Path(result_dir, f"error-{rank}").write_text(traceback.format_exc())
+        code = 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+@pytest.mark.slow
+def test_ep2_equals_ep1() -> None:
+    """Each family (Qwen3 no drops, Qwen2 with shared expert and drops, Mixtral with drops)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        context = mp.get_context("spawn")
+        procs = [context.Process(target=_worker, args=(r, init_file, tmp)) for r in range(WORLD)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=120)
+        errors = [Path(tmp, f"error-{r}").read_text() for r in range(WORLD) if Path(tmp, f"error-{r}").exists()]
+        assert not errors, "\n".join(errors)
+        assert all(Path(tmp, f"ok-{r}").exists() for r in range(WORLD)), [p.exitcode for p in procs]
