@@ -71,7 +71,7 @@ def _check_case(rank: int, family: str, capacity_factor: float, group) -> None:
             expected = sum(ref[2][name] for ref in references)[local]
         else:
             expected = ref_grads[name]
-        torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
     assert grads["experts.gate_up_proj"].shape[0] == ep1.num_experts // WORLD
 
 

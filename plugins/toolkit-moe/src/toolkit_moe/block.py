@@ -1,4 +1,4 @@
-"""The sparse MoE block that replaces transformers' own: route, permute once, grouped experts, combine.
+"""The sparse MoE block that replaces transformers' own: route, permute once, grouped experts, reduce.
 
 It adopts the original block's submodules (``gate``, ``experts``, ``shared_expert``,
 ``shared_expert_gate``), so parameter names, shapes and checkpoints are unchanged; only the
@@ -18,6 +18,7 @@ from torch import nn
 from toolkit_moe.experts import expert_ffn, grouped_mm_available
 from toolkit_moe.families import MoeFamily
 from toolkit_moe.parallel import ExpertGroup, expert_parallel_ffn
+from toolkit_moe.permute import inverse_permutation, reduce_rows, replicate_rows
 from toolkit_moe.routing import Routing, route
 
 
@@ -108,9 +109,9 @@ class MoeBlock(nn.Module):
             return True
         return grouped_mm_available(rows.device, self.experts.gate_up_proj.dtype)
 
-    def local_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def local_experts(self, rows: torch.Tensor, row_weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """This rank's experts over expert-major ``rows``; ``counts`` rows per local expert."""
-        return expert_ffn(rows, counts, self.experts.gate_up_proj, self.experts.down_proj, self.experts.act_fn,
+        return expert_ffn(rows, row_weights, counts, self.experts.gate_up_proj, self.experts.down_proj, self.experts.act_fn,
                           use_grouped_mm=self._use_grouped_mm(rows))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -122,26 +123,20 @@ class MoeBlock(nn.Module):
         routing = route(logits, self.top_k, normalize=self.normalize,
                         capacity_factor=self.options.capacity_factor if self.training else 0.0,
                         weight_dtype=tokens.dtype)
-        rows = tokens[routing.order // self.top_k]
+        order = routing.order
+        inverse = inverse_permutation(order)
+        rows = replicate_rows(tokens, order, inverse, self.top_k)
+        row_weights = routing.weights.reshape(-1, 1)[order]
         if self.expert_group is None:
-            expert_out = self.local_experts(rows, routing.kept_per_expert)
+            expert_out = self.local_experts(rows, row_weights, routing.kept_per_expert)
         else:
-            expert_out = expert_parallel_ffn(rows, routing.kept_per_expert, self.local_experts, self.expert_group)
-        out = self._combine(expert_out, routing, tokens.shape[0])
+            expert_out = expert_parallel_ffn(rows, row_weights, routing.kept_per_expert, self.local_experts, self.expert_group)
+        out = reduce_rows(expert_out, order, inverse, self.top_k).to(tokens.dtype)
         if self.family.shared_expert:
             out = out + torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
         if self.training and self.collector is not None:
             self._record(routing)
         return out.reshape(shape).to(hidden_states.dtype)
-
-    def _combine(self, expert_out: torch.Tensor, routing: Routing, num_tokens: int) -> torch.Tensor:
-        """Un-permute with one gather and sum the k slots weighted by the router in one bmm."""
-        order = routing.order
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        per_slot = expert_out[inverse].view(num_tokens, self.top_k, -1)
-        weights = routing.weights.to(per_slot.dtype).unsqueeze(1)
-        return torch.bmm(weights, per_slot).squeeze(1)
 
     def _record(self, routing: Routing) -> None:
         loss = self.options.aux_loss_coef * routing.aux_loss + self.options.z_loss_coef * routing.z_loss

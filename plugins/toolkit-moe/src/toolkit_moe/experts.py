@@ -11,6 +11,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from toolkit_moe.permute import weighted_swiglu
+
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
@@ -46,13 +48,26 @@ def _spans(counts: list[int]) -> list[tuple[int, int]]:
     return spans
 
 
-def swiglu(gate_up: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def compute_dtype(rows: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The autocast dtype when autocast is on (fp32 master weights, bf16 maths), else the weights'."""
+    device_type = rows.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return weight.dtype
+
+
+def activate(gate_up: torch.Tensor, row_weights: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``act(gate) * up * router_weight``; SiLU (every supported family) takes the fused path."""
+    row_weights = row_weights.to(gate_up.dtype)
+    if isinstance(act, torch.nn.SiLU):
+        return weighted_swiglu(gate_up, row_weights)
     gate, up = gate_up.chunk(2, dim=-1)
-    return act(gate) * up
+    return act(gate) * up * row_weights
 
 
 def expert_ffn(
     rows: torch.Tensor,
+    row_weights: torch.Tensor,
     counts: torch.Tensor,
     gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
@@ -60,18 +75,21 @@ def expert_ffn(
     *,
     use_grouped_mm: bool,
 ) -> torch.Tensor:
-    """SwiGLU experts over expert-major ``rows`` ``[M, H]``; ``counts`` ``[E]`` rows per expert.
+    """Weighted SwiGLU experts over expert-major ``rows`` ``[M, H]``; ``counts`` ``[E]`` rows per expert.
 
-    Rows after ``sum(counts)`` belong to no expert (dropped): the grouped path lets the last
-    expert compute them (their combine weight is zero; no host sync needed to cut them off),
-    the loop path returns zeros for them.
+    ``row_weights`` ``[M, 1]`` are the router weights of the rows, applied before the down
+    projection (on ``I`` rather than ``H`` columns). Rows after ``sum(counts)`` belong to no
+    expert (dropped, weight zero): the grouped path lets the last expert compute them (no host
+    sync to cut them off), the loop path returns zeros for them.
     """
-    if use_grouped_mm:
-        offsets = torch.cumsum(counts, 0).to(torch.int32)
-        offsets[-1] = rows.shape[0]
-        rows = rows.to(gate_up_proj.dtype)
-        hidden = swiglu(grouped_linear(rows, gate_up_proj, offsets), act)
-        return grouped_linear(hidden, down_proj, offsets)
-    host_counts = counts.tolist()
-    hidden = swiglu(loop_linear(rows, gate_up_proj, host_counts), act)
-    return loop_linear(hidden, down_proj, host_counts)
+    dtype = compute_dtype(rows, gate_up_proj)
+    rows, gate_up_proj, down_proj = rows.to(dtype), gate_up_proj.to(dtype), down_proj.to(dtype)
+    with torch.autocast(rows.device.type, enabled=False):
+        if use_grouped_mm:
+            offsets = torch.cumsum(counts, 0).to(torch.int32)
+            offsets[-1] = rows.shape[0]
+            hidden = activate(grouped_linear(rows, gate_up_proj, offsets), row_weights, act)
+            return grouped_linear(hidden, down_proj, offsets)
+        host_counts = counts.tolist()
+        hidden = activate(loop_linear(rows, gate_up_proj, host_counts), row_weights, act)
+        return loop_linear(hidden, down_proj, host_counts)

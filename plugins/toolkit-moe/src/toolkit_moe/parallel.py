@@ -68,13 +68,15 @@ def all_to_all(rows: torch.Tensor, output_splits: list[int], input_splits: list[
 
 def expert_parallel_ffn(
     rows: torch.Tensor,
+    row_weights: torch.Tensor,
     kept_per_expert: torch.Tensor,
-    local_ffn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    local_ffn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     ep: ExpertGroup,
 ) -> torch.Tensor:
     """Run expert-major ``rows`` ``[M, H]`` (global expert order, kept rows first) on their owners.
 
-    ``local_ffn(rows, counts)`` computes this rank's experts on expert-major rows. Returns
+    ``row_weights`` ``[M, 1]`` (router weights) travel with the rows.
+    ``local_ffn(rows, row_weights, counts)`` computes this rank's experts on expert-major rows. Returns
     ``[M, H]`` results in the order of ``rows``; rows beyond the kept ones come back as zeros.
     """
     num_experts = kept_per_expert.numel()
@@ -87,11 +89,12 @@ def expert_parallel_ffn(
     sent = sum(input_splits)
 
     received = all_to_all(rows[:sent], output_splits, input_splits, ep.group)
+    received_weights = all_to_all(row_weights[:sent], output_splits, input_splits, ep.group)
     # Received rows are source-major then expert; the grouped matmul needs expert-major.
     segment_expert = torch.arange(per_rank, device=rows.device).repeat(ep.size)
     expert_of_row = torch.repeat_interleave(segment_expert, recv_counts.view(-1), output_size=received.shape[0])
     to_expert_major = torch.argsort(expert_of_row, stable=True)
-    local_out = local_ffn(received[to_expert_major], recv_counts.sum(0))
+    local_out = local_ffn(received[to_expert_major], received_weights[to_expert_major], recv_counts.sum(0))
     back = torch.empty_like(to_expert_major)
     back[to_expert_major] = torch.arange(to_expert_major.numel(), device=rows.device)
     returned = all_to_all(local_out[back], input_splits, output_splits, ep.group)
