@@ -108,7 +108,6 @@ def test_model_aux_loss_is_added_and_cleared_per_forward() -> None:
 
 def test_unknown_family_is_a_clear_error() -> None:
     import transformers
-
     from toolkit.errors import ModelError
     from toolkit_moe.patch import patch_moe_blocks
 
@@ -116,3 +115,19 @@ def test_unknown_family_is_a_clear_error() -> None:
                                       num_attention_heads=2, num_key_value_heads=1)
     with pytest.raises(ModelError, match="llama"):
         patch_moe_blocks(transformers.AutoModelForCausalLM.from_config(config))
+
+
+def test_fused_weighted_swiglu_and_permutation_gradients_match_autograd() -> None:
+    from toolkit_moe.permute import inverse_permutation, reduce_rows, replicate_rows, weighted_swiglu
+
+    gen = torch.Generator().manual_seed(5)
+    gate_up = torch.randn(11, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    weight = torch.rand(11, 1, dtype=torch.float64, generator=gen, requires_grad=True)
+    assert torch.autograd.gradcheck(weighted_swiglu, (gate_up, weight))
+    tokens = torch.randn(5, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    order = torch.randperm(10, generator=gen)
+    inverse = inverse_permutation(order)
+    assert torch.autograd.gradcheck(lambda t: replicate_rows(t, order, inverse, 2), (tokens,))
+    rows = torch.randn(10, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda r: reduce_rows(r, order, inverse, 2), (rows,))
+    torch.testing.assert_close(replicate_rows(tokens, order, inverse, 2), tokens[order // 2])

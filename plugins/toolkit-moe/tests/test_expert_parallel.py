@@ -22,7 +22,6 @@ WORLD = 2
 
 def _block(family: str):
     import transformers
-
     from toolkit_moe.families import FAMILIES
 
     config = tiny_config(family)

@@ -48,6 +48,7 @@ class MoeArchitecture:
     def patch(self, model: Any, source: Any = None) -> int:
         """Patch ``model`` according to ``self.config``; returns the number of replaced blocks."""
         from toolkit.errors import ConfigError
+
         from toolkit_moe.patch import patch_moe_blocks
 
         if self.config.expert_parallel > 1:

@@ -6,6 +6,7 @@ Weights keep the transformers 5.x fused layout (``gate_up_proj [E, 2I, H]``, ``d
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -16,11 +17,16 @@ from toolkit_moe.permute import weighted_swiglu
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
     """torch's grouped GEMM kernels: CUDA sm80+ (bf16 is the fast path); CPU uses the loop."""
     if _GROUPED_MM is None or device.type != "cuda":
         return False
-    return torch.cuda.get_device_capability(device) >= (8, 0) and dtype in (torch.bfloat16, torch.float16, torch.float32)
+    return _capability(device.index) >= (8, 0) and dtype in (torch.bfloat16, torch.float16, torch.float32)
 
 
 def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -59,7 +65,7 @@ def compute_dtype(rows: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 def activate(gate_up: torch.Tensor, row_weights: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``act(gate) * up * router_weight``; SiLU (every supported family) takes the fused path."""
     row_weights = row_weights.to(gate_up.dtype)
-    if isinstance(act, torch.nn.SiLU):
+    if isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation":
         return weighted_swiglu(gate_up, row_weights)
     gate, up = gate_up.chunk(2, dim=-1)
     return act(gate) * up * row_weights

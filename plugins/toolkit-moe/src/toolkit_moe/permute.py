@@ -7,6 +7,9 @@ scatter-add with a sort on CUDA; here each backward is the other direction's gat
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
 
 
@@ -73,14 +76,25 @@ _KERNELS: dict[str, object] = {}
 
 
 def _kernel(name: str, fn, device: torch.device):
-    """``fn`` compiled into one fused kernel on CUDA when torch.compile works; eager otherwise."""
-    if device.type != "cuda":
+    """``fn`` compiled into one fused kernel on CUDA; eager elsewhere, with TOOLKIT_MOE_COMPILE=0,
+    or for good once compiling fails (compilation is lazy, so the first call is guarded)."""
+    if device.type != "cuda" or os.environ.get("TOOLKIT_MOE_COMPILE", "1") == "0":
         return fn
     if name not in _KERNELS:
-        try:
-            _KERNELS[name] = torch.compile(fn, dynamic=True)
-        except Exception:  # noqa: BLE001 - compile is an optimisation only
-            _KERNELS[name] = fn
+        compiled = torch.compile(fn, dynamic=True)
+
+        def first_call(*args):
+            try:
+                out = compiled(*args)
+                _KERNELS[name] = compiled
+            except Exception as exc:  # noqa: BLE001 - compilation is an optimisation only
+                warnings.warn(f"toolkit-moe: torch.compile of {name} failed ({type(exc).__name__}: {exc}); using eager ops",
+                              stacklevel=2)
+                _KERNELS[name] = fn
+                out = fn(*args)
+            return out
+
+        _KERNELS[name] = first_call
     return _KERNELS[name]
 
 
