@@ -174,6 +174,8 @@ class Toolkit:
             owner = self.pm.get_name(impl.plugin) or "?"
             try:
                 impl.function(cli=cli)
+            except RegistryError as exc:  # e.g. a duplicate name: both plugins are named in it
+                print(f"toolkit: {exc}", file=sys.stderr)
             except Exception as exc:
                 info = next((p for p in self.plugins if p.name == owner), None)
                 _report_broken(owner, info.version if info else "?", exc)
@@ -211,7 +213,9 @@ def build_plugin_manager(extra_plugins: list[tuple[str, object]] | None = None) 
     for name, obj in extra_plugins or []:
         candidates.append((name, "(in-process)", __version__, obj))
     for name, dist, version, target in candidates:
-        if (allow is not None and name not in allow and not name.startswith("toolkit.")) or name in block:
+        in_process = not isinstance(target, metadata.EntryPoint)
+        allowed = allow is None or name in allow or name.startswith("toolkit.") or in_process
+        if not allowed or name in block:
             continue
         if pm.has_plugin(name):
             continue

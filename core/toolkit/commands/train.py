@@ -7,6 +7,7 @@ every registered strategy, tuner, loss and dataset format (``--lora-rank``, ``--
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from typing import Any, Literal, get_args, get_origin
 
@@ -19,7 +20,7 @@ from toolkit.recipe import OPTION_KINDS, Recipe
 def _click_type(tp: Any) -> tuple[Any, bool]:
     """(click type, is_list) for a dataclass field type."""
     origin = get_origin(tp)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType")):
+    if origin in (typing.Union, types.UnionType):
         args = [a for a in get_args(tp) if a is not type(None)]
         return _click_type(args[0]) if len(args) == 1 else (str, False)
     if origin is Literal:
@@ -47,14 +48,29 @@ def _options_for(cls: type, prefix: str | None, dest_prefix: str) -> list[click.
             negative = "--no-" + flag[2:]
             options.append(click.Option([f"{flag}/{negative}", dest], default=None, help=help_text))
         elif is_list:
-            help_text += " (repeatable" + (", KEY=VALUE)" if get_origin(tp) is dict else ")")
-            options.append(click.Option([*names, dest], type=ctype, multiple=True, default=None, help=help_text))
+            is_dict = get_origin(tp) is dict
+            help_text += " (repeatable" + (", KEY=VALUE)" if is_dict else ")")
+            options.append(click.Option([*names, dest], type=ctype, multiple=True, default=None, help=help_text,
+                                        callback=_key_value_pairs if is_dict else None))
         else:
             default = field.default if field.default is not dataclasses.MISSING else None
             show = f" [default: {default}]" if default not in (None, "") else ""
             options.append(click.Option([*names, dest], type=ctype, default=None, help=help_text + show,
                                         metavar=describe_type(tp).upper() if ctype in (int, float, str) else None))
     return options
+
+
+def _key_value_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...] | None) -> dict[str, str] | None:
+    """``--columns instruction=question`` (repeatable) -> ``{"instruction": "question"}``."""
+    if not value:
+        return None
+    pairs = {}
+    for item in value:
+        key, sep, val = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}")
+        pairs[key] = val
+    return pairs
 
 
 def _collect_values(params: dict[str, Any], manager: Any) -> dict[str, Any]:
@@ -66,14 +82,6 @@ def _collect_values(params: dict[str, Any], manager: Any) -> dict[str, Any]:
         if key.startswith("opt__"):
             _, section, name = key.split("__", 2)
             values.setdefault(section, {})[name] = list(value) if isinstance(value, tuple) else value
-        elif key == "columns":
-            pairs = {}
-            for item in value:
-                if "=" not in item:
-                    raise click.BadParameter(f"expected OURS=THEIRS, got {item!r}", param_hint="--columns")
-                ours, theirs = item.split("=", 1)
-                pairs[ours] = theirs
-            values["columns"] = pairs
         elif key in ("config", "debug"):
             continue
         else:
