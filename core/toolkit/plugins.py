@@ -65,6 +65,15 @@ class PluginInfo:
     hooks: list[str] = field(default_factory=list)
 
 
+def plural(kind: str) -> str:
+    """``loss`` -> ``losses``, ``strategy`` -> ``strategies``, ``tuner`` -> ``tuners``."""
+    if kind.endswith("s"):
+        return kind + "es"
+    if kind.endswith("y"):
+        return kind[:-1] + "ies"
+    return kind + "s"
+
+
 def _env_list(name: str) -> set[str] | None:
     value = os.environ.get(name)
     if value is None:
@@ -103,7 +112,7 @@ class Registry:
         else:
             close = difflib.get_close_matches(name, list(self._items), n=1)
             hint = f"unknown {self.kind} {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
-        raise RegistryError(f"{hint}. Installed {self.kind}s: {installed}.")
+        raise RegistryError(f"{hint}. Installed {plural(self.kind)}: {installed}.")
 
     def owner(self, name: str) -> str:
         return self._owners[name]
@@ -223,8 +232,9 @@ def build_plugin_manager(extra_plugins: list[tuple[str, object]] | None = None) 
         infos.append(info)
         try:
             plugin = target.load() if isinstance(target, metadata.EntryPoint) else target
+            _check_hooks(plugin)
             pm.register(plugin, name=name)
-            _check_hooks(pm, name, plugin)
+            pm.check_pending()
         except Exception as exc:
             if pm.has_plugin(name):
                 pm.unregister(name=name)
@@ -235,17 +245,19 @@ def build_plugin_manager(extra_plugins: list[tuple[str, object]] | None = None) 
     return Toolkit(pm, infos)
 
 
-def _check_hooks(pm: pluggy.PluginManager, name: str, plugin: object) -> None:
-    """Reject misspelled or unprefixed hook implementations (pluggy's ``check_pending``)."""
-    known = {n for n in dir(pm.hook) if n.startswith("toolkit_")}
+HOOK_NAMES = frozenset(n for n in dir(hookspecs) if n.startswith("toolkit_"))
+
+
+def _check_hooks(plugin: object) -> None:
+    """Reject misspelled or unprefixed hook implementations before registering the plugin
+    (pluggy's ``check_pending`` only catches prefixed ones, and without a suggestion)."""
     for attr in dir(plugin):
         function = getattr(plugin, attr, None)
         marked = callable(function) and hasattr(function, "toolkit_impl")
-        if marked and attr not in known:
-            close = difflib.get_close_matches(attr, sorted(known), n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
+        if marked and attr not in HOOK_NAMES:
+            close = difflib.get_close_matches(attr, sorted(HOOK_NAMES), n=1, cutoff=0.5)
+            hint = f" (did you mean {close[0]}?)" if close else f"; hooks: {', '.join(sorted(HOOK_NAMES))}"
             raise PluginLoadError(f"hook implementation {attr!r} matches no toolkit hook{hint}")
-    pm.check_pending()
 
 
 _MANAGER: Toolkit | None = None
