@@ -1,8 +1,9 @@
-"""Shared pieces of the core tests: a small in-process plugin and a stand-in for the training runner."""
+"""Core test setup (offline, few threads), a small in-process plugin and a stand-in for the training runner."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import types
 from typing import Literal
@@ -11,6 +12,10 @@ import pytest
 
 from toolkit import hookimpl
 from toolkit.config import option
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 
 class ProbeLoss:
