@@ -4,7 +4,7 @@ Installed with ``toolkit``, so every test session in that environment gets these
 
 - ``toolkit_manager(*plugins, installed=True)``: an isolated plugin manager with in-process plugins
 - ``cli_runner``: runs ``toolkit ...`` in-process exactly as the console script does
-- ``tiny_model_factory(family, **overrides)``: a tiny HF model built from a config (no hub)
+- ``tiny_model_factory(family, **overrides)``: a tiny HF model of an embedded preset (no hub)
 - ``run_distributed(target, nproc=2, args=())``: real ``torch.distributed`` (gloo) processes
 
 and helpers usable outside fixtures: :func:`run_distributed`, :func:`write_plugin_distribution`.
@@ -115,45 +115,65 @@ def cli_runner() -> CliRunner:
 
 # ----------------------------------------------------------------------------- tiny models
 
-# Shapes small enough for CPU tests yet real: GQA, head_dim 32, tied embeddings off.
-_TINY_COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                    num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=256)
-TINY_FAMILIES: dict[str, dict[str, Any]] = {
-    "llama": {},
-    "mistral": {},
-    "qwen2": {},
-    "qwen3": {},
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64),
-    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
-}
+def preset_name(family: str) -> str:
+    """``llama`` / ``qwen2_moe`` (HF ``model_type``) or ``tiny-qwen2-moe`` -> the embedded preset name."""
+    from toolkit.builtins.loaders import PRESETS
+
+    name = family if family.startswith("tiny-") else "tiny-" + family.replace("_", "-")
+    if name not in PRESETS:
+        families = ", ".join(p.removeprefix("tiny-") for p in PRESETS)
+        raise ValueError(f"no tiny model for {family!r}; families: {families}")
+    return name
 
 
-def tiny_config(family: str, **overrides: Any) -> Any:
-    """A ``transformers`` config of ``family`` (HF ``model_type``) with tiny shapes."""
-    from transformers import AutoConfig
+class TinyModels:
+    """Tiny HF models of the embedded presets (``tiny-llama``, ``tiny-qwen2-moe``, ...), built
+    from configs with fixed seeds: nothing is downloaded and every machine gets the same weights."""
 
-    if family not in TINY_FAMILIES:
-        raise ValueError(f"no tiny config for {family!r}; families: {', '.join(TINY_FAMILIES)}")
-    values = {**_TINY_COMMON, **TINY_FAMILIES[family], **overrides}
-    return AutoConfig.for_model(family, **values)
+    def __init__(self, root: Path):
+        self.root = root
 
+    def config(self, family: str = "llama", **overrides: Any) -> Any:
+        """The ``transformers`` config (``overrides`` such as ``num_hidden_layers=1``)."""
+        from toolkit.builtins.loaders import preset_config
 
-def tiny_model(family: str = "llama", seed: int = 0, **overrides: Any) -> Any:
-    """A randomly initialised tiny causal LM (fp32, eval mode) built from :func:`tiny_config`."""
-    import torch
-    from transformers import AutoModelForCausalLM
+        return preset_config(preset_name(family), **overrides)
 
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides))
-    return model.eval()
+    def __call__(self, family: str = "llama", seed: int = 0, **overrides: Any) -> Any:
+        """A randomly initialised fp32 model in eval mode."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(self.config(family, **overrides), dtype=torch.float32)
+        return model.eval()
+
+    def directory(self, family: str = "llama", seed: int = 0, **overrides: Any) -> Path:
+        """The model written as an HF directory (config, safetensors, tokenizer) under the test's tmp dir."""
+        import hashlib
+
+        from toolkit.builtins.loaders import materialize_preset
+
+        name = preset_name(family)
+        digest = hashlib.sha256(repr(sorted(overrides.items())).encode()).hexdigest()[:10]
+        return materialize_preset(name, self.root / f"{name}-{seed}-{digest}", seed=seed, **overrides)
+
+    def tokenizer(self) -> Any:
+        """The small tokenizer shipped with the core (what every preset uses)."""
+        from transformers import AutoTokenizer
+
+        from toolkit.builtins.loaders import TOKENIZER_DIR
+
+        return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
 
 
 @pytest.fixture
-def tiny_model_factory() -> Callable[..., Any]:
-    """``tiny_model_factory("qwen2", num_hidden_layers=1)`` -> a tiny HF model (seeded, no hub)."""
+def tiny_model_factory(tmp_path: Path) -> TinyModels:
+    """``tiny_model_factory("qwen2", num_hidden_layers=1)`` -> a tiny HF model; also ``.config(...)``,
+    ``.directory(...)`` (an HF dir on disk) and ``.tokenizer()``."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    return tiny_model
+    return TinyModels(tmp_path / "tiny-models")
 
 
 # ----------------------------------------------------------------------------- distributed
