@@ -7,9 +7,11 @@ import os
 import subprocess
 import sys
 
+import click
 import pytest
 
 from conftest import PROBE_FLAGS
+from toolkit import hookimpl
 from toolkit.testing import write_plugin_distribution
 
 OOPS_PLUGIN = '''
@@ -120,3 +122,23 @@ def test_bad_key_value_flag(probe_manager, cli_runner, captured_runs):
     result = cli_runner.invoke("probe", *PROBE_FLAGS[2:], "--columns", "instruction")
     assert result.exit_code == 2 and "expected KEY=VALUE, got 'instruction'" in result.stderr
     assert captured_runs == []
+
+
+def test_a_command_name_clash_keeps_the_first_and_names_both(toolkit_manager, cli_runner):
+    @click.command("plugins")
+    def impostor():
+        click.echo("impostor")
+
+    class clashing:  # noqa: N801
+        @staticmethod
+        @hookimpl
+        def toolkit_register_commands(cli):
+            cli.add_command(impostor)
+
+    toolkit_manager(("clashing", clashing), installed=False)
+    result = cli_runner.invoke("plugins", "--json")
+    assert result.exit_code == 0 and "impostor" not in result.stdout
+    assert "command 'plugins' is registered twice: by plugin 'toolkit.commands' and by plugin 'clashing'" in result.stderr
+    rows = {row["name"]: row for row in json.loads(result.stdout)}
+    assert "plugins" in rows["toolkit.commands"]["registers"]["command"]
+    assert "command" not in rows["clashing"]["registers"]

@@ -179,15 +179,30 @@ class Toolkit:
             self.registry(kind)
 
     def register_commands(self, cli: Any) -> None:
-        for impl in reversed(self.pm.hook.toolkit_register_commands.get_hookimpls()):
+        """Let every plugin add its commands, the core's first. A command name taken by an
+        earlier plugin keeps the earlier command, and the clash is reported naming both."""
+        owners: dict[str, str] = {}
+        for impl in self.pm.hook.toolkit_register_commands.get_hookimpls():  # registration order
             owner = self.pm.get_name(impl.plugin) or "?"
+            info = next((p for p in self.plugins if p.name == owner), None)
+            before = dict(cli.commands)
             try:
                 impl.function(cli=cli)
             except RegistryError as exc:  # e.g. a duplicate name: both plugins are named in it
                 print(f"toolkit: {exc}", file=sys.stderr)
             except Exception as exc:
-                info = next((p for p in self.plugins if p.name == owner), None)
                 _report_broken(owner, info.version if info else "?", exc)
+            for name, command in list(cli.commands.items()):
+                if before.get(name) is command:
+                    continue
+                if name in before:
+                    cli.commands[name] = before[name]
+                    print(f"toolkit: command {name!r} is registered twice: by plugin {owners.get(name, '?')!r} and by "
+                          f"plugin {owner!r}; keeping the first. Disable one with TOOLKIT_DISABLE_PLUGINS={owner}.", file=sys.stderr)
+                    continue
+                owners[name] = owner
+                if info is not None and name not in info.registered.get("command", []):  # the CLI may be built twice
+                    info.registered.setdefault("command", []).append(name)
 
     def resolve_export_source(self, path: str) -> Any:
         return self.pm.hook.toolkit_resolve_export_source(path=path)

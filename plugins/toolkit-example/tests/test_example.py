@@ -99,7 +99,7 @@ def test_toolkit_plugins_lists_this_plugin():
     assert result.returncode == 0, result.stderr
     (row,) = [r for r in json.loads(result.stdout) if r["name"] == "example"]
     assert (row["distribution"], row["version"], row["error"]) == ("toolkit-example", "0.1.0", None)
-    assert row["registers"] == {"loss": ["focal"]}
+    assert row["registers"] == {"loss": ["focal"], "command": ["example"]}
     assert row["hooks"] == ["toolkit_register_commands", "toolkit_register_losses"]
 
 
