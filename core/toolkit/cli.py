@@ -67,6 +67,11 @@ def main(argv: list[str] | None = None) -> None:
     except click.Abort:
         click.echo("Aborted.", err=True)
         sys.exit(130)
+    except click.UsageError as exc:  # one paragraph instead of click's usage block
+        ctx = exc.ctx
+        hint = f" See '{ctx.command_path} --help'." if ctx is not None else ""
+        click.echo(f"Error: {exc.format_message()}{hint}", err=True)
+        sys.exit(exc.exit_code)
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
