@@ -86,6 +86,18 @@ def test_the_loss_is_chosen_by_name_with_its_options(toolkit_manager):
         resolve_recipe({"loss": "focal", "focal": {"gamma": -1}}, manager=manager)
 
 
+def test_the_example_recipe_resolves(toolkit_manager):
+    from pathlib import Path
+
+    from toolkit.recipe import read_yaml
+
+    recipe_file = Path(__file__).resolve().parents[3] / "examples" / "focal.yaml"
+    if not recipe_file.is_file():
+        pytest.skip("not inside the toolkit repository")
+    recipe = resolve_recipe(read_yaml(recipe_file), source=str(recipe_file), manager=toolkit_manager())
+    assert recipe.loss == "focal" and thing_options(recipe, FocalLoss).gamma == 1.0
+
+
 def test_the_loss_is_a_training_command(toolkit_manager, cli_runner):
     toolkit_manager()
     result = cli_runner.invoke("focal", "--help")
