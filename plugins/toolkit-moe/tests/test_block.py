@@ -108,6 +108,7 @@ def test_model_aux_loss_is_added_and_cleared_per_forward() -> None:
 
 def test_unknown_family_is_a_clear_error() -> None:
     import transformers
+
     from toolkit.errors import ModelError
     from toolkit_moe.patch import patch_moe_blocks
 

@@ -1,4 +1,4 @@
-"""EP2 equals EP1: two gloo processes, experts split over ranks, same outputs and gradients."""
+"""EP2 equals EP1: two gloo processes, experts split over ranks, same outputs, gradients, grad norm, export."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ WORLD = 2
 
 def _block(family: str):
     import transformers
+
     from toolkit_moe.families import FAMILIES
 
     config = tiny_config(family)
@@ -74,6 +75,43 @@ def _check_case(rank: int, family: str, capacity_factor: float, group) -> None:
     assert grads["experts.gate_up_proj"].shape[0] == ep1.num_experts // WORLD
 
 
+def _check_model(rank: int, group) -> None:
+    """Whole model, EP2 + summed replicated grads == EP1 summed over ranks: grad norm and export."""
+    import transformers
+
+    from toolkit_moe.parallel import grad_norm
+    from toolkit_moe.patch import full_state_tensors, patch_moe_blocks
+
+    torch.manual_seed(0)
+    original = transformers.AutoModelForCausalLM.from_config(tiny_config("qwen2_moe")).float().train()
+    ids = [torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(30 + r)) for r in range(WORLD)]
+
+    def loss_of(model, batch):
+        logits = model(input_ids=batch).logits
+        return logits.square().mean() + model.toolkit_pop_aux_loss()[0]
+
+    reference = copy.deepcopy(original)
+    patch_moe_blocks(reference, experts_backend="loop", capacity_factor=1.0)
+    for batch in ids:  # gradients accumulate: the sum over ranks' batches
+        loss_of(reference, batch).backward()
+    def norm(named, experts_only=False):
+        return torch.sqrt(sum(p.grad.square().sum() for n, p in named if p.grad is not None and (".experts." in n or not experts_only)))
+
+    model = copy.deepcopy(original)
+    patch_moe_blocks(model, experts_backend="loop", capacity_factor=1.0, expert_group=group)
+    assert all(n.startswith("model.layers.") and ".mlp.experts." in n for n in model._ddp_params_and_buffers_to_ignore)
+    loss_of(model, ids[rank]).backward()
+    for p in model.parameters():  # what data parallelism does for replicated parameters
+        if p.grad is not None and not getattr(p, "toolkit_expert_parallel", False):
+            dist.all_reduce(p.grad)
+    torch.testing.assert_close(grad_norm(list(model.parameters()), group), norm(reference.named_parameters()), rtol=1e-5, atol=1e-6)
+    experts = [p for n, p in model.named_parameters() if ".experts." in n]
+    torch.testing.assert_close(grad_norm(experts, group), norm(reference.named_parameters(), experts_only=True), rtol=1e-5, atol=1e-7)
+    exported = dict(full_state_tensors(model))
+    for name, tensor in original.state_dict().items():
+        assert torch.equal(exported[name], tensor), name
+
+
 def _worker(rank: int, init_file: str, result_dir: str) -> None:
     code = 0
     try:
@@ -86,6 +124,7 @@ def _worker(rank: int, init_file: str, result_dir: str) -> None:
                 _check_case(rank, family, capacity_factor, group)
             except AssertionError as exc:
                 raise AssertionError(f"{family}, capacity_factor={capacity_factor}: {exc}") from exc
+        _check_model(rank, group)
         dist.barrier()
         Path(result_dir, f"ok-{rank}").write_text("ok")
     except Exception:

@@ -24,7 +24,6 @@ def toolkit_register_architectures(register):
 @hookimpl
 def toolkit_patch_model(model: Any, source: Any, recipe: Any) -> None:
     from toolkit.recipe import thing_options
-
     from toolkit_moe.architecture import MoeArchitecture
 
     options = thing_options(recipe, MoeArchitecture)

@@ -9,7 +9,6 @@ import dataclasses
 from typing import Any, ClassVar, Literal
 
 from toolkit.config import option
-
 from toolkit_moe.families import FAMILIES, MoeFamily
 
 
@@ -48,7 +47,6 @@ class MoeArchitecture:
     def patch(self, model: Any, source: Any = None) -> int:
         """Patch ``model`` according to ``self.config``; returns the number of replaced blocks."""
         from toolkit.errors import ConfigError
-
         from toolkit_moe.patch import patch_moe_blocks
 
         if self.config.expert_parallel > 1:

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from toolkit_moe.experts import expert_ffn, grouped_mm_available
@@ -65,6 +64,34 @@ class AuxCollector:
         return loss, metrics
 
 
+class GroupedExperts(nn.Module):
+    """The experts, adopting the HF module's fused weights (same names), run on expert-major rows.
+
+    A module of its own (rather than weights read by the block) so that wrappers which gather
+    parameters around a module's forward (DeepSpeed ZeRO-3, FSDP) see them used.
+    """
+
+    def __init__(self, original: nn.Module, backend: str):
+        super().__init__()
+        self.gate_up_proj = original.gate_up_proj
+        self.down_proj = original.down_proj
+        self.act_fn = original.act_fn
+        self.backend = backend
+
+    def _use_grouped_mm(self, rows: torch.Tensor) -> bool:
+        if self.backend in ("loop", "grouped_mm"):
+            return self.backend == "grouped_mm"
+        return grouped_mm_available(rows.device, self.gate_up_proj.dtype)
+
+    def forward(self, rows: torch.Tensor, row_weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``rows [M, H]`` expert-major, ``row_weights [M, 1]`` router weights, ``counts [E_local]``."""
+        return expert_ffn(rows, row_weights, counts, self.gate_up_proj, self.down_proj, self.act_fn,
+                          use_grouped_mm=self._use_grouped_mm(rows))
+
+    def extra_repr(self) -> str:
+        return f"experts={self.gate_up_proj.shape[0]}, backend={self.backend}"
+
+
 class MoeBlock(nn.Module):
     """Drop-in replacement of an HF sparse MoE block (Qwen2-MoE, Qwen3-MoE, Mixtral)."""
 
@@ -80,7 +107,7 @@ class MoeBlock(nn.Module):
         self.expert_group = expert_group
         self.collector = collector
         self.gate = original.gate
-        self.experts = original.experts
+        self.experts = GroupedExperts(original.experts, options.experts_backend)
         if family.shared_expert:
             self.shared_expert = original.shared_expert
             self.shared_expert_gate = original.shared_expert_gate
@@ -101,25 +128,13 @@ class MoeBlock(nn.Module):
             param.allreduce = False  # DeepSpeed's marker for expert parameters
             setattr(self.experts, name, param)
 
-    def _use_grouped_mm(self, rows: torch.Tensor) -> bool:
-        backend = self.options.experts_backend
-        if backend == "loop":
-            return False
-        if backend == "grouped_mm":
-            return True
-        return grouped_mm_available(rows.device, self.experts.gate_up_proj.dtype)
-
-    def local_experts(self, rows: torch.Tensor, row_weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """This rank's experts over expert-major ``rows``; ``counts`` rows per local expert."""
-        return expert_ffn(rows, row_weights, counts, self.experts.gate_up_proj, self.experts.down_proj, self.experts.act_fn,
-                          use_grouped_mm=self._use_grouped_mm(rows))
-
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         tokens = hidden_states.reshape(-1, shape[-1])
         if self.training and self.jitter > 0:
             tokens = tokens * torch.empty_like(tokens).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
-        logits = F.linear(tokens, self.gate.weight)
+        # Through the HF router module, so its hooks (ZeRO-3 gathering, router-logit recording) fire.
+        logits = self.gate(tokens)[0]
         routing = route(logits, self.top_k, normalize=self.normalize,
                         capacity_factor=self.options.capacity_factor if self.training else 0.0,
                         weight_dtype=tokens.dtype)
@@ -128,9 +143,9 @@ class MoeBlock(nn.Module):
         rows = replicate_rows(tokens, order, inverse, self.top_k)
         row_weights = routing.weights.reshape(-1, 1)[order]
         if self.expert_group is None:
-            expert_out = self.local_experts(rows, row_weights, routing.kept_per_expert)
+            expert_out = self.experts(rows, row_weights, routing.kept_per_expert)
         else:
-            expert_out = expert_parallel_ffn(rows, row_weights, routing.kept_per_expert, self.local_experts, self.expert_group)
+            expert_out = expert_parallel_ffn(rows, row_weights, routing.kept_per_expert, self.experts, self.expert_group)
         out = reduce_rows(expert_out, order, inverse, self.top_k).to(tokens.dtype)
         if self.family.shared_expert:
             out = out + torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)

@@ -101,3 +101,37 @@ def expert_parallel_ffn(
     if sent < rows.shape[0]:
         returned = torch.cat([returned, returned.new_zeros(rows.shape[0] - sent, returned.shape[1])])
     return returned
+
+
+def is_expert_parallel(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "toolkit_expert_parallel", False))
+
+
+def grad_norm(params: list[torch.Tensor], ep: ExpertGroup | None) -> torch.Tensor:
+    """Global L2 norm of the gradients when expert weights are split over ``ep``.
+
+    Replicated parameters count once (their gradients are equal on every rank after the
+    data-parallel reduction); expert slices differ per rank, so their squares are summed over
+    the group. Every rank gets the same value, hence clips by the same factor.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    replicated = torch.zeros((), dtype=torch.float32, device=device)
+    experts = torch.zeros((), dtype=torch.float32, device=device)
+    for p in params:
+        if p.grad is not None:
+            square = p.grad.detach().float().square().sum()
+            if is_expert_parallel(p):
+                experts = experts + square
+            else:
+                replicated = replicated + square
+    if ep is not None:
+        dist.all_reduce(experts, group=ep.group)
+    return (replicated + experts).sqrt()
+
+
+def gather_experts(local: torch.Tensor, ep: ExpertGroup) -> torch.Tensor:
+    """The full ``[E, ...]`` tensor from each rank's ``[E/P, ...]`` slice (for export)."""
+    pieces = [torch.empty_like(local) for _ in range(ep.size)]
+    dist.all_gather(pieces, local.detach().contiguous(), group=ep.group)
+    return torch.cat(pieces)

@@ -7,13 +7,15 @@ model has no routed layer) and detached routing metrics.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 from toolkit_moe.block import AuxCollector, BlockOptions, MoeBlock
 from toolkit_moe.families import FAMILIES
-from toolkit_moe.parallel import ExpertGroup
+from toolkit_moe.parallel import ExpertGroup, gather_experts
 
 
 def patch_moe_blocks(
@@ -64,6 +66,19 @@ def patch_moe_blocks(
 def expert_parameter_names(model: nn.Module) -> list[str]:
     """Names of parameters split over expert-parallel ranks (data parallelism must skip them)."""
     return [name for name, p in model.named_parameters() if getattr(p, "toolkit_expert_parallel", False)]
+
+
+def full_state_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of the whole model with expert slices gathered over their group.
+
+    Collective under expert parallelism: every rank of the group must iterate it.
+    """
+    groups = {id(block.experts): block.expert_group for block in patched_blocks(model)}
+    owners = {f"{name}.{p}": module for name, module in model.named_modules() if id(module) in groups
+              for p in ("gate_up_proj", "down_proj")}
+    for name, tensor in model.state_dict().items():
+        group = groups.get(id(owners[name])) if name in owners else None
+        yield name, gather_experts(tensor, group) if group is not None else tensor
 
 
 def patched_blocks(model: nn.Module) -> list[MoeBlock]:
