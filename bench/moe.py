@@ -42,12 +42,13 @@ def step_fn(model, variant: str, ids):
         loss = -logps.mean()
     else:
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    task_loss = loss.detach().float()
     aux_fn = getattr(model, "toolkit_pop_aux_loss", None)
     aux = aux_fn()[0] if aux_fn else None
     if aux is not None:
         loss = loss + aux
     loss.backward()
-    return loss.detach().float()
+    return task_loss
 
 
 def run_variant(variant: str, args, config, device) -> dict:
