@@ -8,7 +8,8 @@ toolkit engines' chunked label log-probs instead of full logits). ``--tiny`` run
 shape on CPU. Prints a table; writes ``$OUT/moe.json`` when ``OUT`` is set.
 
     python bench/moe.py                      # GPU, the issue-9 shape
-    python bench/moe.py --tiny               # CPU smoke run
+    python bench/moe.py --tiny               # CPU smoke run (timings on a shared CPU mean nothing)
+    python bench/moe.py --layer              # also one MoE block alone, forward + backward
 """
 
 from __future__ import annotations
@@ -91,6 +92,38 @@ def run_variant(variant: str, args, config, device) -> dict:
     return result
 
 
+def run_layer(variant: str, args, config, device) -> dict:
+    """One MoE block alone, forward + backward on ``batch * seq`` tokens (attribution of the model numbers)."""
+    import torch
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    torch.manual_seed(0)
+    block = Qwen3MoeSparseMoeBlock(config)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    block = block.to(device=device, dtype=torch.bfloat16).train()
+    if variant == "moe":
+        from toolkit_moe.block import BlockOptions, MoeBlock
+        from toolkit_moe.families import FAMILIES
+
+        block = MoeBlock(block, FAMILIES["qwen3_moe"], config, BlockOptions(capacity_factor=args.capacity_factor)).train()
+    x = torch.randn(args.batch, args.seq, config.hidden_size, device=device, dtype=torch.bfloat16, requires_grad=True)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            sync()
+            start = time.perf_counter()
+        block(x).float().square().mean().backward()
+    sync()
+    elapsed = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    return {"variant": f"layer:{variant}", "experts": "toolkit-moe" if variant == "moe" else getattr(block.experts.config, "_experts_implementation", None),
+            "tokens_per_s": args.batch * args.seq * args.steps / elapsed, "step_ms": 1000 * elapsed / args.steps,
+            "peak_gib": peak, "first_loss": float("nan"), "last_loss": float("nan")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="small shape for a CPU smoke run")
@@ -101,6 +134,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--capacity-factor", type=float, default=0.0)
+    parser.add_argument("--layer", action="store_true", help="also time one MoE block alone (hf vs toolkit-moe)")
     args = parser.parse_args()
     args.seq = args.seq or (64 if args.tiny else 4096)
     args.steps = args.steps or (2 if args.tiny else 10)
@@ -111,9 +145,11 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     config = build_config(args.tiny, args.layers)
     results = [run_variant(v.strip(), args, config, device) for v in args.variants.split(",") if v.strip()]
-    base = next((r for r in results if r["variant"] == "hf"), results[0])
+    if args.layer:
+        results += [run_layer(v, args, config, device) for v in ("hf", "moe")]
     print(f"{'variant':<13}{'experts':<13}{'tokens/s':>11}{'step ms':>9}{'peak GiB':>10}{'speed-up':>9}{'loss[0]':>10}{'loss[-1]':>10}")
     for r in results:
+        base = next((b for b in results if b["variant"] == ("layer:hf" if r["variant"].startswith("layer:") else "hf")), r)
         r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
         print(f"{r['variant']:<13}{str(r['experts']):<13}{r['tokens_per_s']:>11.0f}{r['step_ms']:>9.1f}{r['peak_gib']:>10.2f}"
               f"{r['speedup']:>9.2f}{r['first_loss']:>10.4f}{r['last_loss']:>10.4f}")

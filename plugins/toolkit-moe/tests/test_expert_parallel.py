@@ -1,4 +1,4 @@
-"""EP2 equals EP1: two gloo processes, experts split over ranks, same outputs, gradients, grad norm, export."""
+"""Two gloo processes: EP2 equals EP1 (outputs, gradients, grad norm, export); FSDP2 equals one process."""
 
 from __future__ import annotations
 
@@ -112,6 +112,38 @@ def _check_model(rank: int, group) -> None:
         assert torch.equal(exported[name], tensor), name
 
 
+def _check_fsdp(rank: int) -> None:
+    """Patched blocks under FSDP2 (fully_shard per layer): gradients equal the unsharded model's."""
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from toolkit_moe.patch import patch_moe_blocks
+
+    torch.manual_seed(0)
+    original = transformers.AutoModelForCausalLM.from_config(tiny_config("qwen3_moe")).float().train()
+    patch_moe_blocks(original, experts_backend="loop", z_loss_coef=0.01)
+    ids = [torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(40 + r)) for r in range(WORLD)]
+
+    def loss_of(model, batch):
+        return model(input_ids=batch).logits.square().mean() + model.toolkit_pop_aux_loss()[0]
+
+    reference = copy.deepcopy(original)
+    for batch in ids:
+        loss_of(reference, batch).backward()
+    sharded = copy.deepcopy(original)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for layer in sharded.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    loss_of(sharded, ids[rank]).backward()
+    expected = dict(reference.named_parameters())
+    for name, p in sharded.named_parameters():
+        # FSDP averages over ranks; the reference summed both ranks' batches
+        torch.testing.assert_close(p.grad.full_tensor() * WORLD, expected[name].grad, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, n=name: f"fsdp {n}: {m}")
+
+
 def _worker(rank: int, init_file: str, result_dir: str) -> None:
     code = 0
     try:
@@ -125,6 +157,7 @@ def _worker(rank: int, init_file: str, result_dir: str) -> None:
             except AssertionError as exc:
                 raise AssertionError(f"{family}, capacity_factor={capacity_factor}: {exc}") from exc
         _check_model(rank, group)
+        _check_fsdp(rank)
         dist.barrier()
         Path(result_dir, f"ok-{rank}").write_text("ok")
     except Exception:
@@ -139,7 +172,7 @@ def _worker(rank: int, init_file: str, result_dir: str) -> None:
 
 
 @pytest.mark.slow
-def test_ep2_equals_ep1() -> None:
+def test_ep2_equals_ep1_and_fsdp2_equals_one_process() -> None:
     """Each family (Qwen3 no drops, Qwen2 with shared expert and drops, Mixtral with drops)."""
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
