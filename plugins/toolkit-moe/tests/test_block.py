@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest import tiny_config  # noqa: E402
+from toolkit_moe.testing import tiny_config
 
 FAMILY_CASES = [
     ("qwen3_moe", {"norm_topk_prob": True}),

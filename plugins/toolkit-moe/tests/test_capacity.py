@@ -62,16 +62,12 @@ def test_route_drops_and_counts_like_brute_force(tokens, num_experts, top_k, cap
 @given(tokens=st.integers(1, 24), capacity_factor=st.sampled_from([0.3, 0.7, 1.0]), seed=st.integers(0, 2**16))
 def test_block_output_skips_exactly_the_dropped_assignments(tokens, capacity_factor, seed) -> None:
     """Output = sum over kept (token, slot) of weight * expert(token), computed one by one."""
-    import sys
-    from pathlib import Path
-
     import transformers
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    from conftest import tiny_config
     from toolkit_moe.block import BlockOptions, MoeBlock
     from toolkit_moe.families import FAMILIES
     from toolkit_moe.routing import capacity, route
+    from toolkit_moe.testing import tiny_config
 
     config = tiny_config("qwen3_moe")
     torch.manual_seed(seed)

@@ -14,8 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest import tiny_config  # noqa: E402
+from toolkit_moe.testing import tiny_config
 
 WORLD = 2
 
