@@ -3,16 +3,10 @@
 from __future__ import annotations
 
 import copy
-import os
-import sys
-import tempfile
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from toolkit_moe.testing import tiny_config
 
@@ -143,44 +137,25 @@ def _check_fsdp(rank: int) -> None:
                                    msg=lambda m, n=name: f"fsdp {n}: {m}")
 
 
-def _worker(rank: int, init_file: str, result_dir: str) -> None:
-    code = 0
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-        from toolkit_moe.parallel import new_expert_groups
+def two_process_checks() -> str:
+    """Run on each of two gloo ranks by :func:`toolkit.testing.run_distributed`."""
+    from toolkit_moe.parallel import new_expert_groups
 
-        group = new_expert_groups(WORLD)
-        for family, capacity_factor in CASES:
-            try:
-                _check_case(rank, family, capacity_factor, group)
-            except AssertionError as exc:
-                raise AssertionError(f"{family}, capacity_factor={capacity_factor}: {exc}") from exc
-        _check_model(rank, group)
-        _check_fsdp(rank)
-        dist.barrier()
-        Path(result_dir, f"ok-{rank}").write_text("ok")
-    except Exception:
-        Path(result_dir, f"error-{rank}").write_text(traceback.format_exc())
-        code = 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    rank = dist.get_rank()
+    group = new_expert_groups(WORLD)
+    for family, capacity_factor in CASES:
+        try:
+            _check_case(rank, family, capacity_factor, group)
+        except AssertionError as exc:
+            raise AssertionError(f"{family}, capacity_factor={capacity_factor}: {exc}") from exc
+    _check_model(rank, group)
+    _check_fsdp(rank)
+    return "ok"
 
 
 @pytest.mark.slow
 def test_ep2_equals_ep1_and_fsdp2_equals_one_process() -> None:
     """Each family (Qwen3 no drops, Qwen2 with shared expert and drops, Mixtral with drops)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        context = mp.get_context("spawn")
-        procs = [context.Process(target=_worker, args=(r, init_file, tmp)) for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=120)
-        errors = [Path(tmp, f"error-{r}").read_text() for r in range(WORLD) if Path(tmp, f"error-{r}").exists()]
-        assert not errors, "\n".join(errors)
-        assert all(Path(tmp, f"ok-{r}").exists() for r in range(WORLD)), [p.exitcode for p in procs]
+    from toolkit.testing import run_distributed
+
+    assert run_distributed(two_process_checks, nproc=WORLD, timeout=240) == ["ok"] * WORLD
