@@ -103,6 +103,14 @@ def _check_model(rank: int, group) -> None:
     exported = dict(full_state_tensors(model))
     for name, tensor in original.state_dict().items():
         assert torch.equal(exported[name], tensor), name
+    # a full (HF-shaped) state dict loads into the expert-parallel model: each rank keeps its slice
+    fresh = copy.deepcopy(original)
+    patch_moe_blocks(fresh, expert_group=group)
+    for p in fresh.parameters():
+        p.data.zero_()
+    fresh.load_state_dict(original.state_dict())
+    for name, tensor in fresh.state_dict().items():
+        assert torch.equal(tensor, model.state_dict()[name]), name
 
 
 def _check_fsdp(rank: int) -> None:

@@ -88,6 +88,23 @@ class GroupedExperts(nn.Module):
         return expert_ffn(rows, row_weights, counts, self.gate_up_proj, self.down_proj, self.act_fn,
                           use_grouped_mm=self._use_grouped_mm(rows))
 
+    def keep_slice(self, local: slice) -> None:
+        """Keep experts ``local`` of the full weights (expert parallelism); full state dicts still load."""
+        self.local = local
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(self, name)
+            param = nn.Parameter(full.data[local].clone(), requires_grad=full.requires_grad)
+            param.toolkit_expert_parallel = True  # strategies must not average it over data parallel
+            param.allreduce = False  # DeepSpeed's marker for expert parameters
+            setattr(self, name, param)
+        self._register_load_state_dict_pre_hook(self._slice_full_state)
+
+    def _slice_full_state(self, state_dict, prefix, *_args) -> None:
+        for name in ("gate_up_proj", "down_proj"):
+            tensor = state_dict.get(prefix + name)
+            if tensor is not None and tensor.shape[0] != getattr(self, name).shape[0]:
+                state_dict[prefix + name] = tensor[self.local]
+
     def extra_repr(self) -> str:
         return f"experts={self.gate_up_proj.shape[0]}, backend={self.backend}"
 
@@ -120,13 +137,7 @@ class MoeBlock(nn.Module):
 
             raise LayoutError(f"{self.num_experts} experts cannot be split over --ep {group.size} ranks: "
                               f"choose an expert-parallel size that divides {self.num_experts}")
-        local = group.local_slice(self.num_experts)
-        for name in ("gate_up_proj", "down_proj"):
-            full = getattr(self.experts, name)
-            param = nn.Parameter(full.data[local].clone(), requires_grad=full.requires_grad)
-            param.toolkit_expert_parallel = True  # strategies must not average it over data parallel
-            param.allreduce = False  # DeepSpeed's marker for expert parameters
-            setattr(self.experts, name, param)
+        self.experts.keep_slice(group.local_slice(self.num_experts))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
