@@ -135,7 +135,7 @@ class MoeBlock(nn.Module):
         if self.num_experts % group.size:
             from toolkit.errors import LayoutError
 
-            raise LayoutError(f"{self.num_experts} experts cannot be split over --ep {group.size} ranks: "
+            raise LayoutError(f"{self.num_experts} experts cannot be split over {group.size} expert-parallel ranks (--moe-expert-parallel): "
                               f"choose an expert-parallel size that divides {self.num_experts}")
         self.experts.keep_slice(group.local_slice(self.num_experts))
 
