@@ -35,14 +35,15 @@ def _forward_backward(model, ids, probe):
     return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("backend", ["loop", "grouped_mm"])  # torch's grouped GEMM also runs on CPU (torch >= 2.10)
 @pytest.mark.parametrize(("family", "overrides"), FAMILY_CASES)
-def test_patched_model_matches_hf(family: str, overrides: dict) -> None:
+def test_patched_model_matches_hf(family: str, overrides: dict, backend: str) -> None:
     from toolkit_moe.block import MoeBlock
     from toolkit_moe.patch import patch_moe_blocks
 
     reference = _hf_model(family, **overrides)
     ours = copy.deepcopy(reference)
-    assert patch_moe_blocks(ours, experts_backend="loop") == reference.config.num_hidden_layers
+    assert patch_moe_blocks(ours, experts_backend=backend) == reference.config.num_hidden_layers
     assert all(isinstance(layer.mlp, MoeBlock) for layer in ours.model.layers)
     assert dict(ours.state_dict()).keys() == dict(reference.state_dict()).keys()
 

@@ -59,9 +59,13 @@ def test_route_drops_and_counts_like_brute_force(tokens, num_experts, top_k, cap
 
 
 @settings(max_examples=12, deadline=None)
-@given(tokens=st.integers(1, 24), capacity_factor=st.sampled_from([0.3, 0.7, 1.0]), seed=st.integers(0, 2**16))
-def test_block_output_skips_exactly_the_dropped_assignments(tokens, capacity_factor, seed) -> None:
-    """Output = sum over kept (token, slot) of weight * expert(token), computed one by one."""
+@given(tokens=st.integers(1, 24), capacity_factor=st.sampled_from([0.3, 0.7, 1.0]), seed=st.integers(0, 2**16),
+       backend=st.sampled_from(["loop", "grouped_mm"]))
+def test_block_output_skips_exactly_the_dropped_assignments(tokens, capacity_factor, seed, backend) -> None:
+    """Output = sum over kept (token, slot) of weight * expert(token), computed one by one.
+
+    With ``grouped_mm`` the dropped rows are computed by the last expert and must still vanish.
+    """
     import transformers
 
     from toolkit_moe.block import BlockOptions, MoeBlock
@@ -74,7 +78,7 @@ def test_block_output_skips_exactly_the_dropped_assignments(tokens, capacity_fac
     hf = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(config)
     for p in hf.parameters():
         torch.nn.init.normal_(p, std=0.3)
-    block = MoeBlock(hf, FAMILIES["qwen3_moe"], config, BlockOptions(capacity_factor=capacity_factor, experts_backend="loop")).train()
+    block = MoeBlock(hf, FAMILIES["qwen3_moe"], config, BlockOptions(capacity_factor=capacity_factor, experts_backend=backend)).train()
     x = torch.randn(1, tokens, config.hidden_size, generator=torch.Generator().manual_seed(seed))
     out = block(x)[0]
 
@@ -88,3 +92,31 @@ def test_block_output_skips_exactly_the_dropped_assignments(tokens, capacity_fac
                 gate, up = (hf.experts.gate_up_proj[e] @ x[0, t]).chunk(2)
                 expected[t] += unrouted.weights[t, j] * (hf.experts.down_proj[e] @ (torch.nn.functional.silu(gate) * up))
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_mm_with_drops_has_the_gradients_of_the_loop() -> None:
+    """Dropped rows ride along in the last expert's group: they must add nothing to any gradient."""
+    import copy
+
+    import transformers
+
+    from toolkit_moe.block import BlockOptions, MoeBlock
+    from toolkit_moe.families import FAMILIES
+    from toolkit_moe.testing import tiny_config
+
+    config = tiny_config("qwen2_moe")
+    torch.manual_seed(0)
+    hf = transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock(config)
+    for p in hf.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(2, 13, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    results = []
+    for backend in ("loop", "grouped_mm"):
+        block = MoeBlock(copy.deepcopy(hf), FAMILIES["qwen2_moe"], config, BlockOptions(capacity_factor=0.5, experts_backend=backend)).train()
+        xb = x.clone().requires_grad_(True)
+        block(xb).square().sum().backward()
+        results.append((xb.grad, {n: p.grad for n, p in block.named_parameters()}))
+    (x_loop, loop), (x_grouped, grouped) = results
+    torch.testing.assert_close(x_grouped, x_loop)
+    for name in loop:
+        torch.testing.assert_close(grouped[name], loop[name], msg=lambda m, n=name: f"{n}: {m}")

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from toolkit_moe.experts import expert_ffn, grouped_mm_available
+from toolkit_moe.experts import compute_dtype, expert_ffn, grouped_mm_available
 from toolkit_moe.families import MoeFamily
 from toolkit_moe.parallel import ExpertGroup, expert_parallel_ffn
 from toolkit_moe.permute import inverse_permutation, reduce_rows, replicate_rows
@@ -81,7 +81,7 @@ class GroupedExperts(nn.Module):
     def _use_grouped_mm(self, rows: torch.Tensor) -> bool:
         if self.backend in ("loop", "grouped_mm"):
             return self.backend == "grouped_mm"
-        return grouped_mm_available(rows.device, self.gate_up_proj.dtype)
+        return grouped_mm_available(rows.device, compute_dtype(rows, self.gate_up_proj))
 
     def forward(self, rows: torch.Tensor, row_weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``rows [M, H]`` expert-major, ``row_weights [M, 1]`` router weights, ``counts [E_local]``."""

@@ -23,10 +23,10 @@ def _capability(index: int | None) -> tuple[int, int]:
 
 
 def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """torch's grouped GEMM kernels: CUDA sm80+ (bf16 is the fast path); CPU uses the loop."""
+    """torch's grouped GEMM kernels: CUDA sm80+ in bf16 (what they are built for); else the loop."""
     if _GROUPED_MM is None or device.type != "cuda":
         return False
-    return _capability(device.index) >= (8, 0) and dtype in (torch.bfloat16, torch.float16, torch.float32)
+    return _capability(device.index) >= (8, 0) and dtype == torch.bfloat16
 
 
 def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
