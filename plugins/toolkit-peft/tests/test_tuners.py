@@ -181,3 +181,22 @@ def test_bad_options_are_reported_together(source):
     problems = LoraTuner(config).validate(None, source)
     text = "\n".join(problems)
     assert "rank must be at least 1" in text and "dropout" in text and "eva" in text and "does not compile" in text
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw8bit", "paged_adamw"])
+def test_optimizer_factory_builds_the_chosen_optimizer(load_base, source, batch, name):
+    from toolkit.recipe import Recipe
+
+    recipe = Recipe(lr=1e-2, weight_decay=0.1)
+    tuner = DoraTuner(DoraTuner.Config(rank=4, init="random", optimizer=name))
+    model = tuner.apply(load_base(), source)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = tuner.optimizer_factory(params, recipe)
+    expected = {"adamw": "AdamW", "adamw8bit": "AdamW8bit", "paged_adamw": "PagedAdamW"}[name]
+    assert type(optimizer).__name__ == expected and optimizer.defaults["lr"] == 1e-2
+    decays = {id(p): g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
+    assert all(decays[id(p)] == (0.1 if p.ndim >= 2 else 0.0) for p in params)  # no decay on DoRA magnitudes
+    before = [p.detach().clone() for p in params]
+    model(batch).logits.float().logsumexp(-1).mean().backward()
+    optimizer.step()
+    assert all(not torch.equal(a, p) for a, p in zip(before, params) if p.ndim >= 2)
