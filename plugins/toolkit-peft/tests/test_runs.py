@@ -62,18 +62,29 @@ def test_lora_resume_is_bit_identical(lora_run, tmp_path):
     assert all(torch.equal(optim[0][i]["exp_avg_sq"], optim[1][i]["exp_avg_sq"]) for i in optim[0])
 
 
-def test_lora_exports_reload_with_transformers_and_peft(lora_run, tmp_path):
+@pytest.fixture(scope="module")
+def dora_qwen2_run(tmp_path_factory):
+    """DoRA on tiny-qwen2: tied embeddings and q/k/v biases."""
+    run = tmp_path_factory.mktemp("runs") / "dora-qwen2"
+    toolkit("sft", *COMMON[2:], "--model", "tiny-qwen2", "--tuner", "dora", "--dora-rank", "4", "--max-steps", "2",
+            "--output", run)
+    return run
+
+
+@pytest.mark.parametrize(("run_name", "step"), [("lora_run", 6), ("dora_qwen2_run", 2)])
+def test_exports_reload_with_transformers_and_peft(run_name, step, request, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model, source, _ = engine_model(lora_run, 6)
+    run = request.getfixturevalue(run_name)
+    model, source, _ = engine_model(run, step)
     ids = torch.randint(0, source.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = model(ids).logits
-        toolkit("export", lora_run, "--to", "hf", "--output", tmp_path / "merged")
+        toolkit("export", run, "--to", "hf", "--output", tmp_path / "merged")
         merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
         torch.testing.assert_close(merged(ids).logits, expected, atol=1e-5, rtol=1e-5)
-        toolkit("export", lora_run, "--to", "hf", "--adapter-only", "--output", tmp_path / "adapter")
+        toolkit("export", run, "--to", "hf", "--adapter-only", "--output", tmp_path / "adapter")
         assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (tmp_path / "adapter").iterdir()}
         adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(source.directory), tmp_path / "adapter")
         torch.testing.assert_close(adapted(ids).logits, expected, atol=1e-5, rtol=1e-5)
