@@ -46,6 +46,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first")
     parser.add_argument("--variants", default="hf-peft,toolkit,toolkit-peft-forward")
     parser.add_argument("--chunk-tokens", type=int, default=4096, help="local engine: tokens per log-prob chunk")
+    parser.add_argument("--profile", action="store_true", help="after timing, profile one step per variant and print the top kernels")
     args = parser.parse_args()
     args.seq_len = args.seq_len or (64 if args.tiny else 4096)
     args.batch = args.batch or (2 if args.tiny else 4)
@@ -107,7 +108,24 @@ def timed(step, args: argparse.Namespace) -> tuple[float, list[float]]:
     losses += [step() for _ in range(args.steps)]
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return time.perf_counter() - start, losses
+    seconds = time.perf_counter() - start
+    if args.profile:
+        profile(step)
+    return seconds, losses
+
+
+def profile(step) -> None:
+    """One step under torch.profiler; the 15 most expensive kernels/ops by self time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch_profile(activities=activities) as prof:
+        step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=15), file=sys.stderr, flush=True)
 
 
 def run_hf_peft(args: argparse.Namespace, model_dir: Path, batch: dict) -> dict:
