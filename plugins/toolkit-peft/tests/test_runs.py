@@ -118,10 +118,10 @@ def test_qlora_without_bitsandbytes_says_what_to_install(monkeypatch, source):
     import sys
 
     from toolkit.errors import ToolkitError
-    from toolkit_peft.tuners import QLoraTuner
+    from toolkit_peft.tuners import QLoRATuner
 
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)
-    tuner = QLoraTuner()
+    tuner = QLoRATuner()
     problems = tuner.validate(None, source)
     assert len(problems) == 1 and "pip install 'toolkit-peft[qlora]'" in problems[0]
     with pytest.raises(ToolkitError, match="pip install"):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from toolkit.errors import ConfigError
-from toolkit_peft.tuners import DoraTuner, LoraConfig, LoraTuner
+from toolkit_peft.tuners import DoRATuner, LoRAConfig, LoRATuner
 
 
 def _peft_reference(load_base, **lora_kwargs):
@@ -31,7 +31,7 @@ def _trainable(model):
     ],
 )
 def test_trainable_parameters_equal_peft(load_base, source, options, peft_kwargs):
-    model = LoraTuner(LoraConfig(**options)).apply(load_base(), source)
+    model = LoRATuner(LoRAConfig(**options)).apply(load_base(), source)
     reference = _peft_reference(load_base, **peft_kwargs)
     assert _trainable(model) == reference.get_nb_trainable_parameters()[0] > 0
     ours = {n.replace("base_model.model.", "") for n, p in reference.named_parameters() if p.requires_grad}
@@ -39,7 +39,7 @@ def test_trainable_parameters_equal_peft(load_base, source, options, peft_kwargs
 
 
 def test_dora_trainable_parameters_equal_peft(load_base, source):
-    model = DoraTuner(DoraTuner.Config(rank=4)).apply(load_base(), source)
+    model = DoRATuner(DoRATuner.Config(rank=4)).apply(load_base(), source)
     reference = _peft_reference(load_base, r=4, target_modules="all-linear", use_dora=True)
     assert _trainable(model) == reference.get_nb_trainable_parameters()[0]
 
@@ -55,9 +55,9 @@ def _randomise_lora_b(model, seed):
 @pytest.mark.parametrize("options", [{"rslora": True, "dropout": 0.0}, {"init": "gaussian"}, {"init": "pissa"}, {"init": "olora"}])
 def test_forward_equals_peft(load_base, source, batch, options):
     """Same seed, same options, same trained B: our adapted model (fast forward) computes PEFT's logits."""
-    cfg = LoraConfig(rank=4, alpha=16, **options)
+    cfg = LoRAConfig(rank=4, alpha=16, **options)
     torch.manual_seed(3)
-    model = LoraTuner(cfg).apply(load_base(), source)
+    model = LoRATuner(cfg).apply(load_base(), source)
     torch.manual_seed(3)
     init = {"default": True, "random": False}.get(cfg.init, cfg.init)
     reference = _peft_reference(load_base, r=4, lora_alpha=16, target_modules="all-linear", use_rslora=cfg.rslora,
@@ -71,11 +71,11 @@ def test_forward_equals_peft(load_base, source, batch, options):
 
 
 def test_fast_forward_grads_equal_peft_forward(load_base, source, batch):
-    cfg = LoraConfig(rank=4, init="random", dropout=0.0)
+    cfg = LoRAConfig(rank=4, init="random", dropout=0.0)
     torch.manual_seed(5)
-    fast = LoraTuner(cfg).apply(load_base(), source)
+    fast = LoRATuner(cfg).apply(load_base(), source)
     torch.manual_seed(5)
-    slow = LoraTuner(LoraConfig(rank=4, init="random", fast_forward=False)).apply(load_base(), source)
+    slow = LoRATuner(LoRAConfig(rank=4, init="random", fast_forward=False)).apply(load_base(), source)
     for model in (fast, slow):
         model(batch).logits.float().logsumexp(-1).mean().backward()
     grads = {n: p.grad for n, p in slow.named_parameters() if p.requires_grad}
@@ -87,9 +87,9 @@ def test_fast_forward_grads_equal_peft_forward(load_base, source, batch):
 def test_fast_forward_bf16_base_keeps_activations_in_bf16(load_base, source, batch):
     """On a bf16 base with fp32 adapters the fast path computes in bf16 and stays close to PEFT's upcast path."""
     torch.manual_seed(5)
-    fast = LoraTuner(LoraConfig(rank=4, init="random")).apply(load_base(dtype=torch.bfloat16), source)
+    fast = LoRATuner(LoRAConfig(rank=4, init="random")).apply(load_base(dtype=torch.bfloat16), source)
     torch.manual_seed(5)
-    slow = LoraTuner(LoraConfig(rank=4, init="random", fast_forward=False)).apply(load_base(dtype=torch.bfloat16), source)
+    slow = LoRATuner(LoRAConfig(rank=4, init="random", fast_forward=False)).apply(load_base(dtype=torch.bfloat16), source)
     assert next(p for p in fast.parameters() if p.requires_grad).dtype == torch.float32
     logits_fast, logits_slow = fast(batch).logits, slow(batch).logits
     assert logits_fast.dtype == torch.bfloat16
@@ -100,8 +100,8 @@ def test_merged_export_reloads_with_same_logits(load_base, source, batch, tmp_pa
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    for tuner in (LoraTuner(LoraConfig(rank=4, init="random", modules_to_save=["lm_head"])),
-                  DoraTuner(DoraTuner.Config(rank=4, init="random"))):
+    for tuner in (LoRATuner(LoRAConfig(rank=4, init="random", modules_to_save=["lm_head"])),
+                  DoRATuner(DoRATuner.Config(rank=4, init="random"))):
         torch.manual_seed(7)
         model = tuner.apply(load_base(), source)
         with torch.no_grad():  # give DoRA magnitudes and the saved head a trained-looking value
@@ -126,8 +126,8 @@ def test_adapter_only_export_reloads_with_peft(load_base, source, batch, tmp_pat
 
     from peft import PeftModel
 
-    for tuner in (LoraTuner(LoraConfig(rank=4, init="random", modules_to_save=["lm_head"])),
-                  DoraTuner(DoraTuner.Config(rank=4, init="random"))):
+    for tuner in (LoRATuner(LoRAConfig(rank=4, init="random", modules_to_save=["lm_head"])),
+                  DoRATuner(DoRATuner.Config(rank=4, init="random"))):
         torch.manual_seed(11)
         model = tuner.apply(load_base(), source)
         expected = model(batch).logits
@@ -139,7 +139,7 @@ def test_adapter_only_export_reloads_with_peft(load_base, source, batch, tmp_pat
 
 
 def test_checkpoint_state_holds_only_what_trains_and_round_trips(load_base, source, batch):
-    tuner = LoraTuner(LoraConfig(rank=4, init="random"))
+    tuner = LoRATuner(LoRAConfig(rank=4, init="random"))
     torch.manual_seed(1)
     model = tuner.apply(load_base(), source)
     state = {k: v.clone() for k, v in tuner.checkpoint_state(model).items()}
@@ -156,7 +156,7 @@ def test_checkpoint_state_holds_only_what_trains_and_round_trips(load_base, sour
 
 
 def test_disabled_adapters_gives_the_base_model(load_base, source, batch):
-    tuner = LoraTuner(LoraConfig(rank=4, init="random", modules_to_save=["lm_head"]))
+    tuner = LoRATuner(LoRAConfig(rank=4, init="random", modules_to_save=["lm_head"]))
     model = tuner.apply(load_base(), source)
     adapted = model(batch).logits
     with tuner.disabled_adapters(model) as reference:
@@ -166,19 +166,19 @@ def test_disabled_adapters_gives_the_base_model(load_base, source, batch):
 
 
 def test_target_matching_nothing_lists_the_linear_layers(source, load_base):
-    tuner = LoraTuner(LoraConfig(target_modules=["q_prj", "v_proj"]))
+    tuner = LoRATuner(LoRAConfig(target_modules=["q_prj", "v_proj"]))
     problems = tuner.validate(None, source)
     assert len(problems) == 1 and "'q_prj'" in problems[0] and "q_proj" in problems[0] and "down_proj" in problems[0]
     assert "lm_head" in problems[0]
     with pytest.raises(ConfigError, match="q_prj.*matches no linear layer"):
         tuner.apply(load_base(), source)
-    regex = LoraTuner(LoraConfig(target_modules=[r".*\.attention\.wq"])).validate(None, source)
+    regex = LoRATuner(LoRAConfig(target_modules=[r".*\.attention\.wq"])).validate(None, source)
     assert len(regex) == 1 and "matches no module path" in regex[0] and "o_proj" in regex[0]
 
 
 def test_bad_options_are_reported_together(source):
-    config = LoraConfig(rank=0, dropout=1.5, init="eva", target_modules=["re:(["])
-    problems = LoraTuner(config).validate(None, source)
+    config = LoRAConfig(rank=0, dropout=1.5, init="eva", target_modules=["re:(["])
+    problems = LoRATuner(config).validate(None, source)
     text = "\n".join(problems)
     assert "rank must be at least 1" in text and "dropout" in text and "eva" in text and "does not compile" in text
 
@@ -188,7 +188,7 @@ def test_optimizer_factory_builds_the_chosen_optimizer(load_base, source, batch,
     from toolkit.recipe import Recipe
 
     recipe = Recipe(lr=1e-2, weight_decay=0.1)
-    tuner = DoraTuner(DoraTuner.Config(rank=4, init="random", optimizer=name))
+    tuner = DoRATuner(DoRATuner.Config(rank=4, init="random", optimizer=name))
     model = tuner.apply(load_base(), source)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = tuner.optimizer_factory(params, recipe)

@@ -7,8 +7,8 @@ from toolkit import hookimpl
 
 @hookimpl
 def toolkit_register_tuners(register):
-    from toolkit_peft.tuners import DoraTuner, LoraTuner, QLoraTuner
+    from toolkit_peft.tuners import DoRATuner, LoRATuner, QLoRATuner
 
-    register(LoraTuner)
-    register(DoraTuner)
-    register(QLoraTuner)
+    register(LoRATuner)
+    register(DoRATuner)
+    register(QLoRATuner)

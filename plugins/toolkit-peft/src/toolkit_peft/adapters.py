@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     import torch
 
     from toolkit.contracts import ModelSource
-    from toolkit_peft.tuners import LoraConfig
+    from toolkit_peft.tuners import LoRAConfig
 
 # The PeftModel is kept in the HF model's __dict__, not as a submodule: registering it would put
 # a cycle into named_modules()/state_dict() and change every parameter name strategies see.
@@ -18,7 +18,7 @@ _PEFT_ATTR = "_toolkit_peft_model"
 _SOURCE_ATTR = "_toolkit_peft_source"
 
 
-def peft_lora_config(config: LoraConfig, *, use_dora: bool) -> Any:
+def peft_lora_config(config: LoRAConfig, *, use_dora: bool) -> Any:
     """The ``peft.LoraConfig`` equivalent to our options."""
     import peft
 
@@ -40,7 +40,7 @@ def peft_lora_config(config: LoraConfig, *, use_dora: bool) -> Any:
     )
 
 
-def inject(model: torch.nn.Module, config: LoraConfig, *, use_dora: bool, source: ModelSource | None = None) -> torch.nn.Module:
+def inject(model: torch.nn.Module, config: LoRAConfig, *, use_dora: bool, source: ModelSource | None = None) -> torch.nn.Module:
     """Add adapters to ``model`` in place (base frozen) and return it; the PeftModel rides along."""
     import peft
 

@@ -16,7 +16,7 @@ from toolkit.errors import ToolkitError
 if TYPE_CHECKING:
     import torch
 
-    from toolkit_peft.tuners import LoraConfig
+    from toolkit_peft.tuners import LoRAConfig
 
 log = logging.getLogger("toolkit.peft")
 
@@ -140,7 +140,7 @@ def merged_tensors(model: torch.nn.Module, export_dtype: str = "auto") -> Iterat
         yield from walk(hf_model, "")
 
 
-def adapter_export(model: torch.nn.Module, config: LoraConfig) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def adapter_export(model: torch.nn.Module, config: LoRAConfig) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """``(adapter_config_dict, tensors)``: what ``PeftModel.save_pretrained`` would write."""
     from peft.utils import get_peft_model_state_dict
 

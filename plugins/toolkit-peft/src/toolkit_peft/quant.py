@@ -8,7 +8,7 @@ from toolkit.errors import ToolkitError
 
 if TYPE_CHECKING:
     from toolkit.recipe import Recipe
-    from toolkit_peft.tuners import QLoraConfig
+    from toolkit_peft.tuners import QLoRAConfig
 
 INSTALL_HINT = "pip install 'toolkit-peft[qlora]'  (or: pip install 'bitsandbytes>=0.45')"
 
@@ -27,7 +27,7 @@ def torch_dtype(name: str) -> Any:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
-def quantization_kwargs(config: QLoraConfig, base_dtype: str) -> dict[str, Any]:
+def quantization_kwargs(config: QLoRAConfig, base_dtype: str) -> dict[str, Any]:
     """``from_pretrained`` keyword arguments that load the base in 4 bits (NF4 + double quant).
 
     ``base_dtype`` is the dtype of what stays unquantised (norms, embeddings, the head).

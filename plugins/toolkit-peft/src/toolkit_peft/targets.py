@@ -11,10 +11,10 @@ if TYPE_CHECKING:
     import torch
 
     from toolkit.contracts import ModelSource
-    from toolkit_peft.tuners import LoraConfig
+    from toolkit_peft.tuners import LoRAConfig
 
 
-def peft_target_modules(config: LoraConfig) -> str | list[str]:
+def peft_target_modules(config: LoRAConfig) -> str | list[str]:
     """``target_modules`` as PEFT takes it: ``"all-linear"``, a regex string or a list of names."""
     regex = target_regex(config.target_modules)
     if regex is not None:
@@ -39,7 +39,7 @@ def _matches(name: str, key: str) -> bool:
     return key == name or key.endswith("." + name)
 
 
-def target_problems(config: LoraConfig, source: ModelSource | None = None, model: torch.nn.Module | None = None) -> list[str]:
+def target_problems(config: LoRAConfig, source: ModelSource | None = None, model: torch.nn.Module | None = None) -> list[str]:
     """Problems with ``target_modules`` / ``modules_to_save`` for this model (built on the meta device if not given)."""
     if model is None:
         model = meta_model(source)

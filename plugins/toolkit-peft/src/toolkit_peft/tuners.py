@@ -30,7 +30,7 @@ OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw", "paged_adamw8bit")
 
 
 @dataclass(kw_only=True)
-class LoraConfig:
+class LoRAConfig:
     rank: int = option(16, help="LoRA rank r (the inner dimension of the adapter).")
     alpha: float = option(32.0, help="LoRA alpha; the update is scaled by alpha/r (alpha/sqrt(r) with rslora).")
     dropout: float = option(0.0, help="Dropout on the adapter input (0 disables it).")
@@ -93,7 +93,7 @@ class LoraConfig:
 
 
 @dataclass(kw_only=True)
-class QLoraConfig(LoraConfig):
+class QLoRAConfig(LoRAConfig):
     quant_type: Literal["nf4", "fp4"] = option("nf4", help="4-bit data type of the frozen base (bitsandbytes).")
     double_quant: bool = option(True, help="Quantise the quantisation constants too (saves ~0.4 bit per weight).")
     compute_dtype: Literal["bf16", "fp16", "fp32"] = option("bf16", help="dtype the 4-bit weights are dequantised to for matmuls.")
@@ -109,15 +109,15 @@ def target_regex(targets: list[str]) -> str | None:
     return value if re.search(r"[*\[\]()|^$\\+?{}]", value) else None
 
 
-class LoraTuner:
+class LoRATuner:
     """Low-rank adapters on the chosen linear layers; the base stays frozen."""
 
     name: ClassVar[str] = "lora"
-    Config: ClassVar[type] = LoraConfig
+    Config: ClassVar[type] = LoRAConfig
     use_dora: ClassVar[bool] = False
     quantized: ClassVar[bool] = False
 
-    def __init__(self, config: LoraConfig | None = None):
+    def __init__(self, config: LoRAConfig | None = None):
         self.config = config or self.Config()
         self.precision = "fp32"
         """The recipe's --precision, recorded by :meth:`validate` (runs before the model is loaded)."""
@@ -212,18 +212,18 @@ class LoraTuner:
         return build_optimizer(self.config.optimizer, params, recipe)
 
 
-class DoraTuner(LoraTuner):
+class DoRATuner(LoRATuner):
     """Weight-decomposed LoRA: a trained magnitude per output row plus a low-rank direction update."""
 
     name: ClassVar[str] = "dora"
     use_dora: ClassVar[bool] = True
 
 
-class QLoraTuner(LoraTuner):
+class QLoRATuner(LoRATuner):
     """LoRA on a base quantised to 4 bits by bitsandbytes (NF4, double quantisation)."""
 
     name: ClassVar[str] = "qlora"
-    Config: ClassVar[type] = QLoraConfig
+    Config: ClassVar[type] = QLoRAConfig
     quantized: ClassVar[bool] = True
 
     def model_load_kwargs(self) -> dict[str, Any]:
