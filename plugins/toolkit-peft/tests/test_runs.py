@@ -146,3 +146,19 @@ def test_lora_on_two_ddp_ranks_equals_one_rank(tmp_path):
     assert one.keys() == two.keys() and all("lora_" in k for k in one)
     for key in one:
         torch.testing.assert_close(one[key], two[key], rtol=1e-4, atol=2e-6)
+
+
+def test_fsdp_lora_export_equals_the_checkpoint_export(tmp_path):
+    """Under FSDP the tuner merges from the gathered full state; it must equal the merge from the checkpoint."""
+    run = tmp_path / "fsdp"
+    toolkit("sft", *COMMON, "--strategy", "fsdp", "--tuner", "dora", "--dora-rank", "4", "--dora-init", "random",
+            "--max-steps", "2", "--output", run, "--export", "hf")
+    toolkit("export", run, "--to", "hf", "--output", tmp_path / "from-checkpoint")
+    in_run, from_checkpoint = (load_file(str(d / "model.safetensors")) for d in (run / "export", tmp_path / "from-checkpoint"))
+    assert in_run.keys() == from_checkpoint.keys()
+    assert all(torch.equal(in_run[k], from_checkpoint[k]) for k in in_run)
+    from toolkit.builtins.loaders import resolve_model
+
+    base = load_file(str(resolve_model("tiny-llama").weight_files[0]))
+    key = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.allclose(in_run[key].float(), base[key].float(), atol=1e-4), "the adapters must be merged in"

@@ -71,22 +71,24 @@ def inject(model: torch.nn.Module, config: LoRAConfig, *, use_dora: bool, source
 
 
 def unwrap(model: Any) -> Any:
-    """The HF model under DDP/FSDP-style wrappers (``.module``) or a PeftModel."""
-    seen = 0
-    while _PEFT_ATTR not in getattr(model, "__dict__", {}) and seen < 4:
-        if hasattr(model, "base_model") and hasattr(model, "peft_config") and hasattr(model.base_model, "model"):
-            return model.base_model.model
+    """The adapted HF model under DDP-style wrappers (``.module``), a PeftModel, or a proxy that
+    forwards attribute access to it (FSDP's full-state view)."""
+    for _ in range(4):
+        peft_model = getattr(model, _PEFT_ATTR, None)
+        if peft_model is not None:
+            return peft_model.base_model.model
+        if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+            return model.get_base_model()
         inner = getattr(model, "module", None)
         if inner is None:
             break
-        model, seen = inner, seen + 1
+        model = inner
     return model
 
 
 def peft_model_of(model: Any) -> Any:
     """The ``peft.PeftModel`` that owns the adapters injected into ``model``."""
-    hf_model = unwrap(model)
-    peft_model = getattr(hf_model, "__dict__", {}).get(_PEFT_ATTR)
+    peft_model = getattr(unwrap(model), _PEFT_ATTR, None)
     if peft_model is None:
         raise ToolkitError(
             f"{type(model).__name__} has no LoRA adapters from toolkit-peft; "
@@ -96,7 +98,7 @@ def peft_model_of(model: Any) -> Any:
 
 
 def source_of(model: Any) -> ModelSource | None:
-    return unwrap(model).__dict__.get(_SOURCE_ATTR)
+    return getattr(unwrap(model), _SOURCE_ATTR, None)
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -62,55 +62,84 @@ def _full_weight(layer: torch.nn.Module) -> torch.Tensor:
     return weight.detach().float()
 
 
-def _merged_weight(layer: torch.nn.Module, adapter: str) -> torch.Tensor:
+class _Tensors:
+    """Tensors of the adapted model by module path: the live modules, or a gathered full state
+    dict when the strategy shards them (FSDP hands tuners ``state_dict()`` of full tensors)."""
+
+    def __init__(self, gathered: dict[str, torch.Tensor] | None):
+        self.gathered = gathered
+
+    def get(self, module: torch.nn.Module, path: str, name: str) -> torch.Tensor:
+        if self.gathered is not None and path + name in self.gathered:
+            return self.gathered[path + name]
+        return getattr(module, name)
+
+    def weight(self, layer: torch.nn.Module, path: str) -> torch.Tensor:
+        if _is_quantized(layer.weight):
+            return _full_weight(layer)
+        return self.get(layer, path, "weight").detach().float()
+
+
+def _merged_weight(layer: torch.nn.Module, path: str, adapter: str, tensors: _Tensors) -> torch.Tensor:
     """Base weight + adapter update in fp32 (PEFT's merge formulas for LoRA and DoRA)."""
     from peft.utils.other import transpose
 
-    weight = _full_weight(layer.get_base_layer())
-    if adapter not in layer.lora_A and adapter not in getattr(layer, "lora_embedding_A", {}):
+    weight = tensors.weight(layer.get_base_layer(), path + "base_layer.")
+    if adapter in layer.lora_A:
+        lora_a = tensors.get(layer.lora_A[adapter], f"{path}lora_A.{adapter}.", "weight").detach().float()
+        lora_b = tensors.get(layer.lora_B[adapter], f"{path}lora_B.{adapter}.", "weight").detach().float()
+        delta = transpose(lora_b @ lora_a, layer.fan_in_fan_out) * layer.scaling[adapter]
+    elif adapter in getattr(layer, "lora_embedding_A", {}):
+        delta = layer.get_delta_weight(adapter).detach().float()
+    else:
         return weight
-    delta = layer.get_delta_weight(adapter).detach().float()
     if adapter not in layer.lora_magnitude_vector:
         return weight + delta
     # DoRA: W' = m / ||W + dW||_row * (W + dW), norms over the unmerged weight as in forward.
     fan_in_fan_out = layer.fan_in_fan_out
     combined = transpose(weight + delta, fan_in_fan_out)
-    norm = combined.norm(dim=1)
-    magnitude = layer.lora_magnitude_vector[adapter].weight.detach().float()
-    return transpose((magnitude / norm).view(-1, 1) * combined, fan_in_fan_out)
+    magnitude = tensors.get(layer.lora_magnitude_vector[adapter], f"{path}lora_magnitude_vector.{adapter}.", "weight")
+    return transpose((magnitude.detach().float() / combined.norm(dim=1)).view(-1, 1) * combined, fan_in_fan_out)
 
 
-def merged_tensors(model: torch.nn.Module, export_dtype: str = "auto") -> Iterator[tuple[str, torch.Tensor]]:
+def merged_tensors(model: Any, export_dtype: str = "auto") -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named tensors of ``model`` with its adapters merged in fp32, without changing the model.
 
-    A 4-bit or 8-bit (QLoRA) base cannot take the update without rounding it away, so such
-    weights are dequantised first; the result is a full-size model in the export dtype.
-    Tied parameters (``lm_head`` tied to the embedding) are yielded once, like ``named_parameters``.
+    ``model`` is the adapted HF model, or an object whose ``state_dict()`` holds the gathered full
+    tensors of a sharded one. A 4-bit or 8-bit (QLoRA) base cannot take the update without
+    rounding it away, so such weights are dequantised first; the result is a full-size model in
+    the export dtype. Tied parameters are yielded once, like ``named_parameters``.
     """
     import torch
     from peft.tuners.lora import LoraLayer
     from peft.utils import ModulesToSaveWrapper
 
-    from toolkit_peft.adapters import peft_model_of, source_of, unwrap
+    from toolkit_peft.adapters import peft_model_of, source_of
 
     peft_model = peft_model_of(model)
-    hf_model = unwrap(model)
+    hf_model = peft_model.base_model.model
+    tensors = _Tensors(None if isinstance(model, torch.nn.Module) else dict(model.state_dict()))
     adapter = peft_model.active_adapter
     dtype = _export_dtype(hf_model, export_dtype, source_of(model))
     seen: set[int] = set()
     warned = False
 
     def out(tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
         return tensor.detach().to(device="cpu", dtype=dtype if tensor.is_floating_point() else tensor.dtype).contiguous()
 
-    def walk(module: torch.nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    def walk(module: torch.nn.Module, name: str, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """``name``: the HF name to export under; ``path``: where the tensors live in the adapted model."""
         nonlocal warned
         if isinstance(module, ModulesToSaveWrapper):
-            inner = module.modules_to_save[adapter] if adapter in module.modules_to_save else module.original_module
-            yield from walk(inner, prefix)
+            if adapter in module.modules_to_save:
+                yield from walk(module.modules_to_save[adapter], name, f"{path}modules_to_save.{adapter}.")
+            else:
+                yield from walk(module.original_module, name, f"{path}original_module.")
             return
         if isinstance(module, LoraLayer) or _is_quantized(module._parameters.get("weight")):
-            base = module.get_base_layer() if isinstance(module, LoraLayer) else module
+            lora = isinstance(module, LoraLayer)
+            base, base_path = (module.get_base_layer(), path + "base_layer.") if lora else (module, path)
             if _is_quantized(base.weight) and not warned:
                 warned = True
                 log.warning(
@@ -119,25 +148,24 @@ def merged_tensors(model: torch.nn.Module, export_dtype: str = "auto") -> Iterat
                     "exported as %s: the export is a full-size model, not a 4-bit one",
                     type(base.weight).__name__, str(dtype).replace("torch.", ""),
                 )
-            weight = _merged_weight(module, adapter) if isinstance(module, LoraLayer) else _full_weight(base)
             seen.add(id(base.weight))
-            yield prefix + "weight", out(weight)
+            yield name + "weight", out(_merged_weight(module, path, adapter, tensors) if lora else tensors.weight(base, base_path))
             if getattr(base, "bias", None) is not None:
-                yield prefix + "bias", out(base.bias)
+                yield name + "bias", out(tensors.get(base, base_path, "bias"))
             return
-        for name, param in module._parameters.items():
+        for key, param in module._parameters.items():
             if param is not None and id(param) not in seen:
                 seen.add(id(param))
-                yield prefix + name, out(param)
-        for name, buffer in module._buffers.items():
-            if buffer is not None and name not in module._non_persistent_buffers_set:
-                yield prefix + name, out(buffer)
-        for name, child in module._modules.items():
+                yield name + key, out(tensors.get(module, path, key))
+        for key, buffer in module._buffers.items():
+            if buffer is not None and key not in module._non_persistent_buffers_set:
+                yield name + key, out(tensors.get(module, path, key))
+        for key, child in module._modules.items():
             if child is not None:
-                yield from walk(child, f"{prefix}{name}.")
+                yield from walk(child, f"{name}{key}.", f"{path}{key}.")
 
     with torch.no_grad():
-        yield from walk(hf_model, "")
+        yield from walk(hf_model, "", "")
 
 
 def adapter_export(model: torch.nn.Module, config: LoRAConfig) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
