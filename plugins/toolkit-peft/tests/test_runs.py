@@ -162,3 +162,37 @@ def test_fsdp_lora_export_equals_the_checkpoint_export(tmp_path):
     base = load_file(str(resolve_model("tiny-llama").weight_files[0]))
     key = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.allclose(in_run[key].float(), base[key].float(), atol=1e-4), "the adapters must be merged in"
+
+
+def test_engine_reference_logps_are_the_frozen_base(tmp_path):
+    """What DPO gets as reference on a LoRA run: the base model's log-probs, with no second copy of the model."""
+    from toolkit.builtins.loaders import resolve_model
+    from toolkit.builtins.strategies import LocalStrategy
+    from toolkit.data.pipeline import Batches, load_examples
+    from toolkit.plugins import get_plugin_manager
+    from toolkit.recipe import resolve_recipe
+    from toolkit.train.logps import CausalLMLogps, token_logps
+
+    recipe = resolve_recipe({"model": "tiny-llama", "tuner": "lora",
+                             "seq_len": 64, "micro_batch_size": 4, "output": str(tmp_path)})
+    manager = get_plugin_manager()
+    tuner_cls = manager.get("tuner", "lora")
+    tuner, loss = tuner_cls(tuner_cls.Config(rank=4, init="random")), manager.get("loss", "sft")()
+    source = resolve_model("tiny-llama")
+    assert not tuner.validate(recipe, source)
+    engine = LocalStrategy().build(source, tuner, loss, recipe)
+    assert engine.reference is None, "no copy of the model: the reference is the policy with adapters disabled"
+    examples, _ = load_examples(["demo"], source.tokenizer, seq_len=64, max_samples=8)
+    batches = Batches(examples, seed=0, seq_len=64, packing=False, micro_batch_size=4, global_batch_size=4,
+                      dp_rank=0, dp_world_size=1, pad_id=source.tokenizer.pad_token_id)
+    micro_batch = batches.micro_batches(0)[0]
+    engine.train_step([micro_batch], loss, batches.context(0))  # reference must not depend on training the adapters
+    reference = engine.reference_logps(micro_batch)
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(source.directory)
+    with torch.no_grad():
+        expected = token_logps(CausalLMLogps(base), micro_batch, torch.device("cpu")).sequence_sums()
+        policy = token_logps(engine.module, micro_batch, torch.device("cpu")).sequence_sums()
+    torch.testing.assert_close(reference, expected, atol=1e-4, rtol=1e-5)
+    assert not torch.allclose(policy, expected, atol=1e-2), "the adapted policy must differ from the reference"
