@@ -9,8 +9,9 @@ seq 4096, batch 4, bf16, r=16 on every linear layer. ``--tiny`` runs a small sha
 
 Variants: ``hf-peft`` (HF forward with labels -> full-vocabulary loss, PEFT's LoRA layers, AdamW),
 ``toolkit`` (lora tuner: bf16 frozen base, fp32 adapters, fused LoRA forward; local engine: chunked
-label log-probs), ``toolkit-peft-forward`` (the same engine with PEFT's own LoRA forward, to show
-what the fused forward is worth).
+label log-probs with the frozen-head gradient made in forward), ``toolkit-peft-forward`` (the same
+with PEFT's own LoRA forward) and ``toolkit-fp32-base`` (the same with an fp32 frozen base under
+autocast), to show what each part is worth.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--steps", type=int, default=None, help="timed optimizer steps")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first")
-    parser.add_argument("--variants", default="hf-peft,toolkit,toolkit-peft-forward")
+    parser.add_argument("--variants", default="hf-peft,toolkit,toolkit-peft-forward,toolkit-fp32-base")
     parser.add_argument("--chunk-tokens", type=int, default=4096, help="local engine: tokens per log-prob chunk")
     parser.add_argument("--profile", action="store_true", help="after timing, profile one step per variant and print the top kernels")
     args = parser.parse_args()
@@ -154,7 +155,7 @@ def run_hf_peft(args: argparse.Namespace, model_dir: Path, batch: dict) -> dict:
     return {"seconds": seconds, "losses": losses, "trainable": sum(p.numel() for p in params), "_keep": model}
 
 
-def run_toolkit(args: argparse.Namespace, model_dir: Path, batch: dict, fast_forward: bool) -> dict:
+def run_toolkit(args: argparse.Namespace, model_dir: Path, batch: dict, fast_forward: bool, base_dtype: str = "auto") -> dict:
     from transformers import AutoConfig
 
     from toolkit.contracts import ModelSource, StepContext
@@ -163,7 +164,8 @@ def run_toolkit(args: argparse.Namespace, model_dir: Path, batch: dict, fast_for
 
     recipe = resolve_recipe({"model": str(model_dir), "tuner": "lora", "loss": "sft", "precision": "bf16",
                              "seq_len": args.seq_len, "micro_batch_size": args.batch, "lr": 1e-4,
-                             "lora": {"rank": args.rank, "alpha": args.alpha, "dropout": args.dropout, "fast_forward": fast_forward},
+                             "lora": {"rank": args.rank, "alpha": args.alpha, "dropout": args.dropout, "fast_forward": fast_forward,
+                                      "base_dtype": base_dtype},
                              "local": {"logps_chunk_tokens": args.chunk_tokens}}, source="bench")
     manager = get_plugin_manager()
     source = ModelSource(reference=str(model_dir), directory=model_dir, config=AutoConfig.from_pretrained(model_dir),
@@ -202,8 +204,9 @@ def main() -> None:
             reset_memory()
             if variant == "hf-peft":
                 result = run_hf_peft(args, model_dir, batch)
-            elif variant in ("toolkit", "toolkit-peft-forward"):
-                result = run_toolkit(args, model_dir, batch, fast_forward=variant == "toolkit")
+            elif variant in ("toolkit", "toolkit-peft-forward", "toolkit-fp32-base"):
+                result = run_toolkit(args, model_dir, batch, fast_forward=variant != "toolkit-peft-forward",
+                                     base_dtype="fp32" if variant == "toolkit-fp32-base" else "auto")
             else:
                 raise SystemExit(f"unknown variant {variant!r}")
             result.pop("_keep")
