@@ -24,6 +24,8 @@ def _trainable(model):
     [
         ({}, dict(r=16, lora_alpha=32, target_modules="all-linear")),
         ({"rank": 4, "target_modules": ["q_proj", "v_proj"]}, dict(r=4, target_modules=["q_proj", "v_proj"])),
+        ({"rank": 4, "target_modules": ["q_proj,self_attn.v_proj"]}, dict(r=4, target_modules=["q_proj", "v_proj"])),
+        ({"rank": 4, "target_modules": [r"re:.*layers\.[0-1]{1,2}\.mlp\..*_proj"]}, dict(r=4, target_modules=r".*layers\.[0-1]{1,2}\.mlp\..*_proj")),
         ({"rank": 8, "target_modules": [r".*layers\.1\..*_proj"]}, dict(r=8, target_modules=r".*layers\.1\..*_proj")),
         ({"rank": 2, "modules_to_save": ["lm_head", "embed_tokens"]},
          dict(r=2, target_modules="all-linear", modules_to_save=["lm_head", "embed_tokens"])),
@@ -174,6 +176,8 @@ def test_target_matching_nothing_lists_the_linear_layers(source, load_base):
         tuner.apply(load_base(), source)
     regex = LoRATuner(LoRAConfig(target_modules=[r".*\.attention\.wq"])).validate(None, source)
     assert len(regex) == 1 and "matches no module path" in regex[0] and "o_proj" in regex[0]
+    too_wide = LoRATuner(LoRAConfig(target_modules=[r".*mlp\..*"])).validate(None, source)
+    assert len(too_wide) == 1 and "model.layers.0.mlp.act_fn" in too_wide[0] and "cannot take an adapter" in too_wide[0]
 
 
 def test_bad_options_are_reported_together(source):

@@ -35,6 +35,14 @@ def linear_layer_names(model: torch.nn.Module) -> list[str]:
     return names
 
 
+def _adaptable(module: torch.nn.Module) -> bool:
+    """Module types PEFT's LoRA can wrap."""
+    import torch
+
+    kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.MultiheadAttention)
+    return isinstance(module, kinds) or type(module).__name__ == "Conv1D"
+
+
 def _matches(name: str, key: str) -> bool:
     return key == name or key.endswith("." + name)
 
@@ -51,8 +59,14 @@ def target_problems(config: LoRAConfig, source: ModelSource | None = None, model
     problems = []
     regex = target_regex(config.target_modules)
     if regex is not None:
-        if not any(re.fullmatch(regex, key) for key, _ in model.named_modules()):
+        matched = [(key, module) for key, module in model.named_modules() if re.fullmatch(regex, key)]
+        if not matched:
             problems.append(f"target_modules regex {regex!r} matches no module path; {available}")
+        unsupported = [f"{key} ({type(module).__name__})" for key, module in matched if not _adaptable(module)]
+        if unsupported:
+            problems.append(f"target_modules regex {regex!r} also matches {', '.join(unsupported[:3])}"
+                            f"{' and more' if len(unsupported) > 3 else ''}, which cannot take an adapter; narrow it "
+                            f"to linear layers ({available})")
     elif config.target_modules != ["all-linear"]:
         if "all-linear" in config.target_modules:
             problems.append("target_modules: 'all-linear' cannot be combined with names; give it alone")

@@ -68,6 +68,13 @@ class LoRAConfig:
         "auto", help="dtype of merged exports: auto keeps the base model's dtype (the compute dtype for qlora)."
     )
 
+    def __post_init__(self) -> None:
+        # flags give "q_proj,v_proj" as one item; a regex (which may hold commas) stays whole
+        if target_regex(self.target_modules) is None:
+            self.target_modules = split_names(self.target_modules)
+        self.exclude_modules = split_names(self.exclude_modules)
+        self.modules_to_save = split_names(self.modules_to_save)
+
     def check(self) -> list[str]:
         problems = []
         if self.rank < 1:
@@ -97,6 +104,10 @@ class QLoRAConfig(LoRAConfig):
     quant_type: Literal["nf4", "fp4"] = option("nf4", help="4-bit data type of the frozen base (bitsandbytes).")
     double_quant: bool = option(True, help="Quantise the quantisation constants too (saves ~0.4 bit per weight).")
     compute_dtype: Literal["bf16", "fp16", "fp32"] = option("bf16", help="dtype the 4-bit weights are dequantised to for matmuls.")
+
+
+def split_names(values: list[str]) -> list[str]:
+    return [name.strip() for value in values for name in value.split(",") if name.strip()]
 
 
 def target_regex(targets: list[str]) -> str | None:
