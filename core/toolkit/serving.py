@@ -67,30 +67,50 @@ def _tail(path: Path, lines: int = 30) -> str:
         return ""
 
 
-def stop_process_tree(process: subprocess.Popen, grace_s: float = 15.0) -> None:
-    """SIGTERM the child's process group, wait, then SIGKILL what is left of it."""
-    if process.poll() is None:
+def group_alive(pgid: int) -> bool:
+    """True while a live (not zombie) process remains in process group ``pgid``."""
+    proc = Path("/proc")
+    if not proc.is_dir():
         try:
-            os.killpg(process.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            process.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-    # Engine workers can outlive the server by a moment: sweep the group regardless.
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(process.pid, 0)
+            os.killpg(pgid, 0)
         except (ProcessLookupError, PermissionError):
-            break
-        time.sleep(0.1)
-    else:
+            return False
+        return True
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
         try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            return True
+    return False
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_process_tree(process: subprocess.Popen, grace_s: float = 15.0) -> None:
+    """SIGTERM the child's whole process group, wait, then SIGKILL whatever is left of it.
+
+    The group is signalled even when the server itself already exited: engine workers can
+    outlive it.
+    """
+    _signal_group(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    deadline = time.monotonic() + grace_s
+    while group_alive(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if group_alive(process.pid):
+        _signal_group(process.pid, signal.SIGKILL)
     if process.poll() is None:
         process.kill()
         process.wait()
