@@ -1,105 +1,27 @@
-"""Write and check Hugging Face model directories: sharded safetensors with an index, config,
-generation config with the chat's end-of-turn ids, tokenizer files with the chat template.
+"""HF model directories for serving engines: the core ``hf`` writer plus what engines read
+(architectures, both dtype keys, the chat's end-of-turn token among the EOS ids), and a check
+that names every file or field an HF loader would miss.
 
-Shared by every exporter whose artefact is an HF directory (``hf``, ``vllm``, ``lmdeploy``):
-the engine-specific exporters call :func:`write_hf_directory` and add their own checks on top
+Used by the engine exporters (``vllm``, ``lmdeploy``), which add their engine's checks on top
 of :func:`check_hf_directory`.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import re
-import shutil
-import tempfile
-from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from toolkit.contracts import ExportModel
 from toolkit.errors import ToolkitError
-
-if TYPE_CHECKING:
-    import torch
-
-    from toolkit.contracts import ExportModel
 
 INDEX_FILE = "model.safetensors.index.json"
 DTYPES = ("float32", "bfloat16", "float16")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B?|B)?\s*$", re.IGNORECASE)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 class ExportError(ToolkitError):
     """An export cannot be written, or what was written would not load in its target tool."""
-
-
-def parse_size(text: str | int) -> int:
-    """``"2GB"`` / ``"500MiB"`` / ``1000`` -> bytes."""
-    if isinstance(text, int):
-        return text
-    match = _SIZE.match(str(text))
-    if not match:
-        raise ExportError(f"cannot read the size {text!r}: write it like 2GB, 500MB or 1000000")
-    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
-    scale = {"B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9,
-             "KI": 2**10, "KIB": 2**10, "MI": 2**20, "MIB": 2**20, "GI": 2**30, "GIB": 2**30}[unit]
-    return int(number * scale)
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    import torch
-
-    if name not in DTYPES:
-        raise ExportError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
-    return getattr(torch, name)
-
-
-def write_safetensors_shards(tensors: Iterable[tuple[str, torch.Tensor]], directory: Path, *,
-                             max_shard_bytes: int, dtype: str | None = None,
-                             skip: Iterable[str] = ()) -> dict[str, str]:
-    """Stream ``(name, tensor)`` into ``model-0000i-of-0000n.safetensors`` plus the index.
-
-    Floating tensors are cast to ``dtype`` when given. Returns the weight map (name -> file).
-    """
-    from safetensors.torch import save_file
-
-    target = _torch_dtype(dtype) if dtype else None
-    skipped = set(skip)
-    shards: list[dict[str, Any]] = []
-    current: dict[str, Any] = {}
-    current_bytes = total = 0
-    for name, tensor in tensors:
-        if name in skipped:
-            continue
-        if any(name in shard for shard in shards) or name in current:
-            raise ExportError(f"tensor {name!r} appears twice in the exported state")
-        tensor = tensor.detach().cpu()
-        if target is not None and tensor.is_floating_point():
-            tensor = tensor.to(target)
-        tensor = tensor.contiguous()
-        size = tensor.numel() * tensor.element_size()
-        if current and current_bytes + size > max_shard_bytes:
-            shards.append(current)
-            current, current_bytes = {}, 0
-        current[name] = tensor
-        current_bytes += size
-        total += size
-        if current_bytes >= max_shard_bytes:
-            shards.append(current)
-            current, current_bytes = {}, 0
-    if current or not shards:
-        shards.append(current)
-    if not any(shards):
-        raise ExportError("the model to export has no tensors")
-    weight_map: dict[str, str] = {}
-    for i, shard in enumerate(shards, start=1):
-        filename = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(directory / filename), metadata={"format": "pt"})
-        weight_map.update({name: filename for name in shard})
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    return weight_map
 
 
 def end_of_turn_token(tokenizer: Any) -> str | None:
@@ -158,42 +80,21 @@ def config_dict(config: Any) -> dict[str, Any]:
     return data
 
 
-def _write_config(config: Any, directory: Path, dtype: str, eos_ids: list[int]) -> None:
-    config = config.__class__.from_dict(config.to_dict())  # never mutate the caller's config
-    config.save_pretrained(str(directory))
+def _fix_metadata(config: Any, tokenizer: Any, directory: Path, dtype: str) -> None:
+    """What engines need beyond the hf writer's metadata: architectures, both dtype keys, and
+    the chat's end-of-turn token among the EOS ids of config.json and generation_config.json."""
+    eos_ids = eos_token_ids(config, tokenizer)
     path = directory / "config.json"
     data = json.loads(path.read_text())
     data["architectures"] = causal_lm_architectures(config) or data.get("architectures")
-    # transformers 5 writes "dtype", older readers (LMDeploy, transformers 4) read "torch_dtype".
+    # transformers 5 writes "dtype"; older readers (LMDeploy, transformers 4) read "torch_dtype".
     data["dtype"] = data["torch_dtype"] = dtype
+    generation_path = directory / "generation_config.json"
+    generation = json.loads(generation_path.read_text()) if generation_path.is_file() else {}
     if eos_ids:
-        data["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
+        data["eos_token_id"] = generation["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-
-def _write_generation_config(config: Any, tokenizer: Any, directory: Path, eos_ids: list[int]) -> None:
-    data: dict[str, Any] = {"_from_model_config": False}
-    bos = getattr(config, "bos_token_id", None)
-    if bos is None:
-        bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is not None:
-        data["bos_token_id"] = bos
-    if eos_ids:
-        data["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
-    pad = getattr(tokenizer, "pad_token_id", None)
-    if pad is None:
-        pad = getattr(config, "pad_token_id", None)
-    if pad is not None:
-        data["pad_token_id"] = pad
-    (directory / "generation_config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-
-def _write_tokenizer(tokenizer: Any, directory: Path) -> None:
-    tokenizer.save_pretrained(str(directory))
-    template = getattr(tokenizer, "chat_template", None)
-    if template and isinstance(template, str) and not _has_chat_template(directory):
-        # Older transformers keep the template only inside tokenizer_config.json; make it a file.
-        (directory / "chat_template.jinja").write_text(template)
+    generation_path.write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
 
 
 def _has_chat_template(directory: Path) -> bool:
@@ -211,30 +112,29 @@ def checkpoint_dtype(config: Any) -> str:
 
 
 def write_hf_directory(model: ExportModel, output: Path, *, dtype: str | None = None,
-                       max_shard_size: str | int = "5GB", overwrite: bool = False) -> Path:
-    """Write ``model`` as an HF directory at ``output`` (atomic: a temp dir renamed at the end)."""
+                       max_shard_size_mb: int = 2048) -> Path:
+    """Write ``model`` as an HF directory into ``output`` with the core ``hf`` exporter's writer,
+    then add what serving engines read (see :func:`_fix_metadata`). ``output`` must be empty;
+    ``toolkit export`` hands exporters a fresh staging folder and renames it when done."""
+    from toolkit.builtins.exporters import tied_names, write_model_metadata, write_safetensors_shards
+
     output = Path(output)
-    if output.exists() and any(output.iterdir()) and not overwrite:
-        raise ExportError(f"output directory {output} exists and is not empty; pass --overwrite or choose another")
+    if output.exists() and any(output.iterdir()):
+        raise ExportError(f"output directory {output} is not empty; pass --overwrite or choose another --output")
+    output.mkdir(parents=True, exist_ok=True)
     source = model.source
     dtype = dtype or checkpoint_dtype(source.config)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
-    try:
-        tied = bool(getattr(source.config, "tie_word_embeddings", False))
-        eos_ids = eos_token_ids(source.config, source.tokenizer)
-        write_safetensors_shards(model.tensors(), staging, max_shard_bytes=parse_size(max_shard_size), dtype=dtype,
-                                 skip=["lm_head.weight"] if tied else [])
-        _write_config(source.config, staging, dtype, eos_ids)
-        _write_generation_config(source.config, source.tokenizer, staging, eos_ids)
-        _write_tokenizer(source.tokenizer, staging)
-        if output.exists():
-            shutil.rmtree(output)
-        os.replace(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    write_safetensors_shards(model.tensors(), output, max_shard_size_mb * 2**20, dtype, skip=tied_names(source.config))
+    config = source.config.__class__.from_dict(source.config.to_dict())  # the writer sets dtype on it
+    write_model_metadata(ExportModel(source=_with_config(source, config), tensors=model.tensors), output, dtype)
+    _fix_metadata(config, source.tokenizer, output, dtype)
     return output
+
+
+def _with_config(source: Any, config: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(source, config=config)
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -282,16 +182,3 @@ def _check_weights(directory: Path) -> list[str]:
     if not weight_map:
         problems.append(f"{index} has an empty weight_map")
     return problems
-
-
-def iter_directory_tensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of an HF directory's safetensors files, one file open at a time."""
-    from safetensors import safe_open
-
-    files = sorted(Path(directory).glob("*.safetensors"))
-    if not files:
-        raise ExportError(f"{directory} has no .safetensors files")
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, handle.get_tensor(name)

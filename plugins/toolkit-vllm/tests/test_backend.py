@@ -11,11 +11,7 @@ import vllm_tiny as tiny
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    from toolkit_vllm.exporter import VLLMExporter
-
-    net, tok = tiny.model("qwen2", train_steps=0)
-    adapter, _ = tiny.lora_adapter(net, rank=16)
-    return VLLMExporter().export(tiny.export_model(net, tok, adapter=adapter), tmp_path_factory.mktemp("e") / "m")
+    return tiny.lora_export(tmp_path_factory.mktemp("e"), "qwen2", rank=16)[0]
 
 
 def test_serve_command_on_cpu(exported, monkeypatch):
@@ -29,18 +25,38 @@ def test_serve_command_on_cpu(exported, monkeypatch):
     assert argv[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     flags = " ".join(argv[3:])
     assert f"--model {exported} --host 127.0.0.1 --port 8123 --dtype float32" in flags
-    assert "--enforce-eager" in argv and "--gpu-memory-utilization" not in argv
+    assert "--enforce-eager" in argv and "--gpu-memory-utilization" not in argv and "--enable-lora" not in argv
     assert "--max-model-len 128" in flags and argv[-1] == "--enable-prefix-caching"
-    assert f"--enable-lora --max-lora-rank 16 --lora-modules adapter={exported / 'lora' / 'adapter'}" in flags
     assert command.env == {"VLLM_CPU_KVCACHE_SPACE": "2"}
     assert command.url == "http://127.0.0.1:8123"
+
+
+def test_serve_command_with_the_adapter_loads_the_base(exported, monkeypatch):
+    from toolkit_vllm import backend as module
+
+    monkeypatch.setattr(module, "has_cuda", lambda: False)
+    argv = module.VLLMBackend().serve_command(exported, "127.0.0.1", 8123, {"lora": "adapter"}).argv
+    flags = " ".join(argv)
+    base = (exported.parent / "base").resolve()
+    assert f"--model {base} " in flags
+    assert f"--enable-lora --max-lora-rank 16 --lora-modules adapter={exported / 'lora' / 'adapter'}" in flags
+
+
+def test_unknown_adapter_or_base_is_named(exported, tmp_path):
+    from toolkit.errors import ToolkitError
+    from toolkit_vllm.backend import VLLMBackend
+
+    with pytest.raises(ToolkitError, match="the export has: adapter"):
+        VLLMBackend(VLLMBackend.Config(lora="sft")).lora(exported)
+    with pytest.raises(ToolkitError, match="lora_base=DIR"):
+        VLLMBackend(VLLMBackend.Config(lora="adapter", lora_base=str(tmp_path))).lora(exported)
 
 
 def test_serve_command_on_gpu_keeps_graphs(exported, monkeypatch):
     from toolkit_vllm import backend as module
 
     monkeypatch.setattr(module, "has_cuda", lambda: True)
-    config = module.VLLMBackend.Config(dtype="bfloat16", tensor_parallel_size=2, lora=str(exported / "lora" / "adapter"))
+    config = module.VLLMBackend.Config(dtype="bfloat16", tensor_parallel_size=2)
     argv = module.VLLMBackend(config).serve_command(exported, "0.0.0.0", 9000).argv
     assert "--enforce-eager" not in argv and argv[argv.index("--dtype") + 1] == "bfloat16"
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2"

@@ -4,12 +4,10 @@ EOS id and the chat template, holds a PEFT-format adapter, and refuses what vLLM
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import vllm_tiny as tiny
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(scope="module")
@@ -17,13 +15,23 @@ def trained():
     return tiny.model("llama", train_steps=10)
 
 
-def test_export_reloads_with_identical_logits_and_metadata(tmp_path, trained):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from toolkit_vllm.exporter import VLLMExporter, check_export
+def test_callable_adapter_form_is_accepted(tmp_path, trained):
+    from toolkit_vllm.exporter import adapter_parts, write_lora_adapter
 
-    net, tok = trained
-    out = VLLMExporter(VLLMExporter.Config(max_shard_size="60KB")).export(tiny.export_model(net, tok), tmp_path / "vllm")
+    net, _ = trained
+    (config, tensors), _ = tiny.lora_adapter(net, rank=4)
+    called = write_lora_adapter(lambda: (config, tensors()), tmp_path / "a")  # what toolkit.export passes
+    assert called["r"] == 4 and (tmp_path / "a" / "adapter_model.safetensors").is_file()
+    assert adapter_parts((config, tensors))[0] == config
+
+
+def test_export_reloads_with_identical_logits_and_metadata(tmp_path):
+    import torch
+    from toolkit_vllm.exporter import VLLMExporter, check_export
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    net, tok = tiny.model("llama", head_dim=64, intermediate_size=1024, train_steps=2)  # 3 MiB per layer
+    out = VLLMExporter(VLLMExporter.Config(max_shard_size_mb=1)).export(tiny.export_model(net, tok), tmp_path / "vllm")
 
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
@@ -88,25 +96,29 @@ def test_model_checks_name_what_is_wrong():
                               device="cpu").errors == []
 
 
-def test_lora_adapter_directory_matches_peft_format(tmp_path, trained):
+def test_lora_adapter_directory_loads_in_peft_and_equals_the_merge(tmp_path):
+    import torch
     from safetensors.torch import load_file
-    from toolkit_vllm.exporter import VLLMExporter
+    from transformers import AutoModelForCausalLM
 
-    net, tok = trained
-    adapter, _ = tiny.lora_adapter(net, rank=4)
-    out = VLLMExporter().export(tiny.export_model(net, tok, adapter=adapter), tmp_path / "lora")
+    out, base, merged, tok = tiny.lora_export(tmp_path, rank=4, alpha=8)
     adapter_dir = out / "lora" / "adapter"
     state = load_file(str(adapter_dir / "adapter_model.safetensors"))
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in state
     assert len(state) == 2 * 2 * 2  # layers x targets x (A, B)
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["peft_type"] == "LORA"
+    assert config["base_model_name_or_path"] == str((tmp_path / "base").resolve())
     manifest = json.loads((out / "toolkit_export.json").read_text())
     assert manifest["lora_modules"] == {"adapter": "lora/adapter"} and manifest["max_lora_rank"] == 8
-    assert "--enable-lora" in manifest["serve"]
+    assert manifest["lora_base"] == config["base_model_name_or_path"] and "--enable-lora" in manifest["serve"]
+    # PEFT, an independent reader, applies the adapter to the base and gets the merged model.
     peft = pytest.importorskip("peft")
-    model = peft.PeftModel.from_pretrained(net, str(adapter_dir))
-    assert model.peft_config["default"].r == 4
+    on_base = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tmp_path / "base")), str(adapter_dir))
+    ids = torch.tensor([tok("the quick brown fox")["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(on_base(ids).logits, merged(ids).logits, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(base(ids).logits, merged(ids).logits, atol=1e-3)
 
 
 @pytest.mark.parametrize(("extra", "message"), [

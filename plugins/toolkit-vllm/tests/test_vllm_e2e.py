@@ -59,9 +59,9 @@ def hf_greedy(net, tok, prompts: list[str]) -> list[list[int]]:
     return results
 
 
-def vllm_greedy(model_dir: Path, prompts: list[str]) -> list[tuple[str, list[int]]]:
+def vllm_greedy(model_dir: Path, prompts: list[str], lora: str = "") -> list[tuple[str, list[int]]]:
     """vLLM in a fresh process (one engine per process), through the backend's worker entry point."""
-    request = {"model_dir": str(model_dir), "prompts": prompts, "config": {"kv_cache_gib": 1.0},
+    request = {"model_dir": str(model_dir), "prompts": prompts, "config": {"kv_cache_gib": 1.0, "lora": lora},
                "options": {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "chat_template": True, "dtype": None}}
     done = subprocess.run([sys.executable, "-m", "toolkit_vllm.worker"], input=json.dumps(request), capture_output=True,
                           text=True, timeout=400)
@@ -87,19 +87,13 @@ def test_vllm_greedy_matches_transformers_token_for_token(family, tmp_path):
     assert [text for text, _ in got] == [tok.decode(ids, skip_special_tokens=True) for ids in expected]
 
 
-def test_vllm_applies_the_exported_lora_adapter(tmp_path):
-    from toolkit_vllm.exporter import VLLMExporter
-
-    net, tok = tiny.model("llama", train_steps=30)
-    adapter, merged = tiny.lora_adapter(net, rank=8, alpha=16)
-    out = VLLMExporter().export(tiny.export_model(net, tok, adapter=adapter), tmp_path / "lora")
-    reference, _ = tiny.model("llama", train_steps=0)
-    reference.load_state_dict(merged)
-    expected = hf_greedy(reference, tok, PROMPTS)
-    base = hf_greedy(net, tok, PROMPTS)
-    assert expected != base, "the adapter must change the greedy tokens, or this test proves nothing"
-    got = vllm_greedy(out, PROMPTS)
-    assert [strip_eos(ids, tok) for _, ids in got] == [strip_eos(ids, tok) for ids in expected]
+def test_lora_export_merged_and_adapter_on_base_both_match_the_merged_reference(tmp_path):
+    out, base, merged, tok = tiny.lora_export(tmp_path, "llama", rank=8, alpha=16)
+    expected = hf_greedy(merged, tok, PROMPTS)
+    assert expected != hf_greedy(base, tok, PROMPTS), "the adapter must change the greedy tokens, or this proves nothing"
+    for lora in ("", "adapter"):  # the merged export itself; the base + the exported adapter
+        got = vllm_greedy(out, PROMPTS, lora=lora)
+        assert [strip_eos(ids, tok) for _, ids in got] == [strip_eos(ids, tok) for ids in expected], lora or "merged"
 
 
 def test_builtin_architecture_list_is_in_vllms_registry():
@@ -116,19 +110,13 @@ def _post(url: str, body: dict) -> dict:
 
 
 def test_serve_answers_chat_completions_for_base_and_lora(tmp_path):
-    from toolkit_vllm.exporter import VLLMExporter
-
-    net, tok = tiny.model("qwen2", train_steps=30)
-    adapter, merged = tiny.lora_adapter(net, rank=8, alpha=16)
-    out = VLLMExporter().export(tiny.export_model(net, tok, adapter=adapter), tmp_path / "served")
-    reference, _ = tiny.model("qwen2", train_steps=0)
-    reference.load_state_dict(merged)
+    out, base, merged, tok = tiny.lora_export(tmp_path, "qwen2", rank=8, alpha=16)
     prompt = PROMPTS[0]
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     code = ("from toolkit_vllm.backend import VLLMBackend; "
-            f"VLLMBackend().serve({str(out)!r}, '127.0.0.1', {port}, {{'max-model-len': '256'}})")
+            f"VLLMBackend().serve({str(out)!r}, '127.0.0.1', {port}, {{'lora': 'adapter', 'max-model-len': '256'}})")
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     runner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env=env)
@@ -140,10 +128,11 @@ def test_serve_answers_chat_completions_for_base_and_lora(tmp_path):
                 break
         assert f"is ready: http://127.0.0.1:{port}/v1" in lines[-1], "".join(lines[-30:])
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
-        for model_name, net_ref in ((str(out), net), ("adapter", reference)):
+        served_base = str((tmp_path / "base").resolve())
+        for model_name, reference in ((served_base, base), ("adapter", merged)):
             answer = _post(url, {"model": model_name, "messages": [{"role": "user", "content": prompt}],
                                  "temperature": 0, "max_tokens": NEW_TOKENS})
-            expected = strip_eos(hf_greedy(net_ref, tok, [prompt])[0], tok)
+            expected = strip_eos(hf_greedy(reference, tok, [prompt])[0], tok)
             assert answer["choices"][0]["message"]["content"] == tok.decode(expected, skip_special_tokens=True), model_name
         runner.send_signal(signal.SIGTERM)
         assert runner.wait(timeout=60) == 0

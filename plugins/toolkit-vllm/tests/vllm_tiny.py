@@ -35,14 +35,14 @@ def tokenizer():
     return fast
 
 
-def model(family: str = "llama", *, head_dim: int = 32, train_steps: int = 30, seed: int = 0):
+def model(family: str = "llama", *, head_dim: int = 32, train_steps: int = 30, seed: int = 0, intermediate_size: int = 128):
     """A 2-layer model of ``family`` trained for a few steps on the corpus; returns (model, tokenizer)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     tok = tokenizer()
     common = dict(vocab_size=len(tok), hidden_size=4 * head_dim, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=head_dim, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=256,
+                  head_dim=head_dim, intermediate_size=intermediate_size, num_hidden_layers=2, max_position_embeddings=256,
                   bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                   tie_word_embeddings=False)
     config = {"llama": LlamaConfig, "qwen2": Qwen2Config}[family](**common)
@@ -88,3 +88,19 @@ def lora_adapter(net, *, rank: int = 4, alpha: int = 8, targets=("q_proj", "v_pr
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets),
               "bias": "none", "task_type": "CAUSAL_LM", **extra}
     return (config, lambda: iter(tensors.items())), merged
+
+
+def lora_export(directory: Path, family: str = "llama", *, rank: int = 8, alpha: int = 16):
+    """What ``toolkit export --to vllm`` gets from a LoRA run: the base model on disk, merged
+    tensors and the adapter. Returns (export_dir, base_model, merged_model, tokenizer)."""
+    from toolkit.hfdir import write_hf_directory
+    from toolkit_vllm.exporter import VLLMExporter
+
+    base, tok = model(family, train_steps=30)
+    adapter, merged_state = lora_adapter(base, rank=rank, alpha=alpha)
+    base_dir = write_hf_directory(export_model(base, tok), directory / "base")
+    merged, _ = model(family, train_steps=0)
+    merged.load_state_dict(merged_state)
+    merged.eval()
+    out = VLLMExporter().export(export_model(merged, tok, directory=base_dir, adapter=adapter), directory / "export")
+    return out, base, merged, tok

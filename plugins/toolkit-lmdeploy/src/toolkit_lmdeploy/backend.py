@@ -44,6 +44,10 @@ class LMDeployBackend:
         model_name: str = option("", help="Model name the server answers to (default: the path).")
         adapters: str = option("", help="LoRA adapters NAME=DIR[,NAME=DIR] (PyTorch engine only).")
         startup_timeout_s: float = option(900.0, help="How long serve waits for the server to answer.")
+        max_new_tokens: int = option(64, help="Tokens to generate per prompt (infer).")
+        temperature: float = option(0.0, help="Sampling temperature; 0 is greedy (infer).")
+        chat_template: bool = option(True, help="Wrap each prompt as a user turn of the model's chat template (infer).")
+        system: str = option("", help="System message placed before each prompt (infer).")
 
     def __init__(self, config: Config | None = None):
         self.config = config or self.Config()
@@ -86,8 +90,7 @@ class LMDeployBackend:
         from lmdeploy import GenerationConfig, PytorchEngineConfig, TurbomindEngineConfig, pipeline
 
         engine = self.engine(model_dir)
-        dtype = self.config.dtype if self.config.dtype != "auto" else "auto"
-        common: dict[str, Any] = {"tp": self.config.tp, "dtype": dtype,
+        common: dict[str, Any] = {"tp": self.config.tp, "dtype": self.config.dtype,
                                   "cache_max_entry_count": self.config.cache_max_entry_count}
         if self.config.session_len:
             common["session_len"] = self.config.session_len
@@ -96,14 +99,21 @@ class LMDeployBackend:
         else:
             adapters = dict(pair.split("=", 1) for pair in self._adapters())
             backend_config = PytorchEngineConfig(**common, adapters=adapters or None)
+        options = self.config if options is None else options
         temperature = float(option_value(options, "temperature", 0.0))
         gen = GenerationConfig(max_new_tokens=int(option_value(options, "max_new_tokens", 64)),
                                do_sample=temperature > 0, temperature=temperature or 1.0, top_k=0 if temperature else 1)
-        chat = bool(option_value(options, "chat_template", True))
-        inputs = [[{"role": "user", "content": p}] for p in prompts] if chat else list(prompts)
+        # The prompt text is built like the hf backend's (the model's own chat template), so LMDeploy's
+        # name-matched built-in templates never change what the model sees.
+        from toolkit.builtins.inference import format_prompt
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        inputs = [format_prompt(tokenizer, p, bool(option_value(options, "chat_template", True)),
+                                str(option_value(options, "system", ""))) for p in prompts]
         pipe = pipeline(str(model_dir), backend_config=backend_config)
         try:
-            responses = pipe(inputs, gen_config=gen, do_preprocess=chat)
+            responses = pipe(inputs, gen_config=gen, do_preprocess=False)
         finally:
             close = getattr(pipe, "close", None)
             if callable(close):

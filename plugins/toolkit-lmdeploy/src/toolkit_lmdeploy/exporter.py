@@ -14,7 +14,6 @@ from typing import Any, ClassVar, Literal
 from toolkit.config import option
 from toolkit.contracts import ExportModel
 from toolkit.hfdir import ExportError, check_hf_directory, config_dict, read_json, write_hf_directory
-from toolkit.serving import option_value
 from toolkit_lmdeploy.requirements import Findings, check_model_config
 
 log = logging.getLogger(__name__)
@@ -31,20 +30,16 @@ class LMDeployExporter:
         dtype: Literal["bfloat16", "float16"] = option("bfloat16", help="Weight dtype (LMDeploy runs 16-bit only).")
         engine: Literal["auto", "turbomind", "pytorch"] = option(
             "auto", help="Engine the export must run on; auto = TurboMind when it supports the model, else PyTorch.")
-        max_shard_size: str = option("5GB", help="Largest safetensors shard (e.g. 2GB, 500MB).")
+        max_shard_size_mb: int = option(2048, help="Largest safetensors shard in MiB.")
 
     def __init__(self, config: Config | None = None):
         self.config = config or self.Config()
 
     def export(self, model: ExportModel, output: Path, options: Any = None) -> Path:
         output = Path(output)
-        if model.adapter is not None:
-            log.warning("lmdeploy export: the adapter is not written separately; export merged weights "
-                        "(--merge-lora) or serve the adapter with --option adapters=NAME=DIR on the PyTorch engine")
         before = check_model_config(config_dict(model.source.config), engine=self.config.engine, dtype=self.config.dtype)
         _raise_if(before, "the model cannot be exported for LMDeploy")
-        write_hf_directory(model, output, dtype=self.config.dtype, max_shard_size=self.config.max_shard_size,
-                           overwrite=bool(option_value(options, "overwrite", False)))
+        write_hf_directory(model, output, dtype=self.config.dtype, max_shard_size_mb=self.config.max_shard_size_mb)
         manifest = {"exporter": "lmdeploy", "dtype": self.config.dtype, "engine": before.engine,
                     "serve": shlex.join(["lmdeploy", "serve", "api_server", str(output), "--backend", str(before.engine),
                                          "--dtype", self.config.dtype])}

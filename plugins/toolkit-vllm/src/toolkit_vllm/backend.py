@@ -38,14 +38,12 @@ def has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def prompt_token_ids(tokenizer: Any, prompt: str, chat_template: bool) -> list[int]:
-    """The ids the model sees for one prompt: one user turn in the chat template, or raw text."""
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        return [int(i) for i in ids]
-    return [int(i) for i in tokenizer(prompt)["input_ids"]]
+def prompt_token_ids(tokenizer: Any, prompt: str, chat_template: bool, system: str = "") -> list[int]:
+    """The ids the model sees: the same text the ``hf`` backend builds, tokenized the same way."""
+    from toolkit.builtins.inference import format_prompt
+
+    text = format_prompt(tokenizer, prompt, chat_template, system)
+    return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
 def read_manifest(model_dir: Path) -> dict[str, Any]:
@@ -69,10 +67,15 @@ class VLLMBackend:
         gpu_memory_utilization: float = option(0.9, help="Share of GPU memory vLLM may take (GPU only).")
         tensor_parallel_size: int = option(1, help="GPUs per model (vLLM tensor parallelism).")
         max_model_len: int | None = option(None, help="Longest prompt + completion; default: the model's.")
-        lora: str = option("", help="LoRA adapter directory to apply; default: the export's lora/ adapter, if any.")
+        lora: str = option("", help="LoRA adapter to apply: a directory, or the name of one in the export's lora/.")
+        lora_base: str = option("", help="Base model the adapter applies to (default: from the export / adapter config).")
         seed: int = option(0, help="Sampling seed.")
         served_model_name: str = option("", help="Model name the server answers to (default: the path).")
         startup_timeout_s: float = option(900.0, help="How long serve waits for the server to answer.")
+        max_new_tokens: int = option(64, help="Tokens to generate per prompt (infer).")
+        temperature: float = option(0.0, help="Sampling temperature; 0 is greedy (infer).")
+        chat_template: bool = option(True, help="Wrap each prompt as a user turn of the chat template (infer).")
+        system: str = option("", help="System message placed before each prompt (infer).")
 
     def __init__(self, config: Config | None = None):
         self.config = config or self.Config()
@@ -87,22 +90,33 @@ class VLLMBackend:
     def _enforce_eager(self, on_cpu: bool) -> bool:
         return on_cpu if self.config.enforce_eager is None else self.config.enforce_eager
 
-    def lora(self, model_dir: Path) -> tuple[str, Path, int] | None:
-        """``(name, directory, max_lora_rank)`` of the adapter to apply, if any."""
-        if self.config.lora:
+    def lora(self, model_dir: Path) -> tuple[str, Path, int, Path] | None:
+        """``(name, adapter_dir, max_lora_rank, base_model_dir)`` when an adapter is asked for.
+
+        An export holds merged weights; its ``lora/NAME`` adapter applies to the base model the
+        run trained from, so the engine loads that base and the adapter on top.
+        """
+        if not self.config.lora:
+            return None
+        manifest = read_manifest(model_dir)
+        modules = manifest.get("lora_modules") or {}
+        if self.config.lora in modules:
+            name, path = self.config.lora, Path(model_dir) / modules[self.config.lora]
+        else:
             path = Path(self.config.lora)
             name = path.name
-        else:
-            modules = read_manifest(model_dir).get("lora_modules") or {}
-            if not modules:
-                return None
-            name, relative = next(iter(modules.items()))
-            path = Path(model_dir) / relative
         config_path = path / "adapter_config.json"
         if not config_path.is_file():
-            raise ToolkitError(f"LoRA adapter {path} has no adapter_config.json (the backend's lora option)")
-        rank = max_lora_rank_for(int(read_json(config_path).get("r", 0))) or 512
-        return name, path, rank
+            known = f" (the export has: {', '.join(modules)})" if modules else ""
+            raise ToolkitError(f"LoRA adapter {self.config.lora!r} is neither a directory with adapter_config.json "
+                               f"nor an adapter of {model_dir}{known}")
+        adapter = read_json(config_path)
+        base = self.config.lora_base or manifest.get("lora_base") or adapter.get("base_model_name_or_path")
+        if not base or not (Path(base) / "config.json").is_file():
+            raise ToolkitError(f"cannot find the base model of adapter {path} ({base or 'not recorded'}): "
+                               "pass --option lora_base=DIR (the model the adapter was trained on)")
+        rank = max_lora_rank_for(int(adapter.get("r", 0))) or 512
+        return name, path, rank, Path(base)
 
     def _environment(self, on_cpu: bool) -> dict[str, str]:
         env: dict[str, str] = {}
@@ -130,6 +144,7 @@ class VLLMBackend:
 
     def generate_with_ids(self, model_dir: Path, prompts: list[str], options: Any = None) -> list[tuple[str, list[int]]]:
         """Like :meth:`generate`, keeping the generated token ids (for token-level comparisons)."""
+        options = self.config if options is None else options
         if self.config.python and Path(self.config.python).resolve() != Path(sys.executable).resolve():
             return self._generate_in(self.config.python, model_dir, prompts, options)
         self._require_engine()
@@ -138,7 +153,8 @@ class VLLMBackend:
         model_dir = Path(model_dir)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         use_template = bool(option_value(options, "chat_template", True))
-        ids = [prompt_token_ids(tokenizer, prompt, use_template) for prompt in prompts]
+        system = str(option_value(options, "system", ""))
+        ids = [prompt_token_ids(tokenizer, prompt, use_template, system) for prompt in prompts]
         llm, lora = self._engine(model_dir, option_value(options, "dtype", None))
         from vllm import SamplingParams
 
@@ -169,7 +185,7 @@ class VLLMBackend:
         lora = self.lora(model_dir)
         dtype = dtype_option if dtype_option not in (None, "auto") else self._dtype(model_dir)
         kwargs: dict[str, Any] = {
-            "model": str(model_dir), "dtype": dtype,
+            "model": str(lora[3] if lora else model_dir), "dtype": dtype,
             "enforce_eager": self._enforce_eager(on_cpu), "seed": self.config.seed,
             "tensor_parallel_size": self.config.tensor_parallel_size,
         }
@@ -188,7 +204,7 @@ class VLLMBackend:
             "model_dir": str(model_dir), "prompts": prompts,
             "config": {k: v for k, v in vars(self.config).items() if k != "python"},
             "options": {name: option_value(options, name, None)
-                        for name in ("max_new_tokens", "temperature", "chat_template", "dtype")},
+                        for name in ("max_new_tokens", "temperature", "chat_template", "system", "dtype")},
         }
         done = subprocess.run([python, "-m", "toolkit_vllm.worker"], input=json.dumps(request), capture_output=True,
                               text=True)
@@ -206,8 +222,9 @@ class VLLMBackend:
         passthrough = split_extra(self.config, extra)[1] if extra else {}
         on_cpu = not has_cuda()
         config = backend.config
+        lora = backend.lora(model_dir)
         argv = [config.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                "--model", str(model_dir), "--host", host, "--port", str(port),
+                "--model", str(lora[3] if lora else model_dir), "--host", host, "--port", str(port),
                 "--dtype", backend._dtype(model_dir), "--seed", str(config.seed)]
         if backend._enforce_eager(on_cpu):
             argv.append("--enforce-eager")
@@ -219,7 +236,6 @@ class VLLMBackend:
             argv += ["--max-model-len", str(config.max_model_len)]
         if config.served_model_name:
             argv += ["--served-model-name", config.served_model_name]
-        lora = backend.lora(model_dir)
         if lora is not None:
             argv += ["--enable-lora", "--max-lora-rank", str(lora[2]), "--lora-modules", f"{lora[0]}={lora[1]}"]
         argv += engine_flags(passthrough)

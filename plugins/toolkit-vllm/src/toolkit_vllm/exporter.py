@@ -5,7 +5,8 @@ Layout::
 
     OUTPUT/                   config.json, generation_config.json (all EOS ids), sharded
                               safetensors + index, tokenizer files with the chat template
-    OUTPUT/lora/NAME/         adapter_config.json + adapter_model.safetensors (when the run has one)
+    OUTPUT/lora/NAME/         adapter_config.json + adapter_model.safetensors (when the run has one;
+                              it applies to the base model the run trained from, not to OUTPUT)
     OUTPUT/toolkit_export.json what was written and the vLLM command that serves it
 """
 
@@ -29,7 +30,6 @@ from toolkit.hfdir import (
     read_json,
     write_hf_directory,
 )
-from toolkit.serving import option_value
 from toolkit_vllm.requirements import (
     Findings,
     check_adapter_config,
@@ -61,15 +61,24 @@ def adapter_tensor_name(name: str) -> str:
     return name if name.startswith("base_model.model.") else f"base_model.model.{name}"
 
 
-def write_lora_adapter(adapter: tuple[dict[str, Any], Any], directory: Path) -> dict[str, Any]:
-    """Write ``(peft_config_dict, tensors_callable)`` in PEFT's format; returns the config written."""
+def adapter_parts(adapter: Any) -> tuple[dict[str, Any], Any]:
+    """``ExportModel.adapter`` as ``(config, iterable of (name, tensor))``: it may be a callable
+    returning that pair, or the pair itself with a callable for the tensors."""
+    config, tensors = adapter() if callable(adapter) else adapter
+    return dict(config), tensors() if callable(tensors) else tensors
+
+
+def write_lora_adapter(adapter: Any, directory: Path, base_model: str | None = None) -> dict[str, Any]:
+    """Write the adapter in PEFT's format (what vLLM's --lora-modules reads); returns its config."""
     from safetensors.torch import save_file
 
-    config, tensors = adapter
-    config = {"peft_type": "LORA", "bias": "none", **dict(config)}
+    config, tensors = adapter_parts(adapter)
+    config = {"peft_type": "LORA", "bias": "none", **config}
+    if base_model:
+        config["base_model_name_or_path"] = base_model
     if isinstance(config.get("target_modules"), (set, tuple)):
         config["target_modules"] = sorted(config["target_modules"])
-    state = {adapter_tensor_name(name): tensor.detach().cpu().contiguous() for name, tensor in tensors()}
+    state = {adapter_tensor_name(name): tensor.detach().cpu().contiguous() for name, tensor in tensors}
     if not state:
         raise ExportError("the adapter to export has no tensors")
     bad = [name for name in state if not (".lora_A." in name or ".lora_B." in name)]
@@ -90,7 +99,7 @@ class VLLMExporter:
     class Config:
         dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
             "auto", help="Weight dtype written; auto keeps the checkpoint's.")
-        max_shard_size: str = option("5GB", help="Largest safetensors shard (e.g. 2GB, 500MB).")
+        max_shard_size_mb: int = option(2048, help="Largest safetensors shard in MiB.")
         device: Literal["any", "cpu", "gpu"] = option(
             "any", help="vLLM build the export must run on: cpu makes CPU-only limits (head_dim) errors.")
         adapter_name: str = option("adapter", help="Name the LoRA adapter is served under (--lora-modules NAME=...).")
@@ -100,19 +109,26 @@ class VLLMExporter:
         self.config = config or self.Config()
 
     def export(self, model: ExportModel, output: Path, options: Any = None) -> Path:
+        """Write ``model`` (merged weights) to ``output``, plus ``lora/NAME`` for its adapter."""
         output = Path(output)
         dtype = checkpoint_dtype(model.source.config) if self.config.dtype == "auto" else self.config.dtype
         registry = installed_registry() if self.config.check_with_engine else None
         before = check_model_config(config_dict(model.source.config), device=self.config.device, dtype=dtype,
                                     registry=registry)
         _raise_if(before, "the model cannot be exported for vLLM")
-        write_hf_directory(model, output, dtype=dtype, max_shard_size=self.config.max_shard_size,
-                           overwrite=bool(option_value(options, "overwrite", False)))
+        write_hf_directory(model, output, dtype=dtype, max_shard_size_mb=self.config.max_shard_size_mb)
         manifest: dict[str, Any] = {"exporter": "vllm", "dtype": dtype, "device": self.config.device, "lora_modules": {}}
         if model.adapter is not None:
+            # OUTPUT holds the merged weights; the adapter applies to the base the run trained from.
+            base = Path(model.source.directory)
+            base_model = str(base.resolve()) if (base / "config.json").is_file() else None
+            if base_model is None:
+                log.warning("vllm export: the base model of the adapter is not a local directory; "
+                            "serve the adapter with --option lora_base=DIR")
             adapter_dir = output / "lora" / self.config.adapter_name
-            adapter_config = write_lora_adapter(model.adapter, adapter_dir)
+            adapter_config = write_lora_adapter(model.adapter, adapter_dir, base_model)
             manifest["lora_modules"][self.config.adapter_name] = str(adapter_dir.relative_to(output))
+            manifest["lora_base"] = base_model
             manifest["max_lora_rank"] = max(
                 max_lora_rank_for(r) or 0 for r in [adapter_config.get("r", 0), *(adapter_config.get("rank_pattern") or {}).values()])
         manifest["serve"] = serve_hint(output, manifest)
@@ -125,11 +141,14 @@ class VLLMExporter:
 
 
 def serve_hint(output: Path, manifest: dict[str, Any]) -> str:
-    argv = ["vllm", "serve", str(output), "--dtype", manifest["dtype"]]
+    """The vLLM command for the merged model, and for base + adapter when there is one."""
+    hint = shlex.join(["vllm", "serve", str(output), "--dtype", manifest["dtype"]])
     if manifest.get("lora_modules"):
         modules = [f"{name}={output / path}" for name, path in manifest["lora_modules"].items()]
-        argv += ["--enable-lora", "--max-lora-rank", str(manifest["max_lora_rank"]), "--lora-modules", *modules]
-    return shlex.join(argv)
+        hint += " ; with the adapter: " + shlex.join(
+            ["vllm", "serve", manifest.get("lora_base") or "BASE_MODEL_DIR", "--dtype", manifest["dtype"], "--enable-lora",
+             "--max-lora-rank", str(manifest["max_lora_rank"]), "--lora-modules", *modules])
+    return hint
 
 
 def check_export(directory: Path, *, device: str = "any", registry: frozenset[str] | None = None) -> Findings:
