@@ -142,17 +142,26 @@ def test_serve_answers_chat_completions_for_base_and_lora(tmp_path):
             runner.wait()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("toolkit.inference") is None, reason="core toolkit.inference not merged yet")
-def test_toolkit_infer_cli_vllm_equals_hf(tmp_path):
-    from toolkit_vllm.exporter import VLLMExporter
+def toolkit(*args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, timeout=500)
+    assert done.returncode == 0, f"toolkit {' '.join(args)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
 
-    net, tok = tiny.model("llama", train_steps=30)
-    out = VLLMExporter().export(tiny.export_model(net, tok), tmp_path / "cli")
 
-    def infer(backend: str) -> str:
-        done = subprocess.run([sys.executable, "-m", "toolkit", "infer", str(out), "--backend", backend, "--prompt",
-                               PROMPTS[0], "--max-new-tokens", str(NEW_TOKENS)], capture_output=True, text=True, timeout=400)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return done.stdout.rstrip("\n").splitlines()[-1]
+def test_cli_sft_export_then_infer_vllm_equals_infer_hf(tmp_path):
+    """The user's path: train a preset, export it for vLLM, and generate through both backends."""
+    run, export = tmp_path / "run", tmp_path / "export"
+    toolkit("sft", "--model", "tiny-llama", "--dataset", "demo", "--max-steps", "40", "--lr", "6e-3",
+            "--output", str(run))
+    toolkit("export", str(run), "--to", "vllm", "--output", str(export), "--option", "device=cpu")
+    assert json.loads((export / "toolkit_export.json").read_text())["exporter"] == "vllm"
+    prompts = ["What is the capital of Norland?", "Tell me a story."]
+    args = ["--max-new-tokens", str(NEW_TOKENS)] + [x for p in prompts for x in ("--prompt", p)]
 
-    assert infer("vllm") == infer("hf")
+    def completions(stdout: str) -> list[str]:
+        lines = stdout.splitlines()
+        return lines[next(i for i, line in enumerate(lines) if line.startswith("### ")):]
+
+    hf = completions(toolkit("infer", str(export), "--backend", "hf", *args))
+    vllm = completions(toolkit("infer", str(export), "--backend", "vllm", *args))
+    assert vllm == hf and len(hf) == 2 * len(prompts) and all(hf[1::2]), hf
