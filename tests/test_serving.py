@@ -60,8 +60,8 @@ def command(tmp_path: Path, port: int, delay: float = 0.5, code: int = 0):
 def test_serve_forever_prints_url_and_ends_the_tree_on_sigterm(tmp_path):
     port = free_port()
     cmd = command(tmp_path, port, delay=1.0)
-    code = (f"import json, sys; from toolkit.serving import ServerCommand, serve_forever; "
-            f"c = ServerCommand(**json.loads(sys.argv[1])); sys.exit(serve_forever(c, startup_timeout_s=60))")
+    code = ("import json, sys; from toolkit.serving import ServerCommand, serve_forever; "
+            "c = ServerCommand(**json.loads(sys.argv[1])); sys.exit(serve_forever(c, startup_timeout_s=60))")
     spec = json.dumps({"argv": cmd.argv, "host": cmd.host, "port": cmd.port, "env": cmd.env, "name": cmd.name})
     runner = subprocess.Popen([sys.executable, "-c", code, spec], stdout=subprocess.PIPE, text=True)
     lines = []

@@ -12,8 +12,8 @@ import sys
 import textwrap
 import urllib.request
 
-import pytest
 import lmdeploy_tiny as tiny
+import pytest
 
 
 def test_qwen2_head_dim_64_exports_for_turbomind_in_bfloat16(tmp_path):

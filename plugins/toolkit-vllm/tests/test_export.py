@@ -9,7 +9,6 @@ import pytest
 import vllm_tiny as tiny
 
 
-
 @pytest.fixture(scope="module")
 def trained():
     return tiny.model("llama", train_steps=10)
@@ -134,3 +133,17 @@ def test_adapter_checks_refuse_what_vllm_refuses(extra, message):
     config = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], **extra}
     assert any(message in e for e in check_adapter_config(config).errors)
     assert check_adapter_config({"peft_type": "LORA", "r": 8, "target_modules": ["q_proj", "v_proj"]}).errors == []
+
+
+def test_adapter_only_export_through_the_core(tmp_path, trained):
+    from toolkit.export import export_model
+    from toolkit.hfdir import ExportError
+
+    net, tok = trained
+    adapter, _ = tiny.lora_adapter(net, rank=4)
+    out = export_model(tiny.export_model(net, tok, adapter=adapter), "vllm", tmp_path / "only", adapter_only=True)
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    dora, _ = tiny.lora_adapter(net, rank=4, use_dora=True)
+    with pytest.raises(ExportError, match="DoRA"):
+        export_model(tiny.export_model(net, tok, adapter=dora), "vllm", tmp_path / "dora", adapter_only=True)
+    assert not (tmp_path / "dora").exists()

@@ -15,6 +15,7 @@ from toolkit.config import option
 from toolkit.errors import ToolkitError
 from toolkit.hfdir import read_json
 from toolkit.serving import ServerCommand, engine_flags, option_value, serve_forever, split_extra
+
 from toolkit_lmdeploy.requirements import check_model_config
 
 INSTALL_HINT = ("LMDeploy is not installed{where}. It runs on CUDA GPUs: pip install lmdeploy "

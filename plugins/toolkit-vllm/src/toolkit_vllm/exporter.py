@@ -30,6 +30,7 @@ from toolkit.hfdir import (
     read_json,
     write_hf_directory,
 )
+
 from toolkit_vllm.requirements import (
     Findings,
     check_adapter_config,
@@ -138,6 +139,17 @@ class VLLMExporter:
             log.warning("vllm export: %s", warning)
         _raise_if(after, f"the export in {output} would not load in vLLM")
         return output
+
+
+    def export_adapter(self, model: ExportModel, output: Path, options: Any = None) -> Path:
+        """``--no-merge-lora`` / ``--adapter-only``: only the adapter, checked for vLLM's LoRA serving."""
+        if model.adapter is None:
+            raise ExportError(f"{model.description or 'the model'} has no adapter to export")
+        base = Path(model.source.directory)
+        config = write_lora_adapter(model.adapter, Path(output),
+                                    str(base.resolve()) if (base / "config.json").is_file() else None)
+        _raise_if(check_adapter_config(config), f"the adapter in {output} would not load in vLLM")
+        return Path(output)
 
 
 def serve_hint(output: Path, manifest: dict[str, Any]) -> str:
