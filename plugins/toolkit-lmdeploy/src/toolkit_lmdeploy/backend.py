@@ -125,7 +125,7 @@ class LMDeployBackend:
 
     def serve_command(self, model_dir: Path, host: str, port: int, extra: dict[str, str] | None = None) -> ServerCommand:
         """``lmdeploy serve api_server`` with the engine, dtype and parallelism this model needs."""
-        config, passthrough = split_extra(self.config, extra) if extra else (self.config, {})
+        config, passthrough = split_extra(self.config, extra)
         backend = LMDeployBackend(config)
         engine = backend.engine(model_dir)
         argv = [config.python or sys.executable, "-m", "lmdeploy", "serve", "api_server", str(model_dir),
@@ -146,6 +146,7 @@ class LMDeployBackend:
 
     def serve(self, model_dir: Path, host: str = "127.0.0.1", port: int = 23333, extra: dict[str, str] | None = None) -> None:
         """Run LMDeploy's OpenAI-compatible server until Ctrl-C/SIGTERM; prints the URL once it answers."""
+        config, _ = split_extra(self.config, extra)
+        LMDeployBackend(config)._require_engine()
         command = self.serve_command(model_dir, host, port, extra)
-        LMDeployBackend(split_extra(self.config, extra)[0] if extra else self.config)._require_engine()
-        serve_forever(command, startup_timeout_s=self.config.startup_timeout_s)
+        serve_forever(command, startup_timeout_s=config.startup_timeout_s)

@@ -174,7 +174,7 @@ class VLLMBackend:
             results.append((tokenizer.decode(token_ids, skip_special_tokens=True), token_ids))
         return results
 
-    def _engine(self, model_dir: Path, dtype_option: str | None) -> tuple[Any, tuple[str, Path, int] | None]:
+    def _engine(self, model_dir: Path, dtype_option: str | None) -> tuple[Any, tuple[str, Path, int, Path] | None]:
         on_cpu = not has_cuda()
         for key, value in self._environment(on_cpu).items():
             os.environ.setdefault(key, value)
@@ -219,10 +219,9 @@ class VLLMBackend:
 
     def serve_command(self, model_dir: Path, host: str, port: int, extra: dict[str, str] | None = None) -> ServerCommand:
         """The server command line for ``model_dir`` (``extra``: backend options or engine flags)."""
-        backend = self if not extra else VLLMBackend(split_extra(self.config, extra)[0])
-        passthrough = split_extra(self.config, extra)[1] if extra else {}
+        config, passthrough = split_extra(self.config, extra)
+        backend = VLLMBackend(config)
         on_cpu = not has_cuda()
-        config = backend.config
         lora = backend.lora(model_dir)
         argv = [config.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                 "--model", str(lora[3] if lora else model_dir), "--host", host, "--port", str(port),
@@ -244,9 +243,10 @@ class VLLMBackend:
 
     def serve(self, model_dir: Path, host: str = "127.0.0.1", port: int = 8000, extra: dict[str, str] | None = None) -> None:
         """Run vLLM's OpenAI-compatible server until Ctrl-C/SIGTERM; prints the URL once it answers."""
+        config, _ = split_extra(self.config, extra)
+        VLLMBackend(config)._require_engine()
         command = self.serve_command(model_dir, host, port, extra)
-        VLLMBackend(split_extra(self.config, extra)[0] if extra else self.config)._require_engine()
-        serve_forever(command, startup_timeout_s=self.config.startup_timeout_s)
+        serve_forever(command, startup_timeout_s=config.startup_timeout_s)
 
 
 class _Config:
