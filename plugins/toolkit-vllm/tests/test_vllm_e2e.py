@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import vllm_tiny as tiny
 
-pytestmark = [pytest.mark.vllm,
+pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed here "
                                  "(run plugins/toolkit-vllm/tests/run_vllm_e2e.sh)")]
 PROMPTS = ["the quick brown fox", "export the trained model", "what does greedy decoding pick?"]
