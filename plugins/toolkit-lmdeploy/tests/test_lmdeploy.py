@@ -29,6 +29,7 @@ def export_model(factory, family: str, head_dim: int):
 def test_qwen2_head_dim_64_exports_for_turbomind_in_bfloat16(tmp_path, tiny_model_factory):
     import torch
     from safetensors.torch import load_file
+
     from toolkit_lmdeploy.exporter import LMDeployExporter, check_export
 
     model, net = export_model(tiny_model_factory, "qwen2", head_dim=64)

@@ -26,8 +26,9 @@ def test_callable_adapter_form_is_accepted(tmp_path, trained):
 
 def test_export_reloads_with_identical_logits_and_metadata(tmp_path):
     import torch
-    from toolkit_vllm.exporter import VLLMExporter, check_export
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from toolkit_vllm.exporter import VLLMExporter, check_export
 
     net, tok = tiny.model("llama", head_dim=64, intermediate_size=1024, train_steps=2)  # 3 MiB per layer
     out = VLLMExporter(VLLMExporter.Config(max_shard_size_mb=1)).export(tiny.export_model(net, tok), tmp_path / "vllm")
@@ -58,6 +59,7 @@ def test_export_reloads_with_identical_logits_and_metadata(tmp_path):
 def test_export_casts_to_bfloat16(tmp_path, trained):
     import torch
     from safetensors import safe_open
+
     from toolkit_vllm.exporter import VLLMExporter
 
     net, tok = trained

@@ -44,8 +44,9 @@ def vllm_environment(tmp_path_factory):
 def hf_greedy(net, tok, prompts: list[str]) -> list[list[int]]:
     """The reference: transformers' greedy generate on the chat-formatted prompt."""
     import torch
-    from toolkit_vllm.backend import prompt_token_ids
     from transformers import GenerationConfig
+
+    from toolkit_vllm.backend import prompt_token_ids
 
     results = []
     eos = [tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")]
@@ -97,8 +98,9 @@ def test_lora_export_merged_and_adapter_on_base_both_match_the_merged_reference(
 
 
 def test_builtin_architecture_list_is_in_vllms_registry():
-    from toolkit_vllm.requirements import SUPPORTED_ARCHITECTURES
     from vllm import ModelRegistry
+
+    from toolkit_vllm.requirements import SUPPORTED_ARCHITECTURES
 
     assert SUPPORTED_ARCHITECTURES <= set(ModelRegistry.get_supported_archs())
 

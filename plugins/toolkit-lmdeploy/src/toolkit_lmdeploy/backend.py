@@ -15,7 +15,6 @@ from toolkit.config import option
 from toolkit.errors import ToolkitError
 from toolkit.hfdir import read_json
 from toolkit.serving import ServerCommand, engine_flags, option_value, serve_forever, split_extra
-
 from toolkit_lmdeploy.requirements import check_model_config
 
 INSTALL_HINT = ("LMDeploy is not installed{where}. It runs on CUDA GPUs: pip install lmdeploy "
@@ -106,8 +105,9 @@ class LMDeployBackend:
                                do_sample=temperature > 0, temperature=temperature or 1.0, top_k=0 if temperature else 1)
         # The prompt text is built like the hf backend's (the model's own chat template), so LMDeploy's
         # name-matched built-in templates never change what the model sees.
-        from toolkit.builtins.inference import format_prompt
         from transformers import AutoTokenizer
+
+        from toolkit.builtins.inference import format_prompt
 
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         inputs = [format_prompt(tokenizer, p, bool(option_value(options, "chat_template", True)),

@@ -14,7 +14,6 @@ from typing import Any, ClassVar, Literal
 from toolkit.config import option
 from toolkit.contracts import ExportModel
 from toolkit.hfdir import ExportError, check_hf_directory, config_dict, read_json, write_hf_directory
-
 from toolkit_lmdeploy.requirements import Findings, check_model_config
 
 log = logging.getLogger(__name__)

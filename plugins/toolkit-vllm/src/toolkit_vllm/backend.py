@@ -20,7 +20,6 @@ from toolkit.config import option
 from toolkit.errors import ToolkitError
 from toolkit.hfdir import checkpoint_dtype, read_json
 from toolkit.serving import ServerCommand, engine_flags, option_value, serve_forever, split_extra
-
 from toolkit_vllm.requirements import max_lora_rank_for
 
 INSTALL_HINT = ("vLLM is not installed{where}. Install it in its own environment (it pins its own "

@@ -30,7 +30,6 @@ from toolkit.hfdir import (
     read_json,
     write_hf_directory,
 )
-
 from toolkit_vllm.requirements import (
     Findings,
     check_adapter_config,
