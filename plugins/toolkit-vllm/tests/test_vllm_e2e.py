@@ -112,16 +112,16 @@ def _post(url: str, body: dict) -> dict:
 
 
 def test_serve_answers_chat_completions_for_base_and_lora(tmp_path):
+    """`toolkit serve EXPORT --backend vllm --option lora=adapter`: base and adapter on one server."""
     out, base, merged, tok = tiny.lora_export(tmp_path, "qwen2", rank=8, alpha=16)
     prompt = PROMPTS[0]
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    code = ("from toolkit_vllm.backend import VLLMBackend; "
-            f"VLLMBackend().serve({str(out)!r}, '127.0.0.1', {port}, {{'lora': 'adapter', 'max-model-len': '256'}})")
+    command = [sys.executable, "-m", "toolkit", "serve", str(out), "--backend", "vllm", "--port", str(port),
+               "--option", "lora=adapter", "--option", "max-model-len=256"]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    runner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=env)
+    runner = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
     try:
         for line in runner.stdout:
