@@ -149,3 +149,14 @@ def test_adapter_only_export_through_the_core(tmp_path, trained):
     with pytest.raises(ExportError, match="DoRA"):
         export_model(tiny.export_model(net, tok, adapter=dora), "vllm", tmp_path / "dora", adapter_only=True)
     assert not (tmp_path / "dora").exists()
+
+
+def test_an_adapter_vllm_refuses_leaves_the_merged_export_and_says_why(tmp_path, trained, caplog):
+    from toolkit_vllm.exporter import VLLMExporter
+
+    net, tok = trained
+    dora, _ = tiny.lora_adapter(net, rank=4, use_dora=True)
+    out = VLLMExporter().export(tiny.export_model(net, tok, adapter=dora), tmp_path / "dora")
+    assert (out / "config.json").is_file() and not (out / "lora").exists()
+    assert json.loads((out / "toolkit_export.json").read_text())["lora_modules"] == {}
+    assert "the adapter is not written (vLLM would refuse it): the adapter uses DoRA" in caplog.text

@@ -116,21 +116,17 @@ class VLLMExporter:
         before = check_model_config(config_dict(model.source.config), device=self.config.device, dtype=dtype,
                                     registry=registry)
         _raise_if(before, "the model cannot be exported for vLLM")
+        adapter = adapter_parts(model.adapter) if model.adapter is not None else None
+        if adapter is not None:
+            refused = check_adapter_config(adapter[0]).errors
+            if refused:
+                # The merged weights still serve; only the separate adapter cannot.
+                before.warnings.append("the adapter is not written (vLLM would refuse it): " + "; ".join(refused))
+                adapter = None
         write_hf_directory(model, output, dtype=dtype, max_shard_size_mb=self.config.max_shard_size_mb)
         manifest: dict[str, Any] = {"exporter": "vllm", "dtype": dtype, "device": self.config.device, "lora_modules": {}}
-        if model.adapter is not None:
-            # OUTPUT holds the merged weights; the adapter applies to the base the run trained from.
-            base = Path(model.source.directory)
-            base_model = str(base.resolve()) if (base / "config.json").is_file() else None
-            if base_model is None:
-                log.warning("vllm export: the base model of the adapter is not a local directory; "
-                            "serve the adapter with --option lora_base=DIR")
-            adapter_dir = output / "lora" / self.config.adapter_name
-            adapter_config = write_lora_adapter(model.adapter, adapter_dir, base_model)
-            manifest["lora_modules"][self.config.adapter_name] = str(adapter_dir.relative_to(output))
-            manifest["lora_base"] = base_model
-            manifest["max_lora_rank"] = max(
-                max_lora_rank_for(r) or 0 for r in [adapter_config.get("r", 0), *(adapter_config.get("rank_pattern") or {}).values()])
+        if adapter is not None:
+            manifest.update(self._write_adapter(model, adapter, output))
         manifest["serve"] = serve_hint(output, manifest)
         (output / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         after = check_export(output, device=self.config.device, registry=registry)
@@ -139,15 +135,28 @@ class VLLMExporter:
         _raise_if(after, f"the export in {output} would not load in vLLM")
         return output
 
+    def _write_adapter(self, model: ExportModel, adapter: tuple[dict[str, Any], Any], output: Path) -> dict[str, Any]:
+        """Write ``lora/NAME`` and return the manifest entries that describe it."""
+        # OUTPUT holds the merged weights; the adapter applies to the base the run trained from.
+        base = Path(model.source.directory)
+        base_model = str(base.resolve()) if (base / "config.json").is_file() else None
+        if base_model is None:
+            log.warning("vllm export: the base model of the adapter is not a local directory; "
+                        "serve the adapter with --option lora_base=DIR")
+        adapter_dir = output / "lora" / self.config.adapter_name
+        config = write_lora_adapter(adapter, adapter_dir, base_model)
+        ranks = [config.get("r", 0), *(config.get("rank_pattern") or {}).values()]
+        return {"lora_modules": {self.config.adapter_name: str(adapter_dir.relative_to(output))},
+                "lora_base": base_model, "max_lora_rank": max(max_lora_rank_for(r) or 0 for r in ranks)}
 
     def export_adapter(self, model: ExportModel, output: Path, options: Any = None) -> Path:
         """``--no-merge-lora`` / ``--adapter-only``: only the adapter, checked for vLLM's LoRA serving."""
         if model.adapter is None:
             raise ExportError(f"{model.description or 'the model'} has no adapter to export")
+        adapter = adapter_parts(model.adapter)
+        _raise_if(check_adapter_config(adapter[0]), "the adapter would not load in vLLM")
         base = Path(model.source.directory)
-        config = write_lora_adapter(model.adapter, Path(output),
-                                    str(base.resolve()) if (base / "config.json").is_file() else None)
-        _raise_if(check_adapter_config(config), f"the adapter in {output} would not load in vLLM")
+        write_lora_adapter(adapter, Path(output), str(base.resolve()) if (base / "config.json").is_file() else None)
         return Path(output)
 
 
