@@ -90,3 +90,28 @@ def test_registered_under_its_names():
     toolkit = get_plugin_manager()
     assert toolkit.registry("exporter").get("vllm").__name__ == "VLLMExporter"
     assert toolkit.registry("inference_backend").get("vllm").__name__ == "VLLMBackend"
+
+
+def test_generation_in_another_interpreter_goes_through_the_worker(exported, monkeypatch):
+    import json
+    import subprocess
+
+    from toolkit_vllm import backend as module
+
+    calls = []
+
+    def fake_run(argv, input=None, **kwargs):  # noqa: A002 - subprocess.run's keyword
+        calls.append((argv, json.loads(input)))
+        answer = json.dumps([{"text": "ok", "token_ids": [5, 6]}])
+        return subprocess.CompletedProcess(argv, 0, stdout="vllm log line\n" + answer + "\n", stderr="")
+
+    monkeypatch.setattr(module.VLLMBackend, "_require_engine", lambda self: None)
+    monkeypatch.setattr(module.subprocess, "run", fake_run)
+    # A venv's python is a symlink to the same base interpreter: it must still count as "another".
+    other = str(exported.parent / "other-venv" / "bin" / "python")
+    backend = module.VLLMBackend(module.VLLMBackend.Config(python=other, max_new_tokens=7, lora="adapter"))
+    assert backend.generate_with_ids(exported, ["hi"]) == [("ok", [5, 6])]
+    (argv, request), = calls
+    assert argv == [other, "-m", "toolkit_vllm.worker"]
+    assert request["options"]["max_new_tokens"] == 7 and request["config"]["lora"] == "adapter"
+    assert "python" not in request["config"] and request["model_dir"] == str(exported)

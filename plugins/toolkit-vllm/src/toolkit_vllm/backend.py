@@ -145,7 +145,8 @@ class VLLMBackend:
     def generate_with_ids(self, model_dir: Path, prompts: list[str], options: Any = None) -> list[tuple[str, list[int]]]:
         """Like :meth:`generate`, keeping the generated token ids (for token-level comparisons)."""
         options = self.config if options is None else options
-        if self.config.python and Path(self.config.python).resolve() != Path(sys.executable).resolve():
+        # Venv interpreters are symlinks to one base python: compare the paths, not their targets.
+        if self.config.python and os.path.abspath(self.config.python) != os.path.abspath(sys.executable):
             return self._generate_in(self.config.python, model_dir, prompts, options)
         self._require_engine()
         from transformers import AutoTokenizer
