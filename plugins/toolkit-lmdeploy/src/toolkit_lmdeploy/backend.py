@@ -85,8 +85,10 @@ class LMDeployBackend:
     # ------------------------------------------------------------------ generate
 
     def generate(self, model_dir: Path, prompts: list[str], options: Any = None) -> list[str]:
-        """Completions through ``lmdeploy.pipeline`` (greedy unless ``options.temperature`` > 0)."""
-        self._require_engine()
+        """Completions through ``lmdeploy.pipeline`` in this interpreter (greedy unless
+        ``options.temperature`` > 0); the ``python`` option applies to ``serve`` only."""
+        if importlib.util.find_spec("lmdeploy") is None:
+            raise EngineMissingError(INSTALL_HINT.format(where=f" in {sys.executable}, where generation runs"))
         from lmdeploy import GenerationConfig, PytorchEngineConfig, TurbomindEngineConfig, pipeline
 
         engine = self.engine(model_dir)
