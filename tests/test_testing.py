@@ -50,6 +50,17 @@ def test_run_distributed_runs_scripts_with_the_torchrun_environment(tmp_path):
     assert ranks[0][2] == ranks[1][2]  # one rendezvous port for both
 
 
+def test_a_failing_script_rank_fails_the_run_without_waiting_for_the_timeout(tmp_path):
+    import time
+
+    script = tmp_path / "one_fails.py"
+    script.write_text("import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit('rank 1 gives up')\ntime.sleep(60)\n")
+    start = time.monotonic()
+    with pytest.raises(DistributedError, match="rank 1 gives up"):
+        run_distributed(script, timeout=120)
+    assert time.monotonic() - start < 40
+
+
 def test_run_distributed_rejects_functions_other_processes_cannot_import():
     def local():
         return 1
