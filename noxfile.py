@@ -90,7 +90,7 @@ BY_NAME = {p.name: p for p in PLUGINS}
 
 def pytest_args(session: nox.Session) -> list[str]:
     markers = "not gpu and not slow" if os.environ.get("TOOLKIT_TEST_FAST") else "not gpu"
-    return ["-m", markers, *session.posargs]
+    return ["-m", markers, "--durations=5", *session.posargs]
 
 
 def run_suites(session: nox.Session, suites: list[tuple[str, Path, list[str], dict[str, str]]]) -> None:
