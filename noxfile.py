@@ -155,4 +155,4 @@ def demo(session: nox.Session) -> None:
     env = {"HF_HUB_OFFLINE": "1"}
     session.run("toolkit", "sft", "--config", str(ROOT / "examples" / "demo.yaml"), "--output", str(run), "--overwrite", env=env)
     session.run("toolkit", "infer", str(run), "--prompt", "What is the capital of Lopehes?", env=env)
-    session.run("python", str(ROOT / "examples" / "score_demo.py"), str(run / "export"), env=env)
+    session.run("python", str(ROOT / "examples" / "score_demo.py"), str(run), env=env)
