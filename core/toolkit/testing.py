@@ -280,7 +280,8 @@ def _raise_failures(failures: list[tuple[int, int, str, str]]) -> None:
 
 
 def run_distributed(target: Callable[..., Any] | str | Path | Sequence[str], nproc: int = 2, args: Sequence[Any] = (),
-                    kwargs: dict[str, Any] | None = None, timeout: float = 300.0, env: dict[str, str] | None = None) -> list[Any]:
+                    kwargs: dict[str, Any] | None = None, timeout: float = 300.0, env: dict[str, str] | None = None,
+                    cwd: str | Path | None = None) -> list[Any]:
     """Run ``target`` on ``nproc`` processes joined by ``torch.distributed`` (gloo) on this machine.
 
     - a function (module-level, importable by a fresh interpreter): each rank runs
@@ -289,6 +290,8 @@ def run_distributed(target: Callable[..., Any] | str | Path | Sequence[str], npr
     - a script path (``"train.py"``) or an argv list (``["-m", "toolkit", "sft", ...]``): run
       with ``python`` and the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT,
       LOCAL_RANK); ``args`` are appended; returns a :class:`RankResult` per rank.
+
+    ``env`` adds environment variables for every rank; ``cwd`` is their working directory.
 
     A rank that exits non-zero raises :class:`DistributedError` with each failing rank's output,
     except the known harmless abort at interpreter exit after the rank reported it was done.
@@ -312,7 +315,7 @@ def run_distributed(target: Callable[..., Any] | str | Path | Sequence[str], npr
             out, err = job / f"rank-{rank}.out", job / f"rank-{rank}.err"
             logs.append((out, err))
             with out.open("w") as stdout, err.open("w") as stderr:  # files, not pipes: no blocking on full buffers
-                procs.append(subprocess.Popen([sys.executable, *argv], env=rank_env, stdout=stdout, stderr=stderr))
+                procs.append(subprocess.Popen([sys.executable, *argv], env=rank_env, stdout=stdout, stderr=stderr, cwd=cwd))
 
         def finished(rank: int) -> bool:
             """A function's rank wrote its result and tore down cleanly (scripts have no marker)."""
