@@ -99,3 +99,46 @@ def test_toolkit_manager_installs_a_fresh_process_wide_manager(toolkit_manager):
     before = plugins.get_plugin_manager()
     inner = toolkit_manager(installed=False)
     assert plugins.get_plugin_manager() is inner and inner is not before
+
+
+PLUGIN_AUTHOR_TESTS = '''
+import dataclasses
+from toolkit import hookimpl
+from toolkit.plugins import get_plugin_manager
+
+
+class Mine:
+    """A loss from a third-party plugin."""
+    name = "mine"
+
+    @dataclasses.dataclass(kw_only=True)
+    class Config:
+        pass
+
+    def __init__(self, config):
+        self.config = config
+
+
+class my_plugin:
+    @staticmethod
+    @hookimpl
+    def toolkit_register_losses(register):
+        register(Mine)
+
+
+def test_uses_the_fixtures(toolkit_manager, cli_runner):
+    toolkit_manager(("mine", my_plugin), installed=False)
+    assert "mine" in get_plugin_manager().registry("loss")
+    result = cli_runner.invoke("mine", "--help")
+    assert result.exit_code == 0 and "A loss from a third-party plugin." in result.stdout
+
+
+def test_the_next_test_does_not_see_it():
+    assert "mine" not in get_plugin_manager().registry("loss")
+'''
+
+
+def test_the_fixtures_reach_plugin_authors_through_the_pytest11_entry_point(pytester):
+    pytester.makepyfile(test_author=PLUGIN_AUTHOR_TESTS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
