@@ -20,7 +20,8 @@ A plugin takes part without being listed here. Its ``pyproject.toml`` may carry 
     skip = "needs a GPU"        # not tested by nox; the reason is printed
 
 Every install uses ``-c constraints.txt`` (it pins torch). ``TOOLKIT_TEST_FAST=1`` deselects tests
-marked ``slow``; tests marked ``gpu`` never run here.
+marked ``slow``; ``TOOLKIT_TEST_WORKERS=4`` runs each suite on 4 pytest-xdist workers; tests marked
+``gpu`` never run here.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ BY_NAME = {p.name: p for p in PLUGINS}
 
 def pytest_args(session: nox.Session) -> list[str]:
     markers = "not gpu and not slow" if os.environ.get("TOOLKIT_TEST_FAST") else "not gpu"
-    return ["-m", markers, "--durations=5", *session.posargs]
+    workers = os.environ.get("TOOLKIT_TEST_WORKERS")  # pytest-xdist processes per suite, for machines with cores to spare
+    return ["-m", markers, "--durations=5", *(["-n", workers] if workers else []), *session.posargs]
 
 
 def run_suites(session: nox.Session, suites: list[tuple[str, Path, list[str], dict[str, str]]]) -> None:
