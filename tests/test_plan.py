@@ -268,3 +268,13 @@ def test_plan_command_prints_ranked_layouts_without_importing_torch():
     bad = subprocess.run([sys.executable, "-m", "toolkit", "plan", "--model", "nope.json", "--gpus", "1"],
                          capture_output=True, text=True)
     assert bad.returncode == 1 and "nope.json: no such model" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_expert_parallel_feeds_experts_bigger_matmuls():
+    qwen3_moe = load_shape(CONFIGS / "qwen3-30b-a3b.json")
+    cluster = make_cluster(16, 2, "80GiB")
+    ep1 = step_time(qwen3_moe, Layout("megatron", pp=2, ep=1, dp=8, zero=1), WORK, cluster, 128)
+    ep8 = step_time(qwen3_moe, Layout("megatron", pp=2, ep=8, dp=8, zero=1), WORK, cluster, 128)
+    assert ep8.compute < ep1.compute and ep8.expert_parallel > 0 == ep1.expert_parallel
+    best = plan(qwen3_moe, cluster, WORK, ("megatron",)).best
+    assert best.layout.ep > 1

@@ -1,8 +1,9 @@
 """Step-time model of one layout: compute at an efficiency, communication, pipeline bubble, optimizer.
 
 Compute is training FLOPs (6 per matmul weight per token, 4 for frozen LoRA bases, +2 with
-recompute, plus causal attention) at a matmul efficiency that grows with the tokens of a
-micro-batch and the per-GPU hidden size. Collectives use ring volumes over NVLink when the
+recompute, plus causal attention) at a matmul efficiency that grows with the rows of the matmul
+(tokens of a micro-batch; for routed experts, the tokens each expert receives) and the per-GPU
+hidden size. Collectives use ring volumes over NVLink when the
 group stays inside a node and over the network when it spans nodes (Megatron's rank order:
 TP innermost, then CP, EP/DP, PP outermost).
 """
@@ -59,9 +60,12 @@ class TimeBreakdown:
         return [(name, value) for name, value in rows if value > 0]
 
 
-def train_flops_per_token(shape: ModelShape, workload: Workload, recompute: bool) -> float:
-    """Matmul + causal-attention FLOPs of forward and backward (and recompute) for one token."""
-    matmul = shape.active_matmul_params
+def train_flops_per_token(shape: ModelShape, workload: Workload, recompute: bool) -> tuple[float, float]:
+    """(dense, routed-expert) FLOPs of forward and backward (and recompute) for one token.
+
+    Dense covers attention/shared matmuls, the LM head and causal attention scores."""
+    routed = shape.moe_layers * shape.experts_per_token * 3 * shape.hidden * shape.expert_ffn
+    matmul = shape.active_matmul_params - routed
     if workload.tuner == "full":
         coefficient = 8.0 if recompute else 6.0
         extra = 0.0
@@ -69,16 +73,24 @@ def train_flops_per_token(shape: ModelShape, workload: Workload, recompute: bool
         coefficient = 6.0 if recompute else 4.0
         extra = 6.0 * shape.lora_params(workload.lora_rank) * (shape.experts_per_token / shape.experts if shape.is_moe else 1)
     attention = (8.0 if recompute else 6.0) * shape.layers * workload.seq_len * shape.q_dim
-    return coefficient * matmul + extra + attention
+    return coefficient * matmul + extra + attention, coefficient * routed
 
 
-def matmul_efficiency(shape: ModelShape, layout: Layout, workload: Workload) -> float:
-    tokens = workload.micro_batch_tokens / layout.cp
+def matmul_efficiency(shape: ModelShape, layout: Layout, workload: Workload, rows: float | None = None) -> float:
+    """Share of peak for matmuls with ``rows`` tokens (default: the micro-batch on one CP rank)."""
+    tokens = workload.micro_batch_tokens / layout.cp if rows is None else rows
     width = shape.hidden / (layout.tp if layout.strategy == "megatron" else 1)
     efficiency = BASE_EFFICIENCY[layout.strategy] * tokens / (tokens + 512) * width / (width + 128)
     if workload.tuner == "qlora":
         efficiency *= 0.75  # NF4 dequantisation before every base matmul
     return efficiency
+
+
+def expert_rows(shape: ModelShape, layout: Layout, workload: Workload) -> float:
+    """Tokens each local expert multiplies per micro-batch: expert parallelism gathers the tokens
+    routed to a GPU's experts from EP ranks, so its grouped GEMMs get EP times more rows."""
+    ep = layout.ep if layout.strategy == "megatron" else 1
+    return workload.micro_batch_tokens / layout.cp * shape.experts_per_token / shape.experts * ep
 
 
 def ring_time(bytes_: float, group: int, bandwidth: float, all_reduce: bool = True) -> float:
@@ -97,8 +109,11 @@ def step_time(shape: ModelShape, layout: Layout, workload: Workload, cluster: Cl
     out.micro_batches = micro_batches
     out.tokens_per_step = global_rows * workload.seq_len
     out.efficiency = matmul_efficiency(shape, layout, workload)
-    flops = train_flops_per_token(shape, workload, layout.recompute)
-    out.compute = out.tokens_per_step * flops / (layout.world_size * cluster.gpu.peak_flops * out.efficiency)
+    dense_flops, expert_flops = train_flops_per_token(shape, workload, layout.recompute)
+    seconds_per_token = dense_flops / out.efficiency
+    if expert_flops:
+        seconds_per_token += expert_flops / matmul_efficiency(shape, layout, workload, expert_rows(shape, layout, workload))
+    out.compute = out.tokens_per_step * seconds_per_token / (layout.world_size * cluster.gpu.peak_flops)
 
     tokens_mb = workload.micro_batch_tokens / layout.cp  # tokens one GPU handles per micro-batch
     layers_here = shape.layers / layout.pp
