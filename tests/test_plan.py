@@ -278,3 +278,16 @@ def test_expert_parallel_feeds_experts_bigger_matmuls():
     assert ep8.compute < ep1.compute and ep8.expert_parallel > 0 == ep1.expert_parallel
     best = plan(qwen3_moe, cluster, WORK, ("megatron",)).best
     assert best.layout.ep > 1
+
+
+def test_choose_strategy_accepts_the_runner_call(monkeypatch, tmp_path):
+    import toolkit.plan.auto as auto
+
+    (tmp_path / "config.json").write_text((CONFIGS / "llama-3.2-1b.json").read_text())
+    recipe = _Recipe()
+    recipe.model = str(tmp_path)
+    assert choose_strategy(recipe, 1)["strategy"] == "local"  # CPU
+    monkeypatch.setattr(auto, "_gpu_memory_and_kind", lambda memory: (141 * 10**9, "h200"))
+    monkeypatch.setattr(auto, "installed_strategies", lambda: ("local", "fsdp"))
+    overrides = choose_strategy(recipe, 1)
+    assert overrides["strategy"] == "local" and overrides["gradient_checkpointing"] is False

@@ -26,6 +26,17 @@ def shape_of(source: Any) -> ModelShape:
     return load_shape(config)
 
 
+def _model_config(recipe: Any) -> Any:
+    """The model's config without loading weights: config.json of a directory, else the loader's."""
+    from pathlib import Path
+
+    if Path(recipe.model).is_dir() or Path(recipe.model).is_file():
+        return Path(recipe.model)
+    from toolkit.builtins.loaders import resolve_model
+
+    return resolve_model(recipe.model, trust_remote_code=getattr(recipe, "trust_remote_code", False))
+
+
 def installed_strategies() -> tuple[str, ...]:
     try:
         from toolkit.plugins import get_plugin_manager
@@ -50,17 +61,24 @@ def _gpu_memory_and_kind(gpu_memory: Any) -> tuple[Any, str | None]:
     return gpu_memory, kind
 
 
-def choose_strategy(recipe: Any, source: Any, world_size: int, gpu_memory: Any = None) -> dict[str, Any]:
+def choose_strategy(recipe: Any, source: Any = None, world_size: int | None = None, gpu_memory: Any = None) -> dict[str, Any]:
     """Recipe overrides for the fastest layout that fits ``world_size`` GPUs of this machine.
 
+    ``source``: a ModelSource, HF config, config dict or path; None (or an int, read as
+    ``world_size``, for ``choose_strategy(recipe, world_size)``) plans ``recipe.model``.
     ``gpu_memory``: bytes or a string such as "80GiB"; None asks CUDA. Without CUDA the answer
     is the ``local`` strategy (one process or DDP over gloo), whatever the model.
     """
     from toolkit.plan.search import plan
 
+    if isinstance(source, int) and not isinstance(source, bool):
+        source, world_size = None, source
+    world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     gpu_memory, kind = _gpu_memory_and_kind(gpu_memory)
     if kind is None:
         return dict(LOCAL)
+    if source is None:
+        source = _model_config(recipe)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
     nodes = max(1, world_size // max(1, local_world))
     section = recipe.section("lora") if hasattr(recipe, "section") else {}

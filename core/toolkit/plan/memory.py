@@ -183,12 +183,21 @@ def checkpoint_bytes_per_token_layer(shape: ModelShape, layout: Layout, workload
     return (4 if fp32_residual else 2) * shape.hidden / layout.cp
 
 
-def logits_bytes_per_token(shape: ModelShape, layout: Layout) -> float:
-    """Loss-time peak per token: HF upcasts logits to fp32, keeps log-softmax, then its gradient
-    (3 x 4 bytes x vocab); Megatron's vocab-parallel cross entropy splits over TP."""
+LOGPS_CHUNK_TOKENS = 2048
+"""Tokens per chunk of the core's label log-prob computation (toolkit.train.logps)."""
+
+
+def logits_bytes(shape: ModelShape, layout: Layout, tokens: int) -> float:
+    """Loss-time peak on the last stage for one micro-batch.
+
+    HF-module strategies use the core's chunked label log-probs: logits exist for one chunk of
+    2048 tokens at a time and are recomputed in backward, where bf16 logits, their fp32 copy, the
+    log-softmax and two gradients of that size coexist (14 bytes x vocab per token). Megatron's
+    vocab-parallel cross entropy keeps bf16 logits plus fp32 softmax for the whole micro-batch,
+    split over TP (10 bytes x vocab / TP per token)."""
     if layout.strategy == "megatron":
-        return 10 * shape.vocab / layout.tp
-    return 12 * shape.vocab / layout.cp
+        return 10 * shape.vocab / layout.tp * tokens
+    return 14 * shape.vocab * min(tokens // layout.cp, LOGPS_CHUNK_TOKENS)
 
 
 def params_on_stage(shape: ModelShape, layout: Layout, first: bool, last: bool) -> tuple[float, float]:
@@ -261,7 +270,7 @@ def stage_memory(shape: ModelShape, layout: Layout, workload: Workload, micro_ba
     else:
         out.activations = out.activations_without_recompute
     if last:
-        out.logits = logits_bytes_per_token(shape, layout) * tokens
+        out.logits = logits_bytes(shape, layout, tokens)
     if layout.strategy == "local" and tuner == "full":
         out.weight_copies = 2.0 * params  # autocast's bf16 weights, saved for backward
     out.gradients_persistent = layout.strategy in ("megatron", "deepspeed")
