@@ -59,3 +59,30 @@ def test_two_node_torchrun_job_on_localhost():
                 node.kill()
     results = sorted(line for out in outputs for line in out.splitlines() if line.startswith("RESULT"))
     assert results == ["RESULT rank=0 world=2 node=0 sum=3", "RESULT rank=1 world=2 node=1 sum=3"]
+
+
+@pytest.mark.slow
+def test_two_node_toolkit_training_step(tmp_path):
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    args = ["pt", "--model", "tiny-llama", "--strategy", "auto", "--max-steps", "1", "--seq-len", "64",
+            "--output", str(tmp_path / "run")]
+    nodes = [subprocess.Popen([sys.executable, "-m", "toolkit", "launch", "--nproc", "1", "--nnodes", "2",
+                               "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port), *args],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+             for rank in (0, 1)]
+    try:
+        for node in nodes:
+            out, err = node.communicate(timeout=300)
+            assert node.returncode == 0, err[-3000:]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    import json
+
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    metrics = [json.loads(line) for line in lines if line.strip()]
+    assert metrics and metrics[-1]["step"] == 1 and metrics[-1]["loss"] > 0
+    recipe = (tmp_path / "run" / "recipe.yaml").read_text()
+    assert "strategy: local" in recipe  # --strategy auto on CPU
