@@ -6,9 +6,10 @@ for a few steps, measures peak allocated memory (torch.cuda.max_memory_allocated
 optimizer states exist) and tokens/s, and prints the planner's estimate beside each, plus whether
 the planner orders the configurations by speed as measured. Target: memory within 15%.
 
-The training path is the one the planner models for the ``local`` strategy: fp32 parameters,
-bf16 autocast, torch AdamW (default foreach) with fp32 states, gradient clipping, HF's own loss
-(labels=input_ids); LoRA: bf16 base weights, fp32 adapters on all attention and MLP linears.
+The training path is the core ``local`` strategy's, which the planner models: fp32 parameters,
+bf16 autocast through toolkit.train.logps.CausalLMLogps (chunked label log-probs), torch AdamW
+(default foreach) with fp32 states, gradient clipping, token-mean NLL; LoRA: bf16 base weights,
+fp32 PEFT adapters on all attention and MLP linears (an assumption until the peft plugin lands).
 
     python bench/plan_check.py            # on a GPU (the lead's H200 run)
     python bench/plan_check.py --tiny     # CPU smoke test of the same path with a tiny model
@@ -66,24 +67,40 @@ def build_model(config_dict: dict, case: Case, device: str):
     return model.to(device).train()
 
 
+def make_batch(vocab: int, case: Case, device: str) -> dict:
+    """A micro-batch in the core's contract: labels already shifted, one sequence per row."""
+    import torch
+
+    ids = torch.randint(0, vocab, (case.micro_batch_size, case.seq_len + 1), device=device)
+    rows = torch.arange(case.micro_batch_size, device=device)[:, None].expand(-1, case.seq_len)
+    return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous(),
+            "position_ids": torch.arange(case.seq_len, device=device).expand(case.micro_batch_size, -1),
+            "sequence_ids": torch.zeros_like(rows)}
+
+
 def measure(config_dict: dict, case: Case, device: str, steps: int, warmup: int) -> dict:
     import torch
 
     from toolkit.plan.measure import saved_activation_bytes
+    from toolkit.train.logps import CausalLMLogps
 
     model = build_model(config_dict, case, device)
+    module = CausalLMLogps(model, torch.bfloat16)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-5)
     vocab = config_dict["vocab_size"]
-    ids = torch.randint(0, vocab, (case.micro_batch_size, case.seq_len), device=device)
-    activations = None if case.recompute else saved_activation_bytes(model, {"input_ids": ids, "labels": ids}, device, vocab)
+    batch = make_batch(vocab, case, device)
+
+    def loss_fn():
+        logps, _ = module(batch["input_ids"], batch["labels"], batch["position_ids"], batch["sequence_ids"])
+        return -logps.sum() / logps.numel()
+
+    activations = None if case.recompute else saved_activation_bytes(model, loss_fn, vocab)
     gc.collect()
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(device, dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        loss_fn().backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
 
@@ -99,7 +116,7 @@ def measure(config_dict: dict, case: Case, device: str, steps: int, warmup: int)
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
-    del model, optimizer, trainable
+    del model, module, optimizer, trainable
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()

@@ -20,6 +20,11 @@ CONFIG = dict(model_type="llama", hidden_size=256, intermediate_size=768, num_hi
               num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=False)
 
 
+def hf_loss(model, ids):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return model(input_ids=ids, labels=ids).loss
+
+
 @pytest.mark.parametrize("seq_len", [96, 128, 384])
 def test_full_finetune_activations_match_autograd(seq_len):
     torch.manual_seed(0)
@@ -27,7 +32,7 @@ def test_full_finetune_activations_match_autograd(seq_len):
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     batch = 2
     ids = torch.randint(0, CONFIG["vocab_size"], (batch, seq_len))
-    measured = saved_activation_bytes(model, {"input_ids": ids, "labels": ids}, "cpu", CONFIG["vocab_size"])
+    measured = saved_activation_bytes(model, lambda: hf_loss(model, ids), CONFIG["vocab_size"])
     shape = shape_from_config(config.to_dict())
     workload = Workload(seq_len=seq_len, micro_batch_size=batch)
     predicted = activation_bytes_per_token_layer(shape, Layout("local"), workload) * shape.layers * batch * seq_len
@@ -43,7 +48,7 @@ def test_lora_activations_match_autograd():
     model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=targets, lora_dropout=0.0))
     batch, seq_len = 2, 96
     ids = torch.randint(0, CONFIG["vocab_size"], (batch, seq_len))
-    measured = saved_activation_bytes(model, {"input_ids": ids, "labels": ids}, "cpu", CONFIG["vocab_size"])
+    measured = saved_activation_bytes(model, lambda: hf_loss(model, ids), CONFIG["vocab_size"])
     shape = shape_from_config(config.to_dict())
     workload = Workload(seq_len=seq_len, micro_batch_size=batch, tuner="lora", lora_rank=16)
     predicted = activation_bytes_per_token_layer(shape, Layout("local"), workload) * shape.layers * batch * seq_len

@@ -5,11 +5,11 @@ Used by tests/test_plan_measure.py and bench/plan_check.py. torch is imported in
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 
-def saved_activation_bytes(model: Any, batch: dict[str, Any], device_type: str, vocab: int) -> int:
-    """Bytes of distinct storages saved for backward by one autocast (bf16) forward of ``model``.
+def saved_activation_bytes(model: Any, forward: Callable[[], Any], vocab: int) -> int:
+    """Bytes of distinct storages saved for backward while ``forward()`` runs (it returns the loss).
 
     Parameters, their bf16 autocast copies (the planner counts them as weight copies) and
     vocabulary-sized loss tensors (counted as logits) are left out.
@@ -37,7 +37,6 @@ def saved_activation_bytes(model: Any, batch: dict[str, Any], device_type: str, 
         return tensor
 
     with WeightCasts(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with torch.autocast(device_type, dtype=torch.bfloat16):
-            loss = model(**batch).loss
+        loss = forward()
     del loss
     return sum(seen.values())
