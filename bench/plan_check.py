@@ -116,10 +116,6 @@ def measure(config_dict: dict, case: Case, device: str, steps: int, warmup: int)
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
-    del model, module, optimizer, trainable
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
     return {"peak_bytes": peak, "tokens_per_s": steps * case.micro_batch_size * case.seq_len / elapsed,
             "activation_bytes": activations}
 
@@ -161,6 +157,9 @@ def main() -> None:
     rows = []
     for case in cases:
         measured = measure(config, case, device, steps, args.warmup)
+        gc.collect()  # the previous case's model and optimizer go before the next peak is measured
+        if device == "cuda":
+            torch.cuda.empty_cache()
         predicted = estimate(config, case, gpu_kind)
         rows.append({"case": case.name, "measured": measured, "estimate": predicted})
 

@@ -5,7 +5,8 @@ Used by tests/test_plan_measure.py and bench/plan_check.py. torch is imported in
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def saved_activation_bytes(model: Any, forward: Callable[[], Any], vocab: int) -> int:
