@@ -12,7 +12,7 @@ bf16 autocast through toolkit.train.logps.CausalLMLogps (chunked label log-probs
 fp32 PEFT adapters on all attention and MLP linears (an assumption until the peft plugin lands).
 
     python bench/plan_check.py            # on a GPU (the lead's H200 run)
-    python bench/plan_check.py --tiny     # CPU smoke test of the same path with a tiny model
+    python bench/plan_check.py --tiny     # CPU: a tiny model, peak from the CPU allocator trace
 Writes plan_check.json to $OUT when it is set.
 """
 
@@ -81,7 +81,7 @@ def make_batch(vocab: int, case: Case, device: str) -> dict:
 def measure(config_dict: dict, case: Case, device: str, steps: int, warmup: int) -> dict:
     import torch
 
-    from toolkit.plan.measure import saved_activation_bytes
+    from toolkit.plan.measure import allocated_bytes, cpu_peak_bytes, saved_activation_bytes
     from toolkit.train.logps import CausalLMLogps
 
     model = build_model(config_dict, case, device)
@@ -115,12 +115,18 @@ def measure(config_dict: dict, case: Case, device: str, steps: int, warmup: int)
     if device == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
-    peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
+    if device == "cuda":
+        peak = torch.cuda.max_memory_allocated()
+    else:  # CPU: the allocator trace of one more step, on top of weights and optimizer states
+        optimizer.zero_grad(set_to_none=True)
+        peak = cpu_peak_bytes(step, allocated_bytes(model, optimizer))
     return {"peak_bytes": peak, "tokens_per_s": steps * case.micro_batch_size * case.seq_len / elapsed,
             "activation_bytes": activations}
 
 
 def estimate(config_dict: dict, case: Case, gpu_kind: str) -> dict:
+    """The planner's numbers; on CPU without the CUDA workspace and the foreach-AdamW temporary
+    (CPU AdamW runs tensor by tensor)."""
     from toolkit.plan import Layout, Workload, layout_memory, make_cluster, shape_from_config, step_time
     from toolkit.plan.memory import activation_bytes_per_token_layer
 
@@ -129,6 +135,8 @@ def estimate(config_dict: dict, case: Case, gpu_kind: str) -> dict:
                         global_batch_size=case.micro_batch_size, tuner=case.tuner, lora_rank=16)
     layout = Layout("local", recompute=case.recompute)
     memory = layout_memory(shape, layout, workload, micro_batches=1)
+    if gpu_kind == "cpu":
+        memory.buffers = memory.optimizer_step_temp = 0.0
     timing = step_time(shape, layout, workload, make_cluster(1, 1, None, gpu_kind), case.micro_batch_size)
     activations = activation_bytes_per_token_layer(shape, layout, workload) * shape.layers * workload.micro_batch_tokens
     return {"peak_bytes": memory.total, "tokens_per_s": timing.tokens_per_second, "activation_bytes": activations,
@@ -163,15 +171,17 @@ def main() -> None:
         predicted = estimate(config, case, gpu_kind)
         rows.append({"case": case.name, "measured": measured, "estimate": predicted})
 
+    unit = 2**20 if device == "cpu" else 2**30
+
     def gib(value):
-        return f"{value / 2**30:8.2f}" if value is not None else "     n/a"
+        return f"{value / unit:8.2f}" if value is not None else "     n/a"
 
     def error(est, meas):
         return f"{(est - meas) / meas:+7.1%}" if meas else "    n/a"
 
     header = (f"{'configuration':26} {'mem est':>8} {'mem meas':>8} {'err':>7} {'act est':>8} {'act meas':>8} {'err':>7} "
               f"{'tok/s est':>10} {'tok/s meas':>10} {'err':>7}")
-    print(f"device: {torch.cuda.get_device_name(0) if device == 'cuda' else 'cpu'} (planner GPU kind {gpu_kind}); GiB")
+    print(f"device: {torch.cuda.get_device_name(0) if device == 'cuda' else 'cpu'} (planner GPU kind {gpu_kind}); {'MiB' if device == 'cpu' else 'GiB'}")
     print(header)
     for row in rows:
         m, e = row["measured"], row["estimate"]
@@ -184,8 +194,7 @@ def main() -> None:
               for r in rows if r["measured"]["peak_bytes"]]
     print("speed order, planner :", " > ".join(rows[i]["case"] for i in est_order))
     print("speed order, measured:", " > ".join(rows[i]["case"] for i in meas_order))
-    print(f"ranking agrees: {est_order == meas_order}; memory within 15%: "
-          f"{f'{sum(within)}/{len(within)}' if within else 'n/a (no CUDA)'}")
+    print(f"ranking agrees: {est_order == meas_order}; memory within 15%: {sum(within)}/{len(within)}")
     summary = {"device": device, "gpu_kind": gpu_kind, "steps": steps, "rows": rows,
                "ranking_agrees": est_order == meas_order, "memory_within_15pct": within}
     if os.environ.get("OUT"):

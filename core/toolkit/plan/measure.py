@@ -41,3 +41,37 @@ def saved_activation_bytes(model: Any, forward: Callable[[], Any], vocab: int) -
         loss = forward()
     del loss
     return sum(seen.values())
+
+
+def cpu_peak_bytes(step: Callable[[], Any], baseline: int) -> int:
+    """Peak bytes held by the CPU allocator while ``step()`` runs: ``baseline`` (what was allocated
+    before, e.g. weights and optimizer states) plus the highest running sum of the allocations and
+    frees the profiler records. Lets the memory model be checked on machines without CUDA."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    allocations: list[tuple[int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation and str(node.extra_fields.device) == "cpu":
+            allocations.append((node.start_time_ns, node.extra_fields.alloc_size))
+        stack.extend(node.children)
+    current = peak = 0
+    for _, size in sorted(allocations):
+        current += size
+        peak = max(peak, current)
+    return baseline + peak
+
+
+def allocated_bytes(model: Any, optimizer: Any) -> int:
+    """Bytes of parameters, gradients and optimizer state tensors that exist right now."""
+    import torch
+
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total += sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    for state in optimizer.state.values():
+        total += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t) and t.dim())
+    return total
