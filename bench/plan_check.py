@@ -54,7 +54,7 @@ def build_model(config_dict: dict, case: Case, device: str):
 
     config = transformers.AutoConfig.for_model(**config_dict)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     if case.tuner == "lora":
         import peft
 
@@ -194,9 +194,15 @@ def main() -> None:
               for r in rows if r["measured"]["peak_bytes"]]
     print("speed order, planner :", " > ".join(rows[i]["case"] for i in est_order))
     print("speed order, measured:", " > ".join(rows[i]["case"] for i in meas_order))
-    print(f"ranking agrees: {est_order == meas_order}; memory within 15%: {sum(within)}/{len(within)}")
+    est_speed = [r["estimate"]["tokens_per_s"] for r in rows]
+    meas_speed = [r["measured"]["tokens_per_s"] for r in rows]
+    pairs = [(i, j) for i in range(len(rows)) for j in range(i + 1, len(rows))]
+    concordant = sum((est_speed[i] - est_speed[j]) * (meas_speed[i] - meas_speed[j]) > 0 for i, j in pairs)
+    print(f"ranking agrees: {est_order == meas_order} ({concordant}/{len(pairs)} pairs ordered alike); "
+          f"memory within 15%: {sum(within)}/{len(within)}")
     summary = {"device": device, "gpu_kind": gpu_kind, "steps": steps, "rows": rows,
-               "ranking_agrees": est_order == meas_order, "memory_within_15pct": within}
+               "ranking_agrees": est_order == meas_order, "pairs_ordered_alike": [concordant, len(pairs)],
+               "memory_within_15pct": within}
     if os.environ.get("OUT"):
         path = os.path.join(os.environ["OUT"], "plan_check.json")
         with open(path, "w") as handle:
