@@ -207,6 +207,10 @@ class Toolkit:
     def resolve_export_source(self, path: str) -> Any:
         return self.pm.hook.toolkit_resolve_export_source(path=path)
 
+    def patch_model(self, model: Any, source: Any, recipe: Any) -> None:
+        """Let plugins modify a built HF model before the tuner (``toolkit_patch_model``)."""
+        self.pm.hook.toolkit_patch_model(model=model, source=source, recipe=recipe)
+
 
 def _report_broken(name: str, version: str, exc: BaseException) -> None:
     message = f"toolkit: plugin {name} {version} failed and was skipped (core {__version__}): {type(exc).__name__}: {exc}"

@@ -10,8 +10,9 @@ from toolkit.config import build_dataclass, option, to_dict
 from toolkit.errors import ConfigError
 
 # Kinds whose registered things expose their Config as CLI flags (``--lora-rank``) and as
-# YAML sections (``lora: {rank: 16}``).
-OPTION_KINDS = ("strategy", "tuner", "loss", "dataset_format")
+# YAML sections (``lora: {rank: 16}``); an architecture with Config fields (toolkit-moe's
+# ``moe``) gets a section too.
+OPTION_KINDS = ("strategy", "tuner", "loss", "dataset_format", "architecture")
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -33,6 +33,9 @@ def load_hf_model(source: Any, tuner: Any, recipe: Any, device: Any) -> Any:
     if recipe.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
+    from toolkit.plugins import get_plugin_manager
+
+    get_plugin_manager().patch_model(model, source, recipe)
     torch.manual_seed(recipe.seed)
     return tuner.apply(model, source)
 

@@ -75,7 +75,8 @@ class CausalLMLogps(nn.Module):
         enabled = self.autocast_dtype is not None
         with torch.autocast(device_type=device_type, dtype=self.autocast_dtype or torch.bfloat16, enabled=enabled):
             kwargs: dict[str, Any] = {}
-            if getattr(inner.config, "output_router_logits", None) is not None and hasattr(inner.config, "router_aux_loss_coef"):
+            patched_aux = getattr(inner, "toolkit_pop_aux_loss", None)
+            if patched_aux is None and getattr(inner.config, "output_router_logits", None) is not None and hasattr(inner.config, "router_aux_loss_coef"):
                 kwargs["output_router_logits"] = True
             out = decoder(input_ids=input_ids, position_ids=position_ids,
                           attention_mask=attention_mask_for(sequence_ids), use_cache=False, **kwargs)
@@ -89,6 +90,9 @@ class CausalLMLogps(nn.Module):
 
 
 def router_aux_loss(inner: nn.Module, out: Any, sequence_ids: torch.Tensor) -> torch.Tensor | None:
+    patched_aux = getattr(inner, "toolkit_pop_aux_loss", None)
+    if patched_aux is not None:  # a plugin replaced the MoE blocks (toolkit_patch_model) and owns the aux loss
+        return patched_aux()[0]
     router_logits = getattr(out, "router_logits", None)
     coef = getattr(inner.config, "router_aux_loss_coef", 0.0)
     if not router_logits or not coef:
