@@ -134,7 +134,9 @@ class MemoryBreakdown:
 
     def rows(self) -> list[tuple[str, float]]:
         rows = [("weights", self.weights), ("gradients", self.gradients), ("optimizer states", self.optimizer),
-                ("activations", self.activations), ("logits + loss", self.logits)]
+                ("activations", self.activations)]
+        if self.logits:
+            rows.append(("logits + loss", self.logits))
         if self.weight_copies:
             rows.append(("bf16 weight copies (autocast)", self.weight_copies))
         rows.append(("buffers + workspace", self.buffers))
