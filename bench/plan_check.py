@@ -92,7 +92,7 @@ def measure(config_dict: dict, case: Case, device: str, steps: int, warmup: int)
     batch = make_batch(vocab, case, device)
 
     def loss_fn():
-        logps, _ = module(batch["input_ids"], batch["labels"], batch["position_ids"], batch["sequence_ids"])
+        logps = module(batch["input_ids"], batch["labels"], batch["position_ids"], batch["sequence_ids"])[0]
         return -logps.sum() / logps.numel()
 
     activations = None if case.recompute else saved_activation_bytes(model, loss_fn, vocab)
