@@ -18,7 +18,7 @@ from toolkit.serving import ServerCommand, engine_flags, option_value, serve_for
 from toolkit_lmdeploy.requirements import check_model_config
 
 INSTALL_HINT = ("LMDeploy is not installed{where}. It runs on CUDA GPUs: pip install lmdeploy "
-                "(in its own environment if its pins disagree with toolkit's; then --option python=/path/to/bin/python "
+                "(serve can also use another environment's LMDeploy: --option python=/path/to/bin/python "
                 "or TOOLKIT_LMDEPLOY_PYTHON). There is no CPU engine: on a CPU-only machine use --backend vllm or hf.")
 
 
