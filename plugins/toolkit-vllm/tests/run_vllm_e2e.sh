@@ -19,4 +19,4 @@ scratch="$(mktemp -d)"
 trap 'rm -rf "$scratch"' EXIT
 export TMPDIR="$scratch" VLLM_CACHE_ROOT="$scratch/vllm" TORCHINDUCTOR_CACHE_DIR="$scratch/inductor"
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" VLLM_CPU_KVCACHE_SPACE=1
-exec "$venv/bin/python" -m pytest -p no:toolkit -q -rs plugins/toolkit-vllm/tests/test_vllm_e2e.py "$@"
+exec "$venv/bin/python" -m pytest -q -rs plugins/toolkit-vllm/tests/test_vllm_e2e.py "$@"
