@@ -83,7 +83,7 @@ def make_batch(args: argparse.Namespace, vocab: int) -> dict:
         "input_ids": tokens[:, :-1].contiguous(),
         "labels": tokens[:, 1:].contiguous(),  # already shifted (the engine's micro-batch contract)
         "position_ids": torch.arange(args.seq_len).expand(rows, -1).contiguous(),
-        "sequence_ids": torch.arange(rows)[:, None].expand(-1, args.seq_len).contiguous() * 0,
+        "sequence_ids": torch.arange(rows)[:, None].expand(-1, args.seq_len).contiguous(),  # one sequence per row
         "sequence_meta": {"example_ids": torch.arange(rows), "roles": torch.zeros(rows, dtype=torch.long)},
         "num_sequences": rows,
     }
