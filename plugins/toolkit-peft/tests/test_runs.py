@@ -109,6 +109,13 @@ def test_qlora_trains_and_exports_dequantised(tmp_path, caplog):
         merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
         assert all(p.dtype == torch.float32 for p in merged.parameters())
         torch.testing.assert_close(merged(ids).logits, expected, atol=1e-4, rtol=1e-4)
+        toolkit("export", run, "--to", "hf", "--adapter-only", "--output", tmp_path / "adapter")
+        from peft import PeftModel
+
+        # the adapter applies to the original full-precision base (the usual way QLoRA adapters are served)
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(source.directory), tmp_path / "adapter")
+        lora_b = {n: p for n, p in adapted.named_parameters() if "lora_B" in n}
+        assert len(lora_b) == 14 and all(p.abs().sum() > 0 for p in lora_b.values())
         exported = dict(tuner.export_tensors(model))
         model(ids)  # eval without grad: bitsandbytes would repack (and round) 4-bit weights for its CPU kernel
         assert all(torch.equal(exported[name], tensor) for name, tensor in tuner.export_tensors(model))
