@@ -142,8 +142,10 @@ class LoRATuner:
         problems = [f"{self.name}: {p}" for p in self.config.check()]
         if self.config.optimizer != "adamw" or self.quantized:
             problems += [f"{self.name}: {p}" for p in bitsandbytes_problems(self.name)]
-        if getattr(recipe, "strategy", "local") == "megatron" and self.quantized:
-            problems.append("qlora: 4-bit bitsandbytes weights cannot be sharded by megatron; use --strategy local or lora")
+        strategy = getattr(recipe, "strategy", "local")
+        if self.quantized and strategy in ("megatron", "fsdp"):
+            problems.append(f"qlora: --strategy {strategy} cannot shard 4-bit bitsandbytes weights; use --strategy local "
+                            "(DDP under torchrun) or --tuner lora")
         if not problems:
             problems += [f"{self.name}: {p}" for p in target_problems(self.config, source)]
         return problems
