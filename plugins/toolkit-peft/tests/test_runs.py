@@ -135,6 +135,7 @@ def test_qlora_without_bitsandbytes_says_what_to_install(monkeypatch, source):
         tuner.model_load_kwargs()
 
 
+@pytest.mark.slow
 def test_lora_on_two_ddp_ranks_equals_one_rank(tmp_path):
     """DDP (gloo, 2 processes) over the adapted model gives the adapters one process gives."""
     import os
