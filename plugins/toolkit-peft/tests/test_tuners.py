@@ -204,3 +204,25 @@ def test_optimizer_factory_builds_the_chosen_optimizer(load_base, source, batch,
     model(batch).logits.float().logsumexp(-1).mean().backward()
     optimizer.step()
     assert all(not torch.equal(a, p) for a, p in zip(before, params) if p.ndim >= 2)
+
+
+def test_fast_forward_on_a_4bit_base_equals_peft(tiny_dir, source, batch):
+    """QLoRA layers get the fast path too; same logits and adapter gradients as PEFT's 4-bit forward."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit_peft.tuners import QLoRATuner
+
+    results = []
+    for fast in (True, False):
+        tuner = QLoRATuner(QLoRATuner.Config(rank=4, init="random", compute_dtype="fp32", fast_forward=fast))
+        torch.manual_seed(9)
+        model = tuner.apply(AutoModelForCausalLM.from_pretrained(tiny_dir, **tuner.model_load_kwargs()), source)
+        kinds = {type(m).__name__ for m in model.modules()}
+        assert ("FastLora4bit" in kinds) == fast and "Params4bit" in {type(p).__name__ for p in model.parameters()}
+        logits = model(batch).logits
+        logits.logsumexp(-1).mean().backward()
+        results.append((logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    (fast_logits, fast_grads), (peft_logits, peft_grads) = results
+    torch.testing.assert_close(fast_logits, peft_logits, atol=1e-5, rtol=1e-5)
+    for name, grad in peft_grads.items():
+        torch.testing.assert_close(fast_grads[name], grad, atol=1e-5, rtol=1e-4)

@@ -1,16 +1,17 @@
 """A leaner forward for plain LoRA linear layers: cast the adapter, not the activation.
 
-PEFT's ``lora.Linear.forward`` casts each layer input to the adapter dtype. With fp32 adapters
-on a bf16 base that makes an fp32 copy of every activation feeding an adapter (q, k and v each
-make their own), and autograd keeps those copies for the backward pass, roughly doubling
-activation memory. Here the rank-r adapter weights (tiny) are cast to the activation dtype
-instead, the scaling is folded into ``B``, and the update is added inside one ``addmm``.
-Anything unusual (several or disabled adapters, merged weights, variants such as DoRA,
-quantised bases) falls back to PEFT's own forward.
+PEFT's LoRA ``forward`` casts each layer input to the adapter dtype. With fp32 adapters on a
+bf16 base that makes an fp32 copy of every activation feeding an adapter (q, k and v each make
+their own), and autograd keeps those copies for the backward pass, roughly doubling activation
+memory; the 4-bit (QLoRA) layer also clones its output. Here the rank-r adapter weights (tiny)
+are cast to the activation dtype instead, the scaling is folded into ``B``, and the update is
+added inside one ``addmm``. Anything unusual (several or disabled adapters, merged weights,
+variants such as DoRA) falls back to PEFT's own forward.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -18,8 +19,8 @@ import torch.nn.functional as F
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
 
 
-class FastLoraLinear(PeftLoraLinear):
-    """``peft.tuners.lora.Linear`` with a fast path for the single-adapter training case."""
+class _FastForward:
+    """Mixin over a PEFT LoRA layer class: the single-adapter training case without input casts."""
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         adapters = self.active_adapters
@@ -38,11 +39,29 @@ class FastLoraLinear(PeftLoraLinear):
         return fused.view(result.shape)
 
 
+class FastLoraLinear(_FastForward, PeftLoraLinear):
+    """``peft.tuners.lora.Linear`` with the fast path."""
+
+
+@functools.cache
+def _fast_classes() -> dict[type, type]:
+    """PEFT layer class -> its fast subclass (the 4-bit one only when bitsandbytes imports)."""
+    classes: dict[type, type] = {PeftLoraLinear: FastLoraLinear}
+    try:
+        from peft.tuners.lora.bnb import Linear4bit
+    except ImportError:
+        return classes
+    classes[Linear4bit] = type("FastLora4bit", (_FastForward, Linear4bit), {"__doc__": "PEFT's 4-bit LoRA layer with the fast path."})
+    return classes
+
+
 def install_fast_forward(model: torch.nn.Module) -> int:
-    """Switch every plain ``lora.Linear`` in ``model`` to :class:`FastLoraLinear`; returns how many."""
+    """Switch every plain PEFT LoRA linear (full-precision or 4-bit base) to its fast class; returns how many."""
+    classes = _fast_classes()
     count = 0
     for module in model.modules():
-        if type(module) is PeftLoraLinear and isinstance(module.get_base_layer(), torch.nn.Linear):
-            module.__class__ = FastLoraLinear
+        fast = classes.get(type(module))
+        if fast is not None:
+            module.__class__ = fast
             count += 1
     return count
