@@ -11,7 +11,8 @@ Variants: ``hf-peft`` (HF forward with labels -> full-vocabulary loss, PEFT's Lo
 ``toolkit`` (lora tuner: bf16 frozen base, fp32 adapters, fused LoRA forward; local engine: chunked
 label log-probs with the frozen-head gradient made in forward), ``toolkit-peft-forward`` (the same
 with PEFT's own LoRA forward) and ``toolkit-fp32-base`` (the same with an fp32 frozen base under
-autocast), to show what each part is worth.
+autocast), to show what each part is worth. ``--variants hf-peft-qlora,toolkit-qlora`` compares
+QLoRA (NF4, double quantisation, bf16 compute) the same way.
 """
 
 from __future__ import annotations
@@ -129,11 +130,18 @@ def profile(step) -> None:
     print(prof.key_averages().table(sort_by=key, row_limit=15), file=sys.stderr, flush=True)
 
 
-def run_hf_peft(args: argparse.Namespace, model_dir: Path, batch: dict) -> dict:
+def run_hf_peft(args: argparse.Namespace, model_dir: Path, batch: dict, qlora: bool = False) -> dict:
     import peft
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").to(device())
+    if qlora:
+        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                          bnb_4bit_compute_dtype=torch.bfloat16)
+        target = {"": torch.cuda.current_device()} if torch.cuda.is_available() else None
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa",
+                                                     quantization_config=quantization, device_map=target)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").to(device())
     model.config.use_cache = False
     config = peft.LoraConfig(r=args.rank, lora_alpha=args.alpha, lora_dropout=args.dropout, target_modules="all-linear",
                              task_type="CAUSAL_LM")
@@ -155,23 +163,24 @@ def run_hf_peft(args: argparse.Namespace, model_dir: Path, batch: dict) -> dict:
     return {"seconds": seconds, "losses": losses, "trainable": sum(p.numel() for p in params), "_keep": model}
 
 
-def run_toolkit(args: argparse.Namespace, model_dir: Path, batch: dict, fast_forward: bool, base_dtype: str = "auto") -> dict:
+def run_toolkit(args: argparse.Namespace, model_dir: Path, batch: dict, fast_forward: bool, base_dtype: str = "auto",
+                tuner_name: str = "lora") -> dict:
     from transformers import AutoConfig
 
     from toolkit.contracts import ModelSource, StepContext
     from toolkit.plugins import get_plugin_manager
     from toolkit.recipe import resolve_recipe
 
-    recipe = resolve_recipe({"model": str(model_dir), "tuner": "lora", "loss": "sft", "precision": "bf16",
+    recipe = resolve_recipe({"model": str(model_dir), "tuner": tuner_name, "loss": "sft", "precision": "bf16",
                              "seq_len": args.seq_len, "micro_batch_size": args.batch, "lr": 1e-4,
-                             "lora": {"rank": args.rank, "alpha": args.alpha, "dropout": args.dropout, "fast_forward": fast_forward,
+                             tuner_name: {"rank": args.rank, "alpha": args.alpha, "dropout": args.dropout, "fast_forward": fast_forward,
                                       "base_dtype": base_dtype},
                              "local": {"logps_chunk_tokens": args.chunk_tokens}}, source="bench")
     manager = get_plugin_manager()
     source = ModelSource(reference=str(model_dir), directory=model_dir, config=AutoConfig.from_pretrained(model_dir),
                          tokenizer=None, weight_files=sorted(model_dir.glob("*.safetensors")))
-    tuner_cls, loss_cls, strategy_cls = (manager.get(k, n) for k, n in (("tuner", "lora"), ("loss", "sft"), ("strategy", "local")))
-    tuner = tuner_cls(tuner_cls.Config(**recipe.section("lora")))
+    tuner_cls, loss_cls, strategy_cls = (manager.get(k, n) for k, n in (("tuner", tuner_name), ("loss", "sft"), ("strategy", "local")))
+    tuner = tuner_cls(tuner_cls.Config(**recipe.section(tuner_name)))
     problems = tuner.validate(recipe, source)
     if problems:
         raise SystemExit("\n".join(problems))
@@ -202,8 +211,10 @@ def main() -> None:
         tokens_per_step = args.batch * args.seq_len
         for variant in [v.strip() for v in args.variants.split(",") if v.strip()]:
             reset_memory()
-            if variant == "hf-peft":
-                result = run_hf_peft(args, model_dir, batch)
+            if variant in ("hf-peft", "hf-peft-qlora"):
+                result = run_hf_peft(args, model_dir, batch, qlora=variant == "hf-peft-qlora")
+            elif variant == "toolkit-qlora":
+                result = run_toolkit(args, model_dir, batch, fast_forward=True, tuner_name="qlora")
             elif variant in ("toolkit", "toolkit-peft-forward", "toolkit-fp32-base"):
                 result = run_toolkit(args, model_dir, batch, fast_forward=variant != "toolkit-peft-forward",
                                      base_dtype="fp32" if variant == "toolkit-fp32-base" else "auto")
