@@ -47,7 +47,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="timed optimizer steps")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first")
     parser.add_argument("--variants", default="hf-peft,toolkit,toolkit-peft-forward,toolkit-fp32-base")
-    parser.add_argument("--chunk-tokens", type=int, default=4096, help="local engine: tokens per log-prob chunk")
+    parser.add_argument("--chunk-tokens", type=int, default=2048, help="local engine: tokens per log-prob chunk (its default)")
     parser.add_argument("--profile", action="store_true", help="after timing, profile one step per variant and print the top kernels")
     args = parser.parse_args()
     args.seq_len = args.seq_len or (64 if args.tiny else 4096)
