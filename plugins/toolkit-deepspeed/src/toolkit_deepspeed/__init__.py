@@ -1,0 +1,1 @@
+"""DeepSpeed strategy plugin."""
