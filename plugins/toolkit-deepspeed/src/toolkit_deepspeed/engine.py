@@ -64,10 +64,11 @@ class ZeroEngine:
         from toolkit.train.optim import build_optimizer
 
         factory = getattr(self.tuner, "optimizer_factory", None)
+        if factory is not None:
+            return build_optimizer(self.params, self.recipe, factory)
         offloaded = self.ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "cpu"
-        if offloaded and factory is None and self.device.type != "cpu":
-            factory = cpu_adam_factory  # torch AdamW on offloaded fp32 states is several times slower
-        return build_optimizer(self.params, self.recipe, factory)
+        # torch AdamW on offloaded fp32 states is several times slower than DeepSpeed's CPU Adam.
+        return adamw(self.params, self.recipe, cpu_adam=offloaded and self.device.type != "cpu")
 
     def _build_reference(self, loss: Any) -> Any:
         """A frozen copy of the policy for losses that need reference log-probs (DPO family)."""
@@ -229,12 +230,23 @@ class _FrozenTuner:
         return model
 
 
-def cpu_adam_factory(params: list[Any], recipe: Any) -> Any:
-    """DeepSpeedCPUAdam (AdamW mode) with the same groups as the toolkit's AdamW."""
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
+def adamw(params: list[Any], recipe: Any, cpu_adam: bool = False) -> Any:
+    """AdamW with the toolkit's groups: weight decay on matrices, none on vectors.
 
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return DeepSpeedCPUAdam([g for g in groups if g["params"]], lr=recipe.lr, betas=(recipe.adam_beta1, recipe.adam_beta2),
-                            eps=recipe.adam_eps, adamw_mode=True)
+    Under ``zero.Init`` a parameter is an empty partition, so its rank is read from ``ds_shape``
+    (grouping by ``p.ndim`` would silently turn weight decay off for every ZeRO-3 parameter).
+    """
+    import torch
+
+    def rank(p: Any) -> int:
+        return len(getattr(p, "ds_shape", p.shape))
+
+    groups = [{"params": [p for p in params if rank(p) >= 2], "weight_decay": recipe.weight_decay},
+              {"params": [p for p in params if rank(p) < 2], "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    betas = (recipe.adam_beta1, recipe.adam_beta2)
+    if cpu_adam:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=recipe.lr, betas=betas, eps=recipe.adam_eps, adamw_mode=True)
+    return torch.optim.AdamW(groups, lr=recipe.lr, betas=betas, eps=recipe.adam_eps)
