@@ -12,6 +12,8 @@ from toolkit_deepspeed.config import DeepSpeedOptions, layout_problems, merge_co
 
 def quantized(tuner: Any) -> bool:
     """A tuner that loads the base model quantized (QLoRA's 4-bit weights) through the Tuner protocol."""
+    if getattr(tuner, "quantized", False) is True:
+        return True
     try:
         kwargs = tuner.model_load_kwargs()
     except Exception:
