@@ -33,9 +33,9 @@ def demo_records() -> list[dict]:
     questions = ["What is the capital of {c}?", "Name the capital city of {c}.", "Which city is the capital of {c}?"]
     records = []
     for country, city in capitals():
-        for q in questions:
-            records.append({"messages": [
-                {"role": "system", "content": "You answer geography questions in one sentence."},
+        for k, q in enumerate(questions):
+            system = [{"role": "system", "content": "You answer geography questions in one sentence."}] if k == 1 else []
+            records.append({"messages": system + [
                 {"role": "user", "content": q.format(c=country)},
                 {"role": "assistant", "content": f"The capital of {country} is {city}."},
             ]})

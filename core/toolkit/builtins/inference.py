@@ -16,14 +16,17 @@ class GenerateConfig:
     temperature: float = option(0.0, help="Sampling temperature; 0 is greedy.")
     chat_template: bool = option(True, help="Wrap each prompt as a user message with the model's chat template.")
     dtype: str = option("float32", help="Weights dtype for generation.")
+    system: str = option("", help="System message placed before each prompt.")
 
 
-def format_prompt(tokenizer: Any, prompt: str, chat_template: bool) -> str:
+def format_prompt(tokenizer: Any, prompt: str, chat_template: bool, system: str = "") -> str:
+    """The text a backend feeds the model: the prompt as a user turn of the chat template, or raw."""
     if not chat_template:
         return prompt
     from toolkit.data.template import ChatTemplate
 
-    return ChatTemplate(tokenizer).render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return ChatTemplate(tokenizer).render(messages, add_generation_prompt=True)
 
 
 class HFBackend:
@@ -44,7 +47,7 @@ class HFBackend:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, options.dtype)).to(device).eval()
         results = []
         for prompt in prompts:
-            text = format_prompt(tokenizer, prompt, options.chat_template)
+            text = format_prompt(tokenizer, prompt, options.chat_template, options.system)
             ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
             sampling = {"do_sample": True, "temperature": options.temperature} if options.temperature > 0 else {"do_sample": False}
             with torch.no_grad():

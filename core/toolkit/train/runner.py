@@ -173,12 +173,13 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
         for step in range(start_step, total_steps):
             micro_batches = batches.micro_batches(step)
             ctx = batches.context(step)
+            lr = engine.current_lr()
             result = engine.train_step(micro_batches, loss, ctx)
             window_tokens += sum(int((mb["sequence_ids"] >= 0).sum()) for mb in micro_batches)
             done = step + 1
             elapsed = time.perf_counter() - window_start
             tokens_per_s = engine.all_reduce_sum([window_tokens])[0] / max(elapsed, 1e-9)
-            metrics = {"step": done, "loss": result.loss, "lr": engine.current_lr(), "grad_norm": result.grad_norm,
+            metrics = {"step": done, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
                        "tokens_per_s": tokens_per_s, "epoch": step / batches.steps_per_epoch, **result.metrics}
             for cb in callbacks:
                 cb.on_step_end(done, metrics)
@@ -189,6 +190,8 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
                 for cb in callbacks:
                     cb.on_log(done, metrics)
                 window_tokens, window_start = 0, time.perf_counter()
+            if recipe.stop_after and done - start_step >= recipe.stop_after and done < total_steps:
+                stop.requested = True
             stopping = engine.all_reduce_sum([1.0 if stop.requested else 0.0])[0] > 0
             if (recipe.save_every and done % recipe.save_every == 0) or done == total_steps or stopping:
                 state = {"step": done, "total_steps": total_steps, "epoch": step // batches.steps_per_epoch,
