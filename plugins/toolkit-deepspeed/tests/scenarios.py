@@ -94,7 +94,7 @@ def scenario_trajectory(name: str, overrides: dict, work: Path, world_size: int,
     engine.close()
     if engine.is_main:
         report[name]["reloaded_logps"] = reloaded_logps(run_dir / "export", probe)
-    if name.startswith("zero") and engine.is_main:
+    if recipe.strategy == "deepspeed" and engine.is_main:
         compare_offline_export(strategy, source, tuner, recipe, run_dir, report[name])
 
 
@@ -123,22 +123,34 @@ def scenario_short(name: str, overrides: dict, world_size: int, report: dict, st
 
 
 def main() -> None:
+    import toy_plugins
+
+    from toolkit.plugins import build_plugin_manager, set_plugin_manager
     from toolkit.train.distributed import init_world, shutdown
 
+    set_plugin_manager(build_plugin_manager(extra_plugins=[("toy", toy_plugins)]))
     report_path, work = Path(sys.argv[1]), Path(sys.argv[2])
     world = init_world()
     report: dict = {"world_size": world.world_size}
     only = set(filter(None, os.environ.get("SCENARIOS", "").split(",")))
+    size = world.world_size
+    zero = {"strategy": "deepspeed"}
+    lora = {"tuner": "toy-lora", "loss": "toy-ref"}
     plan = [
-        ("local", lambda: scenario_trajectory("local", {"strategy": "local"}, work, world.world_size, report)),
-        ("zero1", lambda: scenario_trajectory("zero1", {"strategy": "deepspeed", "zero": 1}, work, world.world_size, report)),
-        ("zero2", lambda: scenario_trajectory("zero2", {"strategy": "deepspeed", "zero": 2}, work, world.world_size, report)),
-        ("zero3", lambda: scenario_trajectory("zero3", {"strategy": "deepspeed", "zero": 3}, work, world.world_size, report)),
-        ("zero3-resume", lambda: scenario_resume("zero3", {"strategy": "deepspeed", "zero": 3}, work, world.world_size, report)),
-        ("zero2-resume", lambda: scenario_resume("zero2", {"strategy": "deepspeed", "zero": 2}, work, world.world_size, report)),
+        ("local", lambda: scenario_trajectory("local", {"strategy": "local"}, work, size, report)),
+        ("zero1", lambda: scenario_trajectory("zero1", {**zero, "zero": 1}, work, size, report)),
+        ("zero2", lambda: scenario_trajectory("zero2", {**zero, "zero": 2}, work, size, report)),
+        ("zero3", lambda: scenario_trajectory("zero3", {**zero, "zero": 3}, work, size, report)),
+        ("zero3-resume", lambda: scenario_resume("zero3", {**zero, "zero": 3}, work, size, report)),
+        ("zero2-resume", lambda: scenario_resume("zero2", {**zero, "zero": 2}, work, size, report)),
+        ("local-lora", lambda: scenario_trajectory("local-lora", {"strategy": "local", **lora}, work, size, report)),
+        ("zero3-lora", lambda: scenario_trajectory("zero3-lora", {**zero, "zero": 3, **lora}, work, size, report)),
+        ("zero3-lora-resume", lambda: scenario_resume("zero3-lora", {**zero, "zero": 3, **lora}, work, size, report)),
+        ("local-ref", lambda: scenario_short("local-ref", {"strategy": "local", "loss": "toy-ref"}, size, report, 3)),
+        ("zero3-ref", lambda: scenario_short("zero3-ref", {**zero, "zero": 3, "loss": "toy-ref"}, size, report, 3)),
+        ("zero2-ref", lambda: scenario_short("zero2-ref", {**zero, "zero": 2, "loss": "toy-ref"}, size, report, 3)),
         ("zero3-offload-bf16", lambda: scenario_short("zero3-offload-bf16", {
-            "strategy": "deepspeed", "zero": 3, "precision": "bf16",
-            "deepspeed": {"offload_optimizer": "cpu", "offload_param": "cpu"}}, world.world_size, report)),
+            **zero, "zero": 3, "precision": "bf16", "deepspeed": {"offload_optimizer": "cpu", "offload_param": "cpu"}}, size, report)),
     ]
     for name, run in plan:
         if only and name not in only:
