@@ -116,7 +116,7 @@ def scenario_resume(name: str, overrides: dict, work: Path, world_size: int, rep
     engine.close()
 
 
-def scenario_short(name: str, overrides: dict, world_size: int, report: dict, steps: int = 2) -> None:
+def scenario_short(name: str, overrides: dict, work: Path, world_size: int, report: dict, steps: int = 3) -> None:
     *_, loss, _, engine, batches = build(overrides, world_size)
     report[name] = {"history": train(engine, loss, batches, 0, steps)}
     engine.close()
@@ -132,7 +132,7 @@ def main() -> None:
     report_path, work = Path(sys.argv[1]), Path(sys.argv[2])
     world = init_world()
     report: dict = {"world_size": world.world_size}
-    only = set(filter(None, os.environ.get("SCENARIOS", "").split(",")))
+    only = set(filter(None, os.environ.get("SCENARIOS", "core").split(",")))
     size = world.world_size
     zero = {"strategy": "deepspeed"}
     lora = {"tuner": "toy-lora", "loss": "toy-ref"}
@@ -146,14 +146,25 @@ def main() -> None:
         ("local-lora", lambda: scenario_trajectory("local-lora", {"strategy": "local", **lora}, work, size, report)),
         ("zero3-lora", lambda: scenario_trajectory("zero3-lora", {**zero, "zero": 3, **lora}, work, size, report)),
         ("zero3-lora-resume", lambda: scenario_resume("zero3-lora", {**zero, "zero": 3, **lora}, work, size, report)),
-        ("local-ref", lambda: scenario_short("local-ref", {"strategy": "local", "loss": "toy-ref"}, size, report, 3)),
-        ("zero3-ref", lambda: scenario_short("zero3-ref", {**zero, "zero": 3, "loss": "toy-ref"}, size, report, 3)),
-        ("zero2-ref", lambda: scenario_short("zero2-ref", {**zero, "zero": 2, "loss": "toy-ref"}, size, report, 3)),
+        ("local-ref", lambda: scenario_short("local-ref", {"strategy": "local", "loss": "toy-ref"}, work, size, report)),
+        ("zero3-ref", lambda: scenario_short("zero3-ref", {**zero, "zero": 3, "loss": "toy-ref"}, work, size, report)),
+        ("zero2-ref", lambda: scenario_short("zero2-ref", {**zero, "zero": 2, "loss": "toy-ref"}, work, size, report)),
         ("zero3-offload-bf16", lambda: scenario_short("zero3-offload-bf16", {
-            **zero, "zero": 3, "precision": "bf16", "deepspeed": {"offload_optimizer": "cpu", "offload_param": "cpu"}}, size, report)),
+            **zero, "zero": 3, "precision": "bf16", "deepspeed": {"offload_optimizer": "cpu", "offload_param": "cpu"}}, work, size, report, 2)),
     ]
-    for name, run in plan:
-        if only and name not in only:
+    core = len(plan)
+    # Real first-party plugins, when installed: PEFT tuners and the DPO loss through their registered names.
+    dpo = {"loss": "dpo", "dataset": ["parity-prefs"]}
+    for tag, values in (("peft-lora-dpo", {"tuner": "lora", **dpo}), ("peft-dora", {"tuner": "dora"}),
+                        ("peft-qlora", {"tuner": "qlora"})):
+        stage = 2 if tag == "peft-qlora" else 3
+        run = scenario_trajectory if tag == "peft-lora-dpo" else scenario_short
+        plan.append((f"local-{tag}", lambda t=tag, v=values, r=run: r(f"local-{t}", {"strategy": "local", **v}, work, size, report)))
+        plan.append((f"zero{stage}-{tag}", lambda t=tag, v=values, z=stage, r=run: r(
+            f"zero{z}-{t}", {**zero, "zero": z, **v}, work, size, report)))
+    for index, (name, run) in enumerate(plan):
+        group = "core" if index < core else "plugins"
+        if only and name not in only and group not in only:
             continue
         try:
             run()

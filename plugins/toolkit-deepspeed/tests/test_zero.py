@@ -17,7 +17,7 @@ HERE = Path(__file__).parent
 pytestmark = pytest.mark.slow
 
 
-def torchrun(script: Path, *args: str, env: dict | None = None, timeout: int = 480) -> subprocess.CompletedProcess:
+def torchrun(script: Path, *args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     from toolkit_deepspeed.runtime import free_port
 
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
