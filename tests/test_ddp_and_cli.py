@@ -89,3 +89,26 @@ def test_refuses_to_reuse_a_run_directory_then_infers(tmp_path):
 
     expected = HFBackend().generate(run_dir / "export", ["What is the capital of Lopehes?"], GenerateConfig(max_new_tokens=4))
     assert result.stdout.strip().splitlines()[-1] == expected[0].strip()
+
+
+@pytest.mark.slow
+def test_fsdp_equals_local_resumes_and_exports(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    batch = ["--micro-batch-size", "2", "--global-batch-size", "4"]
+    toolkit("sft", *COMMON, "--output", str(tmp_path / "local"), *batch, "--export", "hf")
+    fsdp = tmp_path / "fsdp"
+    toolkit("sft", *COMMON, "--output", str(fsdp), *batch, "--strategy", "fsdp", "--stop-after", "2", nproc=2)
+    toolkit("sft", *COMMON, "--output", str(fsdp), *batch, "--strategy", "fsdp", "--resume", "auto", "--export", "hf", nproc=2)
+    for a, b in zip(metrics(tmp_path / "local"), metrics(fsdp), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    ids = torch.arange(5, 40)[None]
+    with torch.no_grad():
+        local = AutoModelForCausalLM.from_pretrained(tmp_path / "local/export")(ids).logits
+        sharded = AutoModelForCausalLM.from_pretrained(fsdp / "export")(ids).logits
+    torch.testing.assert_close(local, sharded, rtol=1e-4, atol=1e-4)
+    # a sharded (DCP) checkpoint exports through the CLI too
+    toolkit("export", str(fsdp), "--to", "hf", "--output", str(tmp_path / "from-ckpt"))
+    with torch.no_grad():
+        again = AutoModelForCausalLM.from_pretrained(tmp_path / "from-ckpt")(ids).logits
+    torch.testing.assert_close(again, sharded, rtol=0, atol=0)
