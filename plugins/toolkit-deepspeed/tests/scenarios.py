@@ -96,6 +96,8 @@ def scenario_trajectory(name: str, overrides: dict, work: Path, world_size: int,
         report[name]["reloaded_logps"] = reloaded_logps(run_dir / "export", probe)
     if recipe.strategy == "deepspeed" and engine.is_main:
         compare_offline_export(strategy, source, tuner, recipe, run_dir, report[name])
+        if hasattr(tuner, "adapter_from_checkpoint"):
+            compare_adapter_export(tuner, source, recipe, run_dir, report[name])
 
 
 def compare_offline_export(strategy, source, tuner, recipe, run_dir: Path, entry: dict) -> None:
@@ -106,6 +108,21 @@ def compare_offline_export(strategy, source, tuner, recipe, run_dir: Path, entry
     offline = dict(strategy.checkpoint_tensors(run_dir / "checkpoints" / f"step-{STEPS}", source, tuner, recipe))
     entry["offline_missing"] = sorted(set(live) - set(offline))
     entry["offline_max_diff"] = max(float((live[k] - offline[k]).abs().max()) for k in live if k in offline)
+
+
+def compare_adapter_export(tuner, source, recipe, run_dir: Path, entry: dict) -> None:
+    """The adapter read from the checkpoint (the tuner's own reader) merges into the exported model."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    checkpoint = run_dir / "checkpoints" / f"step-{STEPS}"
+    _, tensors = tuner.adapter_from_checkpoint(checkpoint, source, recipe)
+    def key(name: str) -> str:  # PEFT's file names drop the adapter name and add a base_model prefix
+        return name[name.find("layers."):].replace(".default", "")
+
+    trained = {key(name): value for name, value in get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="deepspeed").items()}
+    matched = [(key(name), tensor) for name, tensor in tensors if key(name) in trained]
+    entry["adapter_tensors"], entry["adapter_matched"] = len(tensors), len(matched)
+    entry["adapter_max_diff"] = max(float((t - trained[n]).abs().max()) for n, t in matched) if matched else None
 
 
 def scenario_resume(name: str, overrides: dict, work: Path, world_size: int, report: dict) -> None:

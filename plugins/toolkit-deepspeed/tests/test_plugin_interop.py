@@ -46,6 +46,13 @@ def test_lora_dpo_zero3_export_and_consolidation(report):
     assert entry["offline_missing"] == [] and entry["offline_max_diff"] < 1e-6
 
 
+def test_adapter_only_export_reads_the_deepspeed_checkpoint(report):
+    """PEFT's own checkpoint reader gets the adapters the ZeRO-3 run trained (gathered into model.safetensors)."""
+    entry = report["zero3-peft-lora-dpo"]
+    assert entry["adapter_tensors"] == entry["adapter_matched"] > 0
+    assert entry["adapter_max_diff"] == 0.0
+
+
 def test_real_qlora_is_refused_under_zero3():
     from toolkit.recipe import resolve_recipe
     from toolkit_deepspeed.strategy import DeepSpeedStrategy

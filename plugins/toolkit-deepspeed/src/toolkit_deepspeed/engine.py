@@ -173,6 +173,20 @@ class ZeroEngine:
         # Frozen weights come back from the base model at resume; only trained ones are stored.
         self.ds.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, client_state=client,
                                 exclude_frozen_parameters=self._frozen_excluded())
+        if self._frozen_excluded():
+            self._save_tuner_state(Path(directory))
+
+    def _save_tuner_state(self, directory: Path) -> None:
+        """The tuner's own (small) trained state as ``model.safetensors``, the file adapter-only exports read."""
+        import deepspeed
+        from safetensors.torch import save_file
+
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        gather = deepspeed.zero.GatheredParameters(trainable) if self.zero_stage == 3 else contextlib.nullcontext()
+        with gather:
+            if self.is_main:
+                state = {k: v.detach().cpu().contiguous().clone() for k, v in self.tuner.checkpoint_state(self.model).items()}
+                save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt", "tuner": self.tuner.name})
 
     def load_checkpoint(self, directory: Path) -> None:
         if not (Path(directory) / CHECKPOINT_TAG).is_dir():
