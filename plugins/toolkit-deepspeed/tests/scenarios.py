@@ -26,8 +26,13 @@ def build(overrides: dict, world_size: int):
     from toolkit.recipe import resolve_recipe
     from toolkit.train.runner import resolve_components
 
+    from toolkit.train.distributed import barrier, init_world
+
     recipe = resolve_recipe({**BASE, **overrides}, source="scenario")
     strategy, tuner, loss, recipe = resolve_components(recipe, world_size)
+    if init_world().is_main:  # the first use of a preset writes it to the cache: once, not by both ranks at once
+        resolve_model(recipe.model)
+    barrier()
     source = resolve_model(recipe.model)
     examples, _ = load_examples(recipe.dataset, source.tokenizer, seq_len=recipe.seq_len, max_samples=recipe.max_samples,
                                 example_kinds=loss.example_kinds, options=recipe.options)
@@ -89,6 +94,7 @@ def scenario_trajectory(name: str, overrides: dict, work: Path, world_size: int,
     run_dir = work / name
     report[name] = {"history": train(engine, loss, batches, 0, STEPS, run_dir, save_at=(SAVE_AT, STEPS))}
     probe = batches.micro_batches(0)[0]
+    report[name]["evaluate"] = engine.evaluate(batches.micro_batches(0), loss, batches.context(0))
     report[name]["engine_logps"] = label_logps(getattr(engine, "ds", None) or engine.module, probe, engine.device)
     export_hf(engine, source, run_dir / "export")
     engine.close()
@@ -166,6 +172,10 @@ def main() -> None:
         ("local-ref", lambda: scenario_short("local-ref", {"strategy": "local", "loss": "toy-ref"}, work, size, report)),
         ("zero3-ref", lambda: scenario_short("zero3-ref", {**zero, "zero": 3, "loss": "toy-ref"}, work, size, report)),
         ("zero2-ref", lambda: scenario_short("zero2-ref", {**zero, "zero": 2, "loss": "toy-ref"}, work, size, report)),
+        ("zero3-checkpointing", lambda: scenario_short("zero3-checkpointing", {**zero, "zero": 3, "gradient_checkpointing": True},
+                                                       work, size, report)),
+        ("local-moe", lambda: scenario_short("local-moe", {"strategy": "local", "model": "tiny-qwen2-moe"}, work, size, report)),
+        ("zero3-moe", lambda: scenario_short("zero3-moe", {**zero, "zero": 3, "model": "tiny-qwen2-moe"}, work, size, report)),
         ("zero3-offload-bf16", lambda: scenario_short("zero3-offload-bf16", {
             **zero, "zero": 3, "precision": "bf16", "deepspeed": {"offload_optimizer": "cpu", "offload_param": "cpu"}}, work, size, report, 2)),
     ]
