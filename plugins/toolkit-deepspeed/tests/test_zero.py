@@ -108,3 +108,18 @@ def test_frozen_reference_model_matches_ddp(report, stage):
     """Full tuning with a reference loss: ZeRO-3 shards a second, frozen engine for the reference."""
     assert series(report, stage, "loss") == pytest.approx(series(report, "local-ref", "loss"), rel=1e-5, abs=1e-6)
     assert series(report, stage, "grad_norm") == pytest.approx(series(report, "local-ref", "grad_norm"), rel=1e-5)
+
+
+def test_evaluate_matches_ddp(report):
+    assert report["zero3"]["evaluate"]["loss"] == pytest.approx(report["local"]["evaluate"]["loss"], rel=1e-6)
+
+
+def test_gradient_checkpointing_under_zero3_matches_ddp(report):
+    assert series(report, "zero3-checkpointing", "loss") == pytest.approx(series(report, "local", "loss")[:3], rel=2e-6)
+    assert series(report, "zero3-checkpointing", "grad_norm") == pytest.approx(series(report, "local", "grad_norm")[:3], rel=1e-5)
+
+
+def test_moe_model_under_zero3_matches_ddp(report):
+    """Router auxiliary loss included: tiny Qwen2-MoE, experts partitioned by ZeRO-3."""
+    assert series(report, "zero3-moe", "loss") == pytest.approx(series(report, "local-moe", "loss"), rel=2e-6)
+    assert series(report, "zero3-moe", "grad_norm") == pytest.approx(series(report, "local-moe", "grad_norm"), rel=1e-5)
