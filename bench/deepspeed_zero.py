@@ -37,7 +37,7 @@ def plain_deepspeed(model_dir: Path, data: list, warmup: int, stage: int, batch:
     from transformers.integrations import HfDeepSpeedConfig
 
     config = ds_config(stage, batch) | {"train_batch_size": batch * deepspeed.comm.get_world_size()}
-    keep = HfDeepSpeedConfig(config) if stage == 3 else None  # noqa: F841  (zero.Init while alive)
+    keep = HfDeepSpeedConfig(config) if stage == 3 else None  # zero.Init while it is alive
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
     model.config.use_cache = False
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -50,7 +50,7 @@ def plain_deepspeed(model_dir: Path, data: list, warmup: int, stage: int, batch:
 
     result = timed(step, data, warmup)
     engine.destroy()
-    del engine, model, optimizer, keep
+    del keep
     return result
 
 
@@ -80,7 +80,6 @@ def toolkit_deepspeed(model_dir: Path, data: list, warmup: int, stage: int, batc
 
     result = timed(step, data, warmup)
     engine.close()
-    del engine
     return result
 
 
@@ -109,8 +108,8 @@ def main() -> None:
     model_dir = Path(shared[0])
     data = batches(args.steps + args.warmup, batch, seq, shape["vocab_size"], str(world.device))
     for stage in (int(s) for s in args.stages.split(",")):
-        for name, run in ((f"deepspeed ZeRO-{stage} + HF labels= loss (by hand)", lambda: plain_deepspeed(model_dir, data, args.warmup, stage, batch)),
-                          (f"toolkit --strategy deepspeed --zero {stage}", lambda: toolkit_deepspeed(model_dir, data, args.warmup, stage, batch, world.world_size))):
+        for name, run in ((f"deepspeed ZeRO-{stage} + HF labels= loss (by hand)", lambda z=stage: plain_deepspeed(model_dir, data, args.warmup, z, batch)),
+                          (f"toolkit --strategy deepspeed --zero {stage}", lambda z=stage: toolkit_deepspeed(model_dir, data, args.warmup, z, batch, world.world_size))):
             tokens_per_s, peak = run()
             rows.append({"run": name, "zero": stage, "tokens_per_s_per_rank": tokens_per_s, "peak_gib_rank0": peak,
                          "batch": batch, "seq": seq, "ranks": world.world_size})

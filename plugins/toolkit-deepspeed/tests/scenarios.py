@@ -24,9 +24,8 @@ def build(overrides: dict, world_size: int):
     from toolkit.builtins.loaders import resolve_model
     from toolkit.data.pipeline import Batches, load_examples
     from toolkit.recipe import resolve_recipe
-    from toolkit.train.runner import resolve_components
-
     from toolkit.train.distributed import barrier, init_world
+    from toolkit.train.runner import resolve_components
 
     recipe = resolve_recipe({**BASE, **overrides}, source="scenario")
     strategy, tuner, loss, recipe = resolve_components(recipe, world_size)

@@ -151,3 +151,21 @@ def test_layouts_it_cannot_run_are_refused(manager, values, needle):
 
 def test_consistent_layout_has_no_problems(manager):
     assert validate({"zero": 3, "precision": "bf16", "deepspeed": {"offload_optimizer": "cpu", "offload_param": "cpu"}}) == []
+
+
+def test_resume_on_another_number_of_ranks_is_refused_with_what_to_do(tmp_path):
+    from toolkit.errors import ToolkitError
+    from toolkit_deepspeed.engine import check_checkpoint
+
+    with pytest.raises(ToolkitError, match="holds no DeepSpeed checkpoint"):
+        check_checkpoint(tmp_path, 2, 3)
+    shards = tmp_path / "deepspeed"
+    shards.mkdir()
+    for rank in range(2):
+        (shards / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").touch()
+    check_checkpoint(tmp_path, 2, 3)
+    with pytest.raises(ToolkitError, match="written by 2 data-parallel ranks and this run has 4.*--nproc 2"):
+        check_checkpoint(tmp_path, 4, 3)
+    (tmp_path / "deepspeed-layout.json").write_text('{"zero_stage": 2, "world_size": 2}')
+    with pytest.raises(ToolkitError, match="written with --zero 2 and this run has --zero 3; resume with --zero 2"):
+        check_checkpoint(tmp_path, 2, 3)

@@ -9,6 +9,7 @@ reduced gradient is then the SUM over ranks and micro-batches, as with the ``loc
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from toolkit.contracts import StepContext, StepResult
 from toolkit.errors import ToolkitError
 
 CHECKPOINT_TAG = "deepspeed"
+LAYOUT_FILE = "deepspeed-layout.json"
 
 
 class ZeroEngine:
@@ -175,6 +177,9 @@ class ZeroEngine:
                                 exclude_frozen_parameters=self._frozen_excluded())
         if self._frozen_excluded():
             self._save_tuner_state(Path(directory))
+        if self.is_main:
+            layout = {"zero_stage": self.zero_stage, "world_size": self.dp_world_size, "tuner": self.tuner.name}
+            (Path(directory) / LAYOUT_FILE).write_text(json.dumps(layout) + "\n")
 
     def _save_tuner_state(self, directory: Path) -> None:
         """The tuner's own (small) trained state as ``model.safetensors``, the file adapter-only exports read."""
@@ -189,15 +194,11 @@ class ZeroEngine:
                 save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt", "tuner": self.tuner.name})
 
     def load_checkpoint(self, directory: Path) -> None:
-        if not (Path(directory) / CHECKPOINT_TAG).is_dir():
-            raise ToolkitError(f"{directory} holds no DeepSpeed checkpoint ({CHECKPOINT_TAG}/ missing); "
-                               "was it written by another --strategy? Resume with the strategy that wrote it.")
+        check_checkpoint(Path(directory), self.dp_world_size, self.zero_stage)
         path, client = self.ds.load_checkpoint(str(directory), tag=CHECKPOINT_TAG, load_optimizer_states=True,
                                                load_lr_scheduler_states=False, load_module_strict=not self._frozen_excluded())
         if path is None:
             raise ToolkitError(f"DeepSpeed could not load the checkpoint in {directory}")
-        if client.get("zero_stage") not in (None, self.zero_stage):
-            raise ToolkitError(f"{directory} was written with --zero {client['zero_stage']}; resume with the same --zero")
         if self.scheduler is not None and client.get("scheduler") is not None:
             self.scheduler.load_state_dict(client["scheduler"])
 
@@ -230,6 +231,24 @@ class ZeroEngine:
                 with contextlib.suppress(Exception):
                     destroy()
         self._hf_zero3 = None
+
+
+def check_checkpoint(directory: Path, world_size: int, zero_stage: int) -> None:
+    """Refuse, with what to do, a checkpoint this engine cannot resume from (before DeepSpeed reads it)."""
+    shards = directory / CHECKPOINT_TAG
+    if not shards.is_dir():
+        raise ToolkitError(f"{directory} holds no DeepSpeed checkpoint ({CHECKPOINT_TAG}/ missing); "
+                           "was it written by another --strategy? Resume with the strategy that wrote it.")
+    layout = json.loads((directory / LAYOUT_FILE).read_text()) if (directory / LAYOUT_FILE).is_file() else {}
+    if layout.get("zero_stage", zero_stage) != zero_stage:
+        raise ToolkitError(f"{directory} was written with --zero {layout['zero_stage']} and this run has --zero {zero_stage}; "
+                           f"resume with --zero {layout['zero_stage']}, or export the checkpoint and start a new run from it")
+    written = layout.get("world_size") or len(list(shards.glob("*_optim_states.pt")))
+    if written and written != world_size:
+        raise ToolkitError(f"{directory} was written by {written} data-parallel ranks and this run has {world_size}; "
+                           f"DeepSpeed resumes ZeRO partitions on the same number of ranks: launch with --nproc {written}, "
+                           "or export the checkpoint (toolkit export RUN_DIR --to hf --output DIR) and start a new run "
+                           "with --model DIR")
 
 
 class _FrozenTuner:
