@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import pytest
 
 from toolkit import hookimpl
-from toolkit.errors import ConfigError, LayoutError
+from toolkit.errors import LayoutError
 from toolkit.plugins import build_plugin_manager, set_plugin_manager
 from toolkit.recipe import resolve_recipe
 from toolkit_deepspeed.config import merge_config
@@ -126,9 +126,9 @@ def test_broken_json_names_the_line(manager, tmp_path):
     assert any("not valid JSON at line 2" in p for p in problems), problems
 
 
-def test_missing_json_file_is_reported_at_recipe_time(manager, tmp_path):
-    with pytest.raises(ConfigError, match="no such file"):
-        recipe(deepspeed={"config": str(tmp_path / "absent.json")})
+def test_missing_json_file_is_reported_before_training(manager, tmp_path):
+    problems = validate({"zero": 3, "deepspeed": {"config": str(tmp_path / "absent.json")}})
+    assert any("absent.json: no such file" in p for p in problems), problems
 
 
 def test_zero3_refuses_a_quantized_tuner_with_the_reason(manager):
