@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from toolkit.builtins.strategies import LocalEngine
 from toolkit.contracts import StepContext, StepResult
 from toolkit.errors import ToolkitError
 
@@ -21,8 +22,12 @@ CHECKPOINT_TAG = "deepspeed"
 LAYOUT_FILE = "deepspeed-layout.json"
 
 
-class ZeroEngine:
-    """``--strategy deepspeed``: one ``deepspeed.DeepSpeedEngine`` around the toolkit's log-prob module."""
+class ZeroEngine(LocalEngine):
+    """``--strategy deepspeed``: one ``deepspeed.DeepSpeedEngine`` around the toolkit's log-prob module.
+
+    Evaluation, the schedule and collectives are the local engine's, run through ``self.module``
+    (the DeepSpeed engine) and ``self.optimizer`` (the AdamW that ZeRO wraps).
+    """
 
     def __init__(self, source: Any, tuner: Any, loss: Any, recipe: Any, options: Any, ds_config: dict[str, Any]):
         import torch
@@ -51,14 +56,14 @@ class ZeroEngine:
         self.reference = self._build_reference(loss) if getattr(loss, "needs_reference", False) else None
         # DeepSpeed's bf16 mode holds bf16 weights with fp32 masters; no autocast on top of it.
         precision = "fp32" if recipe.precision == "bf16" else recipe.precision
-        self.module = logps.CausalLMLogps(self.model, autocast_dtype(precision))
-        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        wrapped = logps.CausalLMLogps(self.model, autocast_dtype(precision))
+        self.params = [p for p in wrapped.parameters() if p.requires_grad]
         if not self.params:
             raise ToolkitError(f"--tuner {tuner.name} left no trainable parameter; DeepSpeed has nothing to optimise")
         # ZeRO wraps this optimizer but keeps its param-group dicts: the schedule set on it reaches the real step.
-        self.client_optimizer = self._build_optimizer()
-        self.ds, self.optimizer, _, _ = deepspeed.initialize(model=self.module, optimizer=self.client_optimizer,
-                                                             model_parameters=self.params, config=ds_config)
+        self.optimizer = self._build_optimizer()
+        self.ds, *_ = deepspeed.initialize(model=wrapped, optimizer=self.optimizer, model_parameters=self.params, config=ds_config)
+        self.module = self.ds
         self.scheduler = None
 
     # ------------------------------------------------------------------ construction
@@ -92,11 +97,6 @@ class ZeroEngine:
         engine.eval()
         return engine
 
-    def set_total_steps(self, total_steps: int) -> None:
-        from toolkit.train.optim import build_scheduler
-
-        self.scheduler = build_scheduler(self.client_optimizer, self.recipe, total_steps)
-
     # ------------------------------------------------------------------ stepping
     def reference_logps(self, micro_batch: dict) -> Any:
         """Summed reference log-probs per sequence ``[num_sequences]`` (no gradient)."""
@@ -111,14 +111,6 @@ class ZeroEngine:
                 with self.tuner.disabled_adapters(self.model):
                     out = token_logps(self.ds, micro_batch, self.device)
         return out.sequence_sums().detach()
-
-    def _forward_loss(self, micro_batch: dict, loss: Any, ctx: StepContext) -> Any:
-        from toolkit.train.logps import token_logps
-
-        out = token_logps(self.ds, micro_batch, self.device)
-        if getattr(loss, "needs_reference", False) and out.reference_logps is None:
-            out.reference_logps = self.reference_logps(micro_batch)
-        return out, loss(out, ctx)
 
     def train_step(self, micro_batches: list[dict], loss: Any, ctx: StepContext) -> StepResult:
         self.ds.train()
@@ -146,27 +138,9 @@ class ZeroEngine:
         return StepResult(loss=reduced[0], grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
                           metrics=dict(zip(keys, reduced[1:])))
 
-    def evaluate(self, micro_batches: list[dict], loss: Any, ctx: StepContext) -> dict[str, float]:
-        import torch
-
-        self.ds.eval()
-        total, metrics = 0.0, {}
-        with torch.no_grad():
-            for micro_batch in micro_batches:
-                _, result = self._forward_loss(micro_batch, loss, ctx)
-                total += float(result.loss)
-                for key, value in result.metrics.items():
-                    metrics[key] = metrics.get(key, 0.0) + float(value)
-        keys = sorted(metrics)
-        reduced = self.all_reduce_sum([total, *(metrics[k] for k in keys)])
-        return {"loss": reduced[0], **dict(zip(keys, reduced[1:]))}
-
-    def current_lr(self) -> float:
-        return float(self.client_optimizer.param_groups[0]["lr"])
-
     # ------------------------------------------------------------------ checkpoints
     def _frozen_excluded(self) -> bool:
-        return any(not p.requires_grad for p in self.module.parameters())
+        return any(not p.requires_grad for p in self.model.parameters())
 
     def save_checkpoint(self, directory: Path) -> None:
         """DeepSpeed's own checkpoint (every rank writes its shards) plus the LR schedule."""
@@ -211,17 +185,6 @@ class ZeroEngine:
                 yield from self.tuner.export_tensors(self.model)
             return
         yield from gathered_tensors(self.model, self.tuner, self.is_main)
-
-    # ------------------------------------------------------------------ collectives
-    def all_reduce_sum(self, values: list[float]) -> list[float]:
-        from toolkit.train.distributed import all_reduce_sum
-
-        return all_reduce_sum(values, self.device if self.device.type == "cuda" else None)
-
-    def barrier(self) -> None:
-        from toolkit.train.distributed import barrier
-
-        barrier()
 
     def close(self) -> None:
         """Remove DeepSpeed's hooks so another engine can be built in this process."""
