@@ -52,7 +52,10 @@ class ZeroEngine(LocalEngine):
             from transformers.integrations import HfDeepSpeedConfig
 
             self._hf_zero3 = HfDeepSpeedConfig(ds_config)
-        self.model = load_hf_model(source, tuner, recipe, self.device)
+        # A zero.Init model is already partitioned where DeepSpeed wants it (the device, or the CPU
+        # under parameter offload): ``to(None)`` leaves it there.
+        self.load_device = None if self._hf_zero3 is not None else self.device
+        self.model = load_hf_model(source, tuner, recipe, self.load_device)
         self.reference = self._build_reference(loss) if getattr(loss, "needs_reference", False) else None
         # DeepSpeed's bf16 mode holds bf16 weights with fp32 masters; no autocast on top of it.
         precision = "fp32" if recipe.precision == "bf16" else recipe.precision
@@ -90,7 +93,7 @@ class ZeroEngine(LocalEngine):
             return None  # the policy with its adapters disabled is the reference
         if self.zero_stage != 3:
             return CausalLMLogps(copy.deepcopy(self.model).eval().requires_grad_(False))
-        frozen = load_hf_model(self.source, _FrozenTuner(), self.recipe, self.device).eval().requires_grad_(False)
+        frozen = load_hf_model(self.source, _FrozenTuner(), self.recipe, self.load_device).eval().requires_grad_(False)
         config = {key: value for key, value in self.ds_config.items() if key not in ("gradient_clipping",)}
         config["zero_optimization"] = {k: v for k, v in self.ds_config["zero_optimization"].items() if k != "offload_optimizer"}
         engine, *_ = deepspeed.initialize(model=CausalLMLogps(frozen), config=config)
