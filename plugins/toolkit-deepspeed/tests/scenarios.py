@@ -168,6 +168,8 @@ def main() -> None:
         ("local-lora", lambda: scenario_trajectory("local-lora", {"strategy": "local", **lora}, work, size, report)),
         ("zero3-lora", lambda: scenario_trajectory("zero3-lora", {**zero, "zero": 3, **lora}, work, size, report)),
         ("zero3-lora-resume", lambda: scenario_resume("zero3-lora", {**zero, "zero": 3, **lora}, work, size, report)),
+        ("zero1-lora", lambda: scenario_trajectory("zero1-lora", {**zero, "zero": 1, **lora}, work, size, report)),
+        ("zero1-lora-resume", lambda: scenario_resume("zero1-lora", {**zero, "zero": 1, **lora}, work, size, report)),
         ("local-ref", lambda: scenario_short("local-ref", {"strategy": "local", "loss": "toy-ref"}, work, size, report)),
         ("zero3-ref", lambda: scenario_short("zero3-ref", {**zero, "zero": 3, "loss": "toy-ref"}, work, size, report)),
         ("zero2-ref", lambda: scenario_short("zero2-ref", {**zero, "zero": 2, "loss": "toy-ref"}, work, size, report)),

@@ -86,21 +86,23 @@ def test_offload_with_bf16_trains_close_to_fp32(report):
     assert ours[1] < ours[0]
 
 
-def test_adapter_tuner_with_reference_loss_matches_ddp(report):
+@pytest.mark.parametrize("stage", ["zero1-lora", "zero3-lora"])
+def test_adapter_tuner_with_reference_loss_matches_ddp(report, stage):
     """An adapter tuner (frozen base, merged export) and a loss needing reference log-probs."""
-    reference, ours = series(report, "local-lora", "loss"), series(report, "zero3-lora", "loss")
+    reference, ours = series(report, "local-lora", "loss"), series(report, stage, "loss")
     assert ours == pytest.approx(reference, rel=2e-6, abs=2e-6)
-    assert series(report, "zero3-lora", "grad_norm") == pytest.approx(series(report, "local-lora", "grad_norm"), rel=1e-5)
+    assert series(report, stage, "grad_norm") == pytest.approx(series(report, "local-lora", "grad_norm"), rel=1e-5)
     assert reference[-1] < reference[0] - 0.1
 
 
-def test_adapter_tuner_resume_and_merged_export(report):
-    resumed = [s["loss"] for s in report["zero3-lora-resumed"]["history"]]
-    assert resumed == pytest.approx([s["loss"] for s in report["zero3-lora"]["history"][3:]], rel=1e-7, abs=1e-7)
+@pytest.mark.parametrize("stage", ["zero1-lora", "zero3-lora"])
+def test_adapter_tuner_resume_and_merged_export(report, stage):
+    resumed = [s["loss"] for s in report[f"{stage}-resumed"]["history"]]
+    assert resumed == pytest.approx([s["loss"] for s in report[stage]["history"][3:]], rel=1e-7, abs=1e-7)
     # The merged export reloads as a plain HF model giving the trained policy's log-probs.
-    engine = [v for row in report["zero3-lora"]["engine_logps"] for v in row]
-    assert [v for row in report["zero3-lora"]["reloaded_logps"] for v in row] == pytest.approx(engine, abs=1e-5)
-    assert report["zero3-lora"]["offline_missing"] == [] and report["zero3-lora"]["offline_max_diff"] < 1e-6
+    engine = [v for row in report[stage]["engine_logps"] for v in row]
+    assert [v for row in report[stage]["reloaded_logps"] for v in row] == pytest.approx(engine, abs=1e-5)
+    assert report[stage]["offline_missing"] == [] and report[stage]["offline_max_diff"] < 1e-6
 
 
 @pytest.mark.parametrize("stage", ["zero2-ref", "zero3-ref"])
