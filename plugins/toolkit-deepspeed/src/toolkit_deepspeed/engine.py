@@ -118,21 +118,22 @@ class ZeroEngine(LocalEngine):
     def train_step(self, micro_batches: list[dict], loss: Any, ctx: StepContext) -> StepResult:
         self.ds.train()
         total, metrics = 0.0, {}
-        share = len(micro_batches) * self.dp_world_size
+        share = 1.0 / (len(micro_batches) * self.dp_world_size)  # averages per-forward values over the step
         for index, micro_batch in enumerate(micro_batches):
             # The runner decides how many micro-batches make a step; DeepSpeed follows it.
             self.ds.set_gradient_accumulation_boundary(index == len(micro_batches) - 1)
             out, result = self._forward_loss(micro_batch, loss, ctx)
             objective = result.loss
             if out.aux_loss is not None:
-                objective = objective + out.aux_loss / share
-                metrics["aux_loss"] = metrics.get("aux_loss", 0.0) + float(out.aux_loss) / share
-            # DeepSpeed averages gradients over ranks; the loss contract wants their sum.
+                objective = objective + out.aux_loss * share
+                metrics["aux_loss"] = metrics.get("aux_loss", 0.0) + float(out.aux_loss.detach()) * share
+            # DeepSpeed averages gradients over ranks (and would divide by the accumulation steps):
+            # the loss contract wants their sum.
             self.ds.backward(objective * self.dp_world_size, scale_wrt_gas=False)
             total += float(result.loss.detach())
-            for key, value in result.metrics.items():
+            for key, value in [*result.metrics.items(), *((k, v * share) for k, v in out.aux_metrics.items())]:
                 metrics[key] = metrics.get(key, 0.0) + float(value)
-        self.ds.step()
+        self.ds.step()  # reduces what is left, clips to --max-grad-norm, steps AdamW, zeroes gradients
         if self.scheduler is not None:
             self.scheduler.step()
         grad_norm = self.ds.get_global_grad_norm()
