@@ -12,7 +12,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def test_zero3_run_with_user_json_exports_and_consolidates(tmp_path, cli_runner):
+def test_zero3_run_with_user_json_resumes_exports_and_consolidates(tmp_path, cli_runner):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -23,12 +23,18 @@ def test_zero3_run_with_user_json_exports_and_consolidates(tmp_path, cli_runner)
                                                          "reduce_bucket_size": 4096},
                                    "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto"}))
     run = tmp_path / "run"
-    command = [sys.executable, "-m", "toolkit", "launch", "--nproc", "2", "--master-port", str(free_port()), "sft",
-               "--model", "tiny-llama", "--strategy", "deepspeed", "--zero", "3", "--deepspeed-config", str(ds_json),
-               "--max-steps", "3", "--global-batch-size", "4", "--seq-len", "96", "--max-samples", "32",
-               "--output", str(run), "--export", "hf"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ})
-    assert done.returncode == 0, done.stderr[-5000:]
+
+    def launch(*extra: str) -> None:
+        command = [sys.executable, "-m", "toolkit", "launch", "--nproc", "2", "--master-port", str(free_port()), "sft",
+                   "--model", "tiny-llama", "--strategy", "deepspeed", "--zero", "3", "--deepspeed-config", str(ds_json),
+                   "--max-steps", "3", "--global-batch-size", "4", "--seq-len", "96", "--max-samples", "32",
+                   "--output", str(run), "--export", "hf", *extra]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ})
+        assert done.returncode == 0, done.stderr[-5000:]
+
+    launch("--stop-after", "2")  # a time-boxed job: checkpoint at step 2, no export yet
+    assert (run / "checkpoints" / "step-2" / "deepspeed").is_dir() and not (run / "export").exists()
+    launch("--resume", "auto")
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3] and metrics[-1]["loss"] < metrics[0]["loss"]
     assert (run / "checkpoints" / "step-3" / "deepspeed").is_dir()
