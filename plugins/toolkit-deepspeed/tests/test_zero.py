@@ -74,7 +74,7 @@ def test_zero3_export_reloads_in_transformers_with_the_same_logps(report):
     assert [v for row in reloaded for v in row] == pytest.approx(ddp, abs=1e-4)
 
 
-@pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3", "zero3-freeze-moe"])
 def test_checkpoint_consolidation_equals_the_live_export(report, stage):
     assert report[stage]["offline_missing"] == []
     assert report[stage]["offline_max_diff"] == 0.0
@@ -125,3 +125,11 @@ def test_moe_model_under_zero3_matches_ddp(report):
     """Router auxiliary loss included: tiny Qwen2-MoE, experts partitioned by ZeRO-3."""
     assert series(report, "zero3-moe", "loss") == pytest.approx(series(report, "local-moe", "loss"), rel=2e-6)
     assert series(report, "zero3-moe", "grad_norm") == pytest.approx(series(report, "local-moe", "grad_norm"), rel=1e-5)
+
+
+def test_freeze_tuner_on_moe_exports_what_trained(report):
+    """Frozen layers are not in the checkpoint; the export takes them from the base model."""
+    entry = report["zero3-freeze-moe"]
+    engine = [v for row in entry["engine_logps"] for v in row]
+    assert [v for row in entry["reloaded_logps"] for v in row] == pytest.approx(engine, abs=1e-5)
+    assert series(report, "zero3-freeze-moe", "loss")[-1] < series(report, "zero3-freeze-moe", "loss")[0] - 0.5

@@ -63,12 +63,13 @@ def checkpoint_tensors(checkpoint: Path, source: Any, tuner: Any, recipe: Any, t
     skeleton = meta_model(source, tuner)
     if skeleton is not None and exports_state_dict(skeleton, tuner):
         base = BaseWeights(source)
-        for name in skeleton.state_dict():
-            if name in state:
-                yield name, materialise(state.pop(name))
-            else:
-                yield name, base.get(name)
-        return
+        names = list(skeleton.state_dict())
+        # Frozen weights come from the base files by name; a model whose in-memory names differ
+        # from its files (fused MoE experts) is rebuilt instead.
+        if all(name in state or name in base.files for name in names):
+            for name in names:
+                yield name, materialise(state.pop(name)) if name in state else base.get(name)
+            return
     yield from rebuilt_tensors(state, source, tuner, recipe)
 
 
