@@ -7,6 +7,7 @@ that the tests read. Usage: ``torchrun --nproc-per-node 2 scenarios.py REPORT.js
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -183,11 +184,16 @@ def main() -> None:
             **zero, "zero": 3, "precision": "bf16", "deepspeed": {"offload_optimizer": "cpu", "offload_param": "cpu"}}, work, size, report, 2)),
     ]
     core = len(plan)
-    # Real first-party plugins, when installed: PEFT tuners and the DPO loss through their registered names.
+    # Real first-party plugins, when installed, through their registered names only.
+    installed = {name for name in ("toolkit_peft", "toolkit_dpo", "toolkit_moe") if importlib.util.find_spec(name)}
     dpo = {"loss": "dpo", "dataset": ["parity-prefs"]}
-    for tag, values in (("peft-lora-dpo", {"tuner": "lora", **dpo}), ("peft-dora", {"tuner": "dora"}),
-                        ("peft-qlora", {"tuner": "qlora"})):
-        stage = 2 if tag == "peft-qlora" else 3
+    pairs = (("peft-lora-dpo", {"tuner": "lora", **dpo}, 3, {"toolkit_peft", "toolkit_dpo"}),
+                  ("peft-dora", {"tuner": "dora"}, 3, {"toolkit_peft"}),
+                  ("peft-qlora", {"tuner": "qlora"}, 2, {"toolkit_peft"}),
+                  ("moe-patched", {"model": "tiny-qwen2-moe", "moe": {"enabled": True, "z_loss_coef": 0.001}}, 3, {"toolkit_moe"}))
+    for tag, values, stage, needs in pairs:
+        if not needs <= installed:
+            continue
         run = scenario_trajectory if tag == "peft-lora-dpo" else scenario_short
         plan.append((f"local-{tag}", lambda t=tag, v=values, r=run: r(f"local-{t}", {"strategy": "local", **v}, work, size, report)))
         plan.append((f"zero{stage}-{tag}", lambda t=tag, v=values, z=stage, r=run: r(

@@ -5,44 +5,19 @@ One torchrun launch (``scenarios.py``) runs every scenario; the tests read its r
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-HERE = Path(__file__).parent
 pytestmark = pytest.mark.slow
 
 
-def torchrun(script: Path, *args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    from toolkit_deepspeed.runtime import free_port
-
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-               str(script), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
-
-
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    work = tmp_path_factory.mktemp("zero")
-    path = work / "report.json"
-    done = torchrun(HERE / "scenarios.py", str(path), str(work))
-    assert path.is_file(), f"scenarios failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-    data = json.loads(path.read_text())
-    assert not data.get("errors"), data["errors"]
-    return data
-
-
-def series(report: dict, name: str, key: str) -> list[float]:
-    return [step[key] for step in report[name]["history"]]
+def report(scenarios):
+    return scenarios("core")
 
 
 @pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3"])
 def test_loss_trajectory_equals_ddp(report, stage):
-    reference, ours = series(report, "local", "loss"), series(report, stage, "loss")
+    reference, ours = report.series("local", "loss"), report.series(stage, "loss")
     assert len(ours) == 5
     assert ours == pytest.approx(reference, rel=2e-6, abs=2e-6)
     # The loss moved: the comparison is not between two untrained models.
@@ -52,8 +27,8 @@ def test_loss_trajectory_equals_ddp(report, stage):
 @pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3"])
 def test_gradient_norms_are_summed_over_ranks_like_ddp(report, stage):
     # Adam hides a constant gradient factor from the loss; the pre-clip norm does not.
-    assert series(report, stage, "grad_norm") == pytest.approx(series(report, "local", "grad_norm"), rel=1e-5)
-    assert series(report, stage, "lr") == pytest.approx(series(report, "local", "lr"), rel=1e-12)
+    assert report.series(stage, "grad_norm") == pytest.approx(report.series("local", "grad_norm"), rel=1e-5)
+    assert report.series(stage, "lr") == pytest.approx(report.series("local", "lr"), rel=1e-12)
 
 
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
@@ -81,7 +56,7 @@ def test_checkpoint_consolidation_equals_the_live_export(report, stage):
 
 
 def test_offload_with_bf16_trains_close_to_fp32(report):
-    ours, reference = series(report, "zero3-offload-bf16", "loss"), series(report, "local", "loss")[:2]
+    ours, reference = report.series("zero3-offload-bf16", "loss"), report.series("local", "loss")[:2]
     assert ours == pytest.approx(reference, rel=2e-3)
     assert ours[1] < ours[0]
 
@@ -89,9 +64,9 @@ def test_offload_with_bf16_trains_close_to_fp32(report):
 @pytest.mark.parametrize("stage", ["zero1-lora", "zero3-lora"])
 def test_adapter_tuner_with_reference_loss_matches_ddp(report, stage):
     """An adapter tuner (frozen base, merged export) and a loss needing reference log-probs."""
-    reference, ours = series(report, "local-lora", "loss"), series(report, stage, "loss")
+    reference, ours = report.series("local-lora", "loss"), report.series(stage, "loss")
     assert ours == pytest.approx(reference, rel=2e-6, abs=2e-6)
-    assert series(report, stage, "grad_norm") == pytest.approx(series(report, "local-lora", "grad_norm"), rel=1e-5)
+    assert report.series(stage, "grad_norm") == pytest.approx(report.series("local-lora", "grad_norm"), rel=1e-5)
     assert reference[-1] < reference[0] - 0.1
 
 
@@ -108,8 +83,8 @@ def test_adapter_tuner_resume_and_merged_export(report, stage):
 @pytest.mark.parametrize("stage", ["zero2-ref", "zero3-ref"])
 def test_frozen_reference_model_matches_ddp(report, stage):
     """Full tuning with a reference loss: ZeRO-3 shards a second, frozen engine for the reference."""
-    assert series(report, stage, "loss") == pytest.approx(series(report, "local-ref", "loss"), rel=1e-5, abs=1e-6)
-    assert series(report, stage, "grad_norm") == pytest.approx(series(report, "local-ref", "grad_norm"), rel=1e-5)
+    assert report.series(stage, "loss") == pytest.approx(report.series("local-ref", "loss"), rel=1e-5, abs=1e-6)
+    assert report.series(stage, "grad_norm") == pytest.approx(report.series("local-ref", "grad_norm"), rel=1e-5)
 
 
 def test_evaluate_matches_ddp(report):
@@ -117,14 +92,14 @@ def test_evaluate_matches_ddp(report):
 
 
 def test_gradient_checkpointing_under_zero3_matches_ddp(report):
-    assert series(report, "zero3-checkpointing", "loss") == pytest.approx(series(report, "local", "loss")[:3], rel=2e-6)
-    assert series(report, "zero3-checkpointing", "grad_norm") == pytest.approx(series(report, "local", "grad_norm")[:3], rel=1e-5)
+    assert report.series("zero3-checkpointing", "loss") == pytest.approx(report.series("local", "loss")[:3], rel=2e-6)
+    assert report.series("zero3-checkpointing", "grad_norm") == pytest.approx(report.series("local", "grad_norm")[:3], rel=1e-5)
 
 
 def test_moe_model_under_zero3_matches_ddp(report):
     """Router auxiliary loss included: tiny Qwen2-MoE, experts partitioned by ZeRO-3."""
-    assert series(report, "zero3-moe", "loss") == pytest.approx(series(report, "local-moe", "loss"), rel=2e-6)
-    assert series(report, "zero3-moe", "grad_norm") == pytest.approx(series(report, "local-moe", "grad_norm"), rel=1e-5)
+    assert report.series("zero3-moe", "loss") == pytest.approx(report.series("local-moe", "loss"), rel=2e-6)
+    assert report.series("zero3-moe", "grad_norm") == pytest.approx(report.series("local-moe", "grad_norm"), rel=1e-5)
 
 
 def test_freeze_tuner_on_moe_exports_what_trained(report):
@@ -132,4 +107,4 @@ def test_freeze_tuner_on_moe_exports_what_trained(report):
     entry = report["zero3-freeze-moe"]
     engine = [v for row in entry["engine_logps"] for v in row]
     assert [v for row in entry["reloaded_logps"] for v in row] == pytest.approx(engine, abs=1e-5)
-    assert series(report, "zero3-freeze-moe", "loss")[-1] < series(report, "zero3-freeze-moe", "loss")[0] - 0.5
+    assert report.series("zero3-freeze-moe", "loss")[-1] < report.series("zero3-freeze-moe", "loss")[0] - 0.5
