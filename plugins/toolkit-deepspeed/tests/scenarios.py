@@ -180,6 +180,8 @@ def main() -> None:
         ("zero3-moe", lambda: scenario_short("zero3-moe", {**zero, "zero": 3, "model": "tiny-qwen2-moe"}, work, size, report)),
         ("zero3-freeze-moe", lambda: scenario_trajectory("zero3-freeze-moe", {
             **zero, "zero": 3, "model": "tiny-qwen2-moe", "tuner": "freeze", "freeze": {"trainable_layers": 1}}, work, size, report)),
+        ("zero1-bf16", lambda: scenario_short("zero1-bf16", {**zero, "zero": 1, "precision": "bf16"}, work, size, report)),
+        ("zero2-bf16", lambda: scenario_short("zero2-bf16", {**zero, "zero": 2, "precision": "bf16"}, work, size, report)),
         ("zero3-offload-bf16", lambda: scenario_short("zero3-offload-bf16", {
             **zero, "zero": 3, "precision": "bf16", "deepspeed": {"offload_optimizer": "cpu", "offload_param": "cpu"}}, work, size, report, 2)),
     ]
