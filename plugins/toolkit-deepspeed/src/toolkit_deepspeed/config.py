@@ -64,7 +64,7 @@ def mapped_settings(recipe: Any, options: DeepSpeedOptions, world_size: int) -> 
         Mapped(("gradient_clipping",), float(recipe.max_grad_norm), "--max-grad-norm"),
         Mapped(("bf16", "enabled"), recipe.precision == "bf16", "--precision"),
         Mapped(("fp16", "enabled"), recipe.precision == "fp16", "--precision"),
-        Mapped(("optimizer", "type"), "AdamW", "(the toolkit's AdamW)"),
+        Mapped(("optimizer", "type"), "AdamW", "the toolkit's optimizer"),
         Mapped(("optimizer", "params", "lr"), recipe.lr, "--lr"),
         Mapped(("optimizer", "params", "betas"), [recipe.adam_beta1, recipe.adam_beta2], "--adam-beta1/--adam-beta2"),
         Mapped(("optimizer", "params", "eps"), recipe.adam_eps, "--adam-eps"),
@@ -138,8 +138,6 @@ def merge_config(recipe: Any, options: DeepSpeedOptions, world_size: int,
     if "scheduler" in user:
         problems.append(f"{where}: a 'scheduler' section is not supported; the toolkit schedules the learning rate from "
                         "--lr, --warmup-steps, --schedule and --min-lr-ratio (remove the section)")
-    if str(merged.get("optimizer", {}).get("type", "")).lower() not in ("adamw",):
-        problems.append(f"{where}: optimizer.type must be AdamW")
     zero = merged.setdefault("zero_optimization", {})
     for name in ("offload_optimizer", "offload_param"):
         if zero.get(name, {}).get("device") == "none":
