@@ -136,6 +136,8 @@ def test_adapter_only_export_reloads_with_peft(load_base, source, batch, tmp_pat
         out = tuner.save_adapter(model, tmp_path / tuner.name)
         config = json.loads((out / "adapter_config.json").read_text())
         assert config["r"] == 4 and config["peft_type"] == "LORA" and config["use_dora"] == (tuner.name == "dora")
+        in_memory, _ = tuner.adapter_export(model)()
+        assert in_memory == config and type(in_memory["peft_type"]) is str  # plain JSON values, as other exporters expect
         reloaded = PeftModel.from_pretrained(load_base(), out)
         torch.testing.assert_close(reloaded(batch).logits, expected, atol=1e-6, rtol=1e-6)
 

@@ -168,6 +168,14 @@ def merged_tensors(model: Any, export_dtype: str = "auto") -> Iterator[tuple[str
         yield from walk(hf_model, "", "")
 
 
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    if hasattr(value, "value"):  # enum
+        return value.value
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
 def adapter_export(model: torch.nn.Module, config: LoRAConfig) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """``(adapter_config_dict, tensors)``: what ``PeftModel.save_pretrained`` would write."""
     from peft.utils import get_peft_model_state_dict
@@ -181,10 +189,8 @@ def adapter_export(model: torch.nn.Module, config: LoRAConfig) -> tuple[dict[str
         )
     peft_model = peft_model_of(model)
     adapter = peft_model.active_adapter
-    peft_config = peft_model.peft_config[adapter].to_dict()
-    for key, value in peft_config.items():
-        if isinstance(value, set):
-            peft_config[key] = sorted(value)
+    # exactly what adapter_config.json holds: plain JSON values (PEFT's enums become their strings)
+    peft_config = json.loads(json.dumps(peft_model.peft_config[adapter].to_dict(), default=_jsonable))
     source = source_of(model)
     if source is not None:
         peft_config["base_model_name_or_path"] = str(source.directory)
