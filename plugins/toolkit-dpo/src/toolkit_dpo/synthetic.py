@@ -1,0 +1,50 @@
+"""A scorable synthetic preference task (number parity) behind the bundled ``parity-prefs`` datasets.
+
+Prompt ``Even or odd: 347``; the chosen reply is the correct parity, the rejected one the other.
+The held-out file uses numbers the training file never shows. Regenerate both with
+``python -m toolkit_dpo.synthetic``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+
+
+def parity(number: int) -> str:
+    return "even" if number % 2 == 0 else "odd"
+
+
+def score(prompt: str, completion: str) -> bool:
+    """True when ``completion`` states the parity of the number that ends ``prompt``."""
+    number = int(prompt.rsplit(" ", 1)[-1])
+    return completion.strip().lower() == parity(number)
+
+
+def records(numbers: list[int]) -> list[dict[str, str]]:
+    out = []
+    for number in numbers:
+        right = parity(number)
+        wrong = "odd" if right == "even" else "even"
+        out.append({"prompt": f"Even or odd: {number}", "chosen": right, "rejected": wrong})
+    return out
+
+
+def split(seed: int = 0, train: int = 600, held_out: int = 200) -> tuple[list[dict], list[dict]]:
+    numbers = list(range(100, 1000))
+    random.Random(seed).shuffle(numbers)
+    return records(numbers[:train]), records(numbers[train:train + held_out])
+
+
+def write(directory: Path = ASSETS) -> None:
+    train, held_out = split()
+    for name, rows in (("parity-prefs", train), ("parity-prefs-eval", held_out)):
+        with (directory / f"{name}.jsonl").open("w") as handle:
+            handle.writelines(json.dumps(row) + "\n" for row in rows)
+
+
+if __name__ == "__main__":
+    write()
