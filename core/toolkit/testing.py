@@ -1,0 +1,1 @@
+"""pytest plugin for toolkit and plugin authors (fixtures are being filled in)."""
