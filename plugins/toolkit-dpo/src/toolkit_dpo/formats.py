@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 from toolkit.config import option
 from toolkit.contracts import Example, Sequence
 from toolkit.errors import DataError
+from toolkit_dpo.losses import KTOConfig
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 
@@ -122,14 +123,6 @@ class PreferenceFormat:
         return Example(sequences, kind="preference")
 
 
-@dataclasses.dataclass(kw_only=True)
-class KTOFormatConfig:
-    raw_text: bool = option(False, help="Concatenate prompt and completion as plain text instead of applying "
-                                        "the chat template (base models).")
-    kl: bool = option(True, help="Add a mismatched (prompt, previous record's completion) sequence per record to "
-                                 "estimate KTO's KL reference point, as TRL does.")
-
-
 LABELS = {True: True, False: False, 1: True, 0: False, "true": True, "false": False, "1": True, "0": False,
           "desirable": True, "undesirable": False}
 
@@ -138,11 +131,12 @@ class KTOFormat:
     """Unpaired ``prompt`` / ``completion`` / ``label`` records (label true = desirable)."""
 
     name: ClassVar[str] = "kto"
-    Config: ClassVar[type] = KTOFormatConfig
+    Config: ClassVar[type] = KTOConfig
+    """Shared with the ``kto`` loss: a recipe's ``kto:`` section (and ``--kto-*`` flags) configures both."""
     example_kind: ClassVar[str] = "unpaired"
 
-    def __init__(self, config: KTOFormatConfig | None = None):
-        self.config = config or KTOFormatConfig()
+    def __init__(self, config: KTOConfig | None = None):
+        self.config = config or KTOConfig()
         self._previous: list[dict[str, str]] | None = None
 
     def detect(self, columns: list[str]) -> bool:

@@ -143,6 +143,11 @@ class KTOConfig:
     beta: float = option(0.1, help="Strength of the KL penalty towards the reference model.")
     desirable_weight: float = option(1.0, help="Weight of the loss on desirable (label true / chosen) completions.")
     undesirable_weight: float = option(1.0, help="Weight of the loss on undesirable (label false / rejected) completions.")
+    # The 'kto' dataset format shares this section (one name, one set of options).
+    kl: bool = option(True, help="kto format: add a mismatched (prompt, previous record's completion) sequence per "
+                                 "record to estimate KTO's KL reference point, as TRL does.")
+    raw_text: bool = option(False, help="kto format: concatenate prompt and completion as plain text instead of "
+                                        "applying the chat template (base models).")
 
     def check(self) -> list[str]:
         bad = [f"{k} must be positive, got {getattr(self, k)}" for k in ("desirable_weight", "undesirable_weight")

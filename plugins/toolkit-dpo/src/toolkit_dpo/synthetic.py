@@ -1,6 +1,8 @@
 """A scorable synthetic preference task (number parity) behind the bundled ``parity-prefs`` datasets.
 
-Prompt ``Even or odd: 347``; the chosen reply is the correct parity, the rejected one the other.
+Prompt ``Even or odd: 347``; the chosen reply ``347 odd`` states the correct parity, the rejected
+one (``347 even``) the other. Restating the number puts its last digit right before the answer,
+so a tiny model can learn the task in a few dozen steps, with or without a chat template.
 The held-out file uses numbers the training file never shows. Regenerate both with
 ``python -m toolkit_dpo.synthetic``.
 """
@@ -21,7 +23,8 @@ def parity(number: int) -> str:
 def score(prompt: str, completion: str) -> bool:
     """True when ``completion`` states the parity of the number that ends ``prompt``."""
     number = int(prompt.rsplit(" ", 1)[-1])
-    return completion.strip().lower() == parity(number)
+    words = completion.strip().lower().rstrip(".").split()
+    return bool(words) and words[-1] == parity(number)
 
 
 def records(numbers: list[int]) -> list[dict[str, str]]:
@@ -29,7 +32,7 @@ def records(numbers: list[int]) -> list[dict[str, str]]:
     for number in numbers:
         right = parity(number)
         wrong = "odd" if right == "even" else "even"
-        out.append({"prompt": f"Even or odd: {number}", "chosen": right, "rejected": wrong})
+        out.append({"prompt": f"Even or odd: {number}", "chosen": f"{number} {right}", "rejected": f"{number} {wrong}"})
     return out
 
 
