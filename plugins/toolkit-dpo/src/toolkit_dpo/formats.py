@@ -133,6 +133,7 @@ class KTOFormat:
     name: ClassVar[str] = "kto"
     Config: ClassVar[type] = KTOConfig
     """Shared with the ``kto`` loss: a recipe's ``kto:`` section (and ``--kto-*`` flags) configures both."""
+    bundled_datasets: ClassVar[dict[str, str]] = {"parity-kto": str(ASSETS / "parity-kto.jsonl")}
     example_kind: ClassVar[str] = "unpaired"
 
     def __init__(self, config: KTOConfig | None = None):

@@ -3,7 +3,8 @@
 Prompt ``Even or odd: 347``; the chosen reply ``347 odd`` states the correct parity, the rejected
 one (``347 even``) the other. Restating the number puts its last digit right before the answer,
 so a tiny model can learn the task in a few dozen steps, with or without a chat template.
-The held-out file uses numbers the training file never shows. Regenerate both with
+The held-out file uses numbers the training file never shows; ``parity-kto`` holds the training
+pairs as unpaired KTO records. Regenerate both with
 ``python -m toolkit_dpo.synthetic``.
 """
 
@@ -42,9 +43,17 @@ def split(seed: int = 0, train: int = 600, held_out: int = 200) -> tuple[list[di
     return records(numbers[:train]), records(numbers[train:train + held_out])
 
 
+def unpaired(pairs: list[dict[str, str]], seed: int = 0) -> list[dict]:
+    """KTO records: each pair's chosen as desirable and rejected as undesirable, shuffled."""
+    rows = [{"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"}
+            for p in pairs for side in ("chosen", "rejected")]
+    random.Random(seed).shuffle(rows)
+    return rows
+
+
 def write(directory: Path = ASSETS) -> None:
     train, held_out = split()
-    for name, rows in (("parity-prefs", train), ("parity-prefs-eval", held_out)):
+    for name, rows in (("parity-prefs", train), ("parity-prefs-eval", held_out), ("parity-kto", unpaired(train))):
         with (directory / f"{name}.jsonl").open("w") as handle:
             handle.writelines(json.dumps(row) + "\n" for row in rows)
 
