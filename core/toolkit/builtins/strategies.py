@@ -234,4 +234,7 @@ def check_layout(problems: list[str]) -> None:
 
 @hookimpl
 def toolkit_register_strategies(register):
+    from toolkit.builtins.fsdp import FSDPStrategy
+
     register(LocalStrategy)
+    register(FSDPStrategy)

@@ -190,6 +190,8 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
                 for cb in callbacks:
                     cb.on_log(done, metrics)
                 window_tokens, window_start = 0, time.perf_counter()
+            if recipe.stop_after and done - start_step >= recipe.stop_after and done < total_steps:
+                stop.requested = True
             stopping = engine.all_reduce_sum([1.0 if stop.requested else 0.0])[0] > 0
             if (recipe.save_every and done % recipe.save_every == 0) or done == total_steps or stopping:
                 state = {"step": done, "total_steps": total_steps, "epoch": step // batches.steps_per_epoch,
