@@ -20,14 +20,30 @@ class LocalConfig:
     logps_chunk_tokens: int = option(2048, help="Tokens per chunk when computing label log-probs (bounds logits memory).")
 
 
+def wants_scores(recipe: Any) -> bool:
+    """Whether the recipe's loss consumes per-sequence scores (reward modeling) instead of label log-probs."""
+    from toolkit.plugins import get_plugin_manager
+
+    return getattr(get_plugin_manager().get("loss", recipe.loss), "consumes", "logps") == "scores"
+
+
 def load_hf_model(source: Any, tuner: Any, recipe: Any, device: Any) -> Any:
-    """The HF causal LM in fp32 master weights, with the tuner applied, on ``device``."""
+    """The HF causal LM in fp32 master weights, with the tuner applied, on ``device``.
+
+    For a loss that consumes scores it is the ``*ForSequenceClassification`` model with one label
+    (the value head starts from the seeded initialisation; the LM head is dropped).
+    """
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     torch.manual_seed(recipe.seed)
     kwargs = {"dtype": torch.float32, **tuner.model_load_kwargs()}
-    model = AutoModelForCausalLM.from_pretrained(source.directory, trust_remote_code=source.trust_remote_code, **kwargs)
+    if wants_scores(recipe):
+        pad = source.tokenizer.pad_token_id if source.tokenizer.pad_token_id is not None else source.tokenizer.eos_token_id
+        model = AutoModelForSequenceClassification.from_pretrained(
+            source.directory, trust_remote_code=source.trust_remote_code, num_labels=1, pad_token_id=pad, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(source.directory, trust_remote_code=source.trust_remote_code, **kwargs)
     if "quantization_config" not in kwargs:
         model.to(device)
     if recipe.gradient_checkpointing:
