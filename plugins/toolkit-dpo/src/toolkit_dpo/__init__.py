@@ -24,3 +24,10 @@ def toolkit_register_dataset_formats(register):
 
     for cls in FORMATS:
         register(cls)
+
+
+@hookimpl
+def toolkit_register_exporters(register):
+    from toolkit_dpo.exporters import RewardModelExporter
+
+    register(RewardModelExporter)
