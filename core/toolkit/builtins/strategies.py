@@ -101,12 +101,21 @@ class LocalEngine:
         frozen = copy.deepcopy(self.model).eval().requires_grad_(False)
         return CausalLMLogps(frozen, autocast_dtype(self.recipe.precision))
 
+    def release_reference(self) -> None:
+        """Free the frozen reference once every example carries precomputed reference log-probs."""
+        self.reference = None
+        self.reference_released = True
+
     def reference_logps(self, micro_batch: dict) -> Any:
         """Summed reference log-probs per sequence ``[num_sequences]`` (no gradient)."""
         import torch
 
+        from toolkit.errors import ToolkitError
         from toolkit.train.logps import CausalLMLogps, token_logps
 
+        if getattr(self, "reference_released", False):
+            raise ToolkitError("the reference model was freed after --precompute-reference, but a micro-batch "
+                               "arrived without precomputed reference_logps")
         with torch.no_grad():
             if self.reference is not None:
                 out = token_logps(self.reference, micro_batch, self.device)
