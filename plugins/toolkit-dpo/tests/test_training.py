@@ -41,3 +41,32 @@ def test_dpo_raises_held_out_preference_accuracy(tmp_path):
     assert {"rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
             "logps/rejected"} <= set(lines[-1])
     assert lines[-1]["rewards/margins"] > lines[0]["rewards/margins"]
+
+
+@pytest.mark.slow
+def test_precomputed_reference_cache_matches_live_reference(tmp_path):
+    from toolkit.recipe import resolve_recipe
+    from toolkit.train.runner import run_training
+
+    def run(name: str, precompute: bool, overwrite: bool = False):
+        recipe = resolve_recipe({"model": "tiny-llama", "dataset": ["parity-prefs"], "loss": "dpo", "max_steps": 3,
+                                 "max_samples": 24, "micro_batch_size": 4, "global_batch_size": 8, "lr": 1e-3,
+                                 "eval_samples": 8, "output": str(tmp_path / name), "overwrite": overwrite,
+                                 "precompute_reference": precompute, "dpo": {"beta": 0.5}})
+        directory = run_training(recipe)
+        return directory, [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
+
+    _, live = run("live", False)
+    cached_dir, cached = run("cached", True)
+    cache_files = list((cached_dir / "reference-logps").glob("*.safetensors"))
+    assert len(cache_files) == 1
+    stamp = cache_files[0].stat().st_mtime_ns
+    assert len(live) == len(cached) == 3
+    for a, b in zip(live, cached, strict=True):
+        for key in ("loss", "rewards/margins", "rewards/accuracies", "eval_loss", "eval_rewards/margins"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    assert live[-1]["rewards/margins"] != 0  # the policy moved away from the reference
+    _, again = run("cached", True, overwrite=True)  # the cache is reused, not rewritten
+    assert cache_files[0].stat().st_mtime_ns == stamp
+    assert list((cached_dir / "reference-logps").glob("*.safetensors")) == cache_files
+    assert again[-1]["loss"] == pytest.approx(cached[-1]["loss"], rel=1e-6)
