@@ -64,7 +64,7 @@ def test_rm_training_and_hf_rm_export(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(base)
     # Scoring parity needs the answer and the number's last digit combined at the final token, which a
     # 2-layer model does not learn in a CPU-test budget; so the check is that it fits its 16 training pairs.
-    recipe = resolve_recipe({"model": "tiny-llama", "dataset": ["parity-prefs"], "loss": "rm", "max_steps": 30,
+    recipe = resolve_recipe({"model": "tiny-llama", "dataset": ["parity-prefs"], "loss": "rm", "max_steps": 18,
                              "max_samples": 16, "micro_batch_size": 16, "global_batch_size": 16, "lr": 1e-3,
                              "schedule": "constant", "output": str(tmp_path / "run"), "export": "hf-rm", "log_every": 5})
     from toolkit.train.runner import run_training
