@@ -103,8 +103,12 @@ def test_kto_records_and_kl_sequences(tokenizer, template):
     assert "p2" in tokenizer.decode(kl.input_ids)
     no_kl = KTOFormat(KTOConfig(kl=False)).encode({"prompt": "p", "completion": "c", "label": 1}, tokenizer, template)
     assert len(no_kl.sequences) == 1
-    with pytest.raises(DataError, match="line 3: 'label' must be true/false"):
-        fmt.encode({"prompt": "p", "completion": "c", "label": "maybe"}, tokenizer, template, where="k.jsonl, line 3")
+    for label, desirable in ((0, 0.0), (1.0, 1.0), ("Undesirable", 0.0), ("1", 1.0)):
+        seq = fmt.encode({"prompt": "p", "completion": "c", "label": label}, tokenizer, template).sequences[0]
+        assert seq.meta["kto_label"] == desirable, label
+    for label in ("maybe", 2, [1]):
+        with pytest.raises(DataError, match="line 3: 'label' must be true/false"):
+            fmt.encode({"prompt": "p", "completion": "c", "label": label}, tokenizer, template, where="k.jsonl, line 3")
     with pytest.raises(DataError, match="needs column\\(s\\) 'label'"):
         fmt.encode({"prompt": "p", "completion": "c"}, tokenizer, template, where="k.jsonl, line 4")
 

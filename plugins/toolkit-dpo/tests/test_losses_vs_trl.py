@@ -13,9 +13,19 @@ import os
 
 import pytest
 import torch
+from helpers import (
+    assert_grads_close,
+    context,
+    grads,
+    micro_batch,
+    pair_batch,
+    random_pairs,
+    tiny_model,
+    token_logps,
+    trl_pair_inputs,
+    trl_stub,
+)
 
-from helpers import (assert_grads_close, context, grads, micro_batch, pair_batch, random_pairs, tiny_model, token_logps,
-                     trl_pair_inputs, trl_stub)
 from toolkit_dpo import losses
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -123,7 +123,8 @@ class PreferenceFormat:
         return Example(sequences, kind="preference")
 
 
-LABELS = {True: True, False: False, 1: True, 0: False, "true": True, "false": False, "1": True, "0": False,
+# 1/0 (and 1.0/0.0) match True/False as dictionary keys.
+LABELS = {True: True, False: False, "true": True, "false": False, "1": True, "0": False,
           "desirable": True, "undesirable": False}
 
 
@@ -147,9 +148,7 @@ class KTOFormat:
         _require(record, ("prompt", "completion", "label"), where, self.name)
         label = record["label"]
         key = label.strip().lower() if isinstance(label, str) else label
-        if isinstance(key, float) and key in (0.0, 1.0):
-            key = int(key)
-        if key not in LABELS:
+        if not isinstance(key, (str, int, float)) or key not in LABELS:
             raise DataError(f"{where}: 'label' must be true/false (or 1/0), got {label!r}")
         desirable = LABELS[key]
         prompt = _messages(record["prompt"], where, "prompt")

@@ -34,6 +34,20 @@ class _PreferenceLoss:
 
             raise ConfigError(problems, source=f"{self.name} options")
 
+    def pairwise_output(self, per_pair, chosen_rewards, rejected_rewards, pairs, out: TokenLogps,
+                        ctx: StepContext) -> LossOutput:
+        """Per-pair losses and rewards -> the contribution, the metrics and the optional ``sft_weight`` term."""
+        from toolkit_dpo import functional as fn
+
+        loss = per_pair.sum() / max(ctx.examples, 1)
+        metrics = fn.pair_metrics(chosen_rewards, rejected_rewards, pairs, ctx.examples)
+        sft_weight = getattr(self.config, "sft_weight", 0.0)
+        if sft_weight:
+            nll = fn.chosen_nll(out, pairs, ctx)
+            loss = loss + sft_weight * nll
+            metrics["nll"] = nll.detach()
+        return LossOutput(loss=loss, metrics=metrics)
+
 
 def _check_beta(config) -> list[str]:
     return [f"beta must be positive, got {config.beta}"] if config.beta <= 0 else []
@@ -86,15 +100,9 @@ class DPOLoss(_PreferenceLoss):
 
         pairs = fn.Pairs.of(out)
         chosen_ratio, rejected_ratio = self.logits(pairs, out)
-        loss = self.per_pair(chosen_ratio, rejected_ratio, pairs).sum() / max(ctx.examples, 1)
         beta = self.config.beta
-        metrics = fn.pair_metrics(beta * chosen_ratio, beta * rejected_ratio, pairs, ctx.examples)
-        sft_weight = getattr(self.config, "sft_weight", 0.0)
-        if sft_weight:
-            nll = fn.chosen_nll(out, pairs, ctx)
-            loss = loss + sft_weight * nll
-            metrics["nll"] = nll.detach()
-        return LossOutput(loss=loss, metrics=metrics)
+        return self.pairwise_output(self.per_pair(chosen_ratio, rejected_ratio, pairs), beta * chosen_ratio,
+                                    beta * rejected_ratio, pairs, out, ctx)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -219,13 +227,7 @@ class SimPOLoss(_PreferenceLoss):
         pairs = fn.Pairs.of(out)
         chosen, rejected = pairs.mean_logps()
         losses = fn.sigmoid_loss(chosen - rejected - c.gamma / c.beta, c.beta, c.label_smoothing)
-        loss = losses.sum() / max(ctx.examples, 1)
-        metrics = fn.pair_metrics(c.beta * chosen, c.beta * rejected, pairs, ctx.examples)
-        if c.sft_weight:
-            nll = fn.chosen_nll(out, pairs, ctx)
-            loss = loss + c.sft_weight * nll
-            metrics["nll"] = nll.detach()
-        return LossOutput(loss=loss, metrics=metrics)
+        return self.pairwise_output(losses, c.beta * chosen, c.beta * rejected, pairs, out, ctx)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -280,13 +282,7 @@ class CPOLoss(_PreferenceLoss):
         c = self.config
         pairs = fn.Pairs.of(out)
         losses = fn.sigmoid_loss(pairs.chosen_logps - pairs.rejected_logps, c.beta, c.label_smoothing)
-        loss = losses.sum() / max(ctx.examples, 1)
-        metrics = fn.pair_metrics(c.beta * pairs.chosen_logps, c.beta * pairs.rejected_logps, pairs, ctx.examples)
-        if c.sft_weight:
-            nll = fn.chosen_nll(out, pairs, ctx)
-            loss = loss + c.sft_weight * nll
-            metrics["nll"] = nll.detach()
-        return LossOutput(loss=loss, metrics=metrics)
+        return self.pairwise_output(losses, c.beta * pairs.chosen_logps, c.beta * pairs.rejected_logps, pairs, out, ctx)
 
 
 @dataclasses.dataclass(kw_only=True)
