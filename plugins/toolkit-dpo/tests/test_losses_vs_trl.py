@@ -126,7 +126,7 @@ def test_conservative_dpo_matches_trl_cpo_formula(models):
     trl_losses.mean().backward()
     expected = grads(model)
     got = ours(losses.DPOLoss(losses.DPOConfig(beta=0.3, label_smoothing=0.15)), policy, reference)
-    assert got[0] == pytest.approx(float(trl_losses.mean()), rel=1e-6)
+    assert got[0] == pytest.approx(float(trl_losses.mean().detach()), rel=1e-6)
     assert_grads_close(got[2], expected)
 
 

@@ -90,3 +90,9 @@ def test_rm_training_and_hf_rm_export(tmp_path):
     with torch.no_grad():
         engine_scores = token_logps(CausalLMLogps(exported), few_batch, torch.device("cpu")).scores
         torch.testing.assert_close(engine_scores, hf_scores(exported, few, few_batch, 0), rtol=1e-5, atol=1e-5)
+    # The language-model exporter refuses it instead of writing a causal-LM config over a value head.
+    from toolkit.errors import ToolkitError
+    from toolkit.export import export_model, resolve_export_source
+
+    with pytest.raises(ToolkitError, match="--to hf-rm"):
+        export_model(resolve_export_source(str(run)), "hf", tmp_path / "wrong")
