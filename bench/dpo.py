@@ -68,7 +68,6 @@ def trl_dpo(model_dir: Path, data: list, warmup: int, beta: float) -> tuple[floa
         optimizer.zero_grad(set_to_none=True)
 
     result = timed(step, data, warmup)
-    del model, reference, optimizer, stub
     return result
 
 
@@ -101,7 +100,6 @@ def toolkit_dpo(model_dir: Path, data: list, warmup: int, beta: float, precision
         engine.train_step([batch], loss, ctx)
 
     result = timed(step, data, warmup)
-    del engine
     return result
 
 

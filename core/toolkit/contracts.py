@@ -69,6 +69,8 @@ class TokenLogps:
     """``[num_sequences]`` scalar scores from a value head (reward modeling)."""
     aux_loss: torch.Tensor | None = None
     """Auxiliary losses the model produced (MoE load balancing), already weighted."""
+    aux_metrics: dict[str, float] = field(default_factory=dict)
+    """Per-forward model metrics (MoE routing: dropped tokens, max load); engines average them."""
 
     def sequence_sums(self, values: torch.Tensor | None = None) -> torch.Tensor:
         """Sum ``values`` (default: masked logps) per sequence: ``[num_sequences]``."""

@@ -68,8 +68,8 @@ class CausalLMLogps(nn.Module):
         self.autocast_dtype = autocast_dtype
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
-                sequence_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``(logps, aux)``; a sequence-classification model (reward modeling) adds ``scores [sequences]``."""
+                sequence_ids: torch.Tensor) -> tuple[Any, ...]:
+        """``(logps, aux, aux_metrics)``; a sequence-classification model (reward modeling) adds ``scores [sequences]``."""
         inner = unwrap(self.model)
         decoder, head = inner.get_decoder(), inner.get_output_embeddings()
         if head is None and isinstance(getattr(inner, "score", None), nn.Module):
@@ -78,7 +78,8 @@ class CausalLMLogps(nn.Module):
         enabled = self.autocast_dtype is not None
         with torch.autocast(device_type=device_type, dtype=self.autocast_dtype or torch.bfloat16, enabled=enabled):
             kwargs: dict[str, Any] = {}
-            if getattr(inner.config, "output_router_logits", None) is not None and hasattr(inner.config, "router_aux_loss_coef"):
+            patched_aux = getattr(inner, "toolkit_pop_aux_loss", None)
+            if patched_aux is None and getattr(inner.config, "output_router_logits", None) is not None and hasattr(inner.config, "router_aux_loss_coef"):
                 kwargs["output_router_logits"] = True
             out = decoder(input_ids=input_ids, position_ids=position_ids,
                           attention_mask=attention_mask_for(sequence_ids), use_cache=False, **kwargs)
@@ -87,11 +88,11 @@ class CausalLMLogps(nn.Module):
             picked = label_logps(head, hidden[mask], labels[mask])
         logps = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
         logps = logps.masked_scatter(mask, picked)
-        aux = router_aux_loss(inner, out, sequence_ids)
-        return logps, aux
+        aux, aux_metrics = router_aux_loss(inner, out, sequence_ids)
+        return logps, aux, aux_metrics
 
     def _scores(self, inner: nn.Module, decoder: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
-                position_ids: torch.Tensor, sequence_ids: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor]:
+                position_ids: torch.Tensor, sequence_ids: torch.Tensor) -> tuple[torch.Tensor, None, dict, torch.Tensor]:
         """The value head on each sequence's last token (what HF's ``*ForSequenceClassification`` scores)."""
         enabled = self.autocast_dtype is not None
         with torch.autocast(device_type=input_ids.device.type, dtype=self.autocast_dtype or torch.bfloat16, enabled=enabled):
@@ -104,22 +105,27 @@ class CausalLMLogps(nn.Module):
         last = torch.full((count,), -1, dtype=torch.long, device=flat.device)
         last = last.scatter_reduce(0, flat[valid], positions[valid], reduce="amax")
         scores = inner.score(hidden.flatten(0, 1)[last]).float().squeeze(-1)
-        return torch.zeros(labels.shape, dtype=torch.float32, device=labels.device), None, scores
+        return torch.zeros(labels.shape, dtype=torch.float32, device=labels.device), None, {}, scores
 
 
-def router_aux_loss(inner: nn.Module, out: Any, sequence_ids: torch.Tensor) -> torch.Tensor | None:
+def router_aux_loss(inner: nn.Module, out: Any, sequence_ids: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """The weighted MoE auxiliary loss of this forward and routing metrics (both empty for dense models)."""
+    patched_aux = getattr(inner, "toolkit_pop_aux_loss", None)
+    if patched_aux is not None:  # a plugin replaced the MoE blocks (toolkit_patch_model) and owns the aux loss
+        loss, metrics = patched_aux()
+        return loss, {k: float(v) for k, v in (metrics or {}).items()}
     router_logits = getattr(out, "router_logits", None)
     coef = getattr(inner.config, "router_aux_loss_coef", 0.0)
     if not router_logits or not coef:
-        return None
+        return None, {}
     try:
         from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
     except ImportError:  # pragma: no cover - transformers without mixtral
-        return None
+        return None, {}
     experts = getattr(inner.config, "num_local_experts", None) or inner.config.num_experts
     top_k = inner.config.num_experts_per_tok
     attention = (sequence_ids >= 0).long()
-    return coef * load_balancing_loss_func(router_logits, experts, top_k, attention)
+    return coef * load_balancing_loss_func(router_logits, experts, top_k, attention), {}
 
 
 def token_logps(module: nn.Module, batch: dict[str, Any], device: torch.device) -> TokenLogps:
@@ -127,9 +133,9 @@ def token_logps(module: nn.Module, batch: dict[str, Any], device: torch.device) 
     ids = batch["input_ids"].to(device)
     labels = batch["labels"].to(device)
     outputs = module(ids, labels, batch["position_ids"].to(device), batch["sequence_ids"].to(device))
-    logps, aux = outputs[0], outputs[1]
-    scores = outputs[2] if len(outputs) > 2 else None
+    logps, aux, aux_metrics = outputs[:3]
+    scores = outputs[3] if len(outputs) > 3 else None
     meta = {k: v.to(device) for k, v in batch["sequence_meta"].items()}
     return TokenLogps(logps=logps, mask=labels != IGNORE_INDEX, sequence_ids=batch["sequence_ids"].to(device),
                       num_sequences=batch["num_sequences"], sequence_meta=meta,
-                      reference_logps=meta.get("reference_logps"), aux_loss=aux, scores=scores)
+                      reference_logps=meta.get("reference_logps"), aux_loss=aux, aux_metrics=aux_metrics, scores=scores)
