@@ -13,6 +13,7 @@ A plugin takes part without being listed here. Its ``pyproject.toml`` may carry 
     own-session = true          # test in session tests-<x> with its own venv (default false)
     requires = ["toolkit-peft"] # other plugins of this repository to install with it (own session)
     install = ["vllm==0.11.0"]  # extra requirements for its session
+    uninstall = ["torchvision"] # removed after installing (own session), e.g. broken extras of an engine
     extras = ["test"]           # extras of the plugin to install (default ["test"])
     python = "3.12"             # interpreter for its own session (default: the one running nox)
     pytest-args = ["-x"]        # added to its pytest command
@@ -51,6 +52,7 @@ class Plugin:
     own_session: bool = False
     requires: list[str] = dataclasses.field(default_factory=list)
     install: list[str] = dataclasses.field(default_factory=list)
+    uninstall: list[str] = dataclasses.field(default_factory=list)
     extras: list[str] = dataclasses.field(default_factory=lambda: ["test"])
     python: str | None = None
     pytest_args: list[str] = dataclasses.field(default_factory=list)
@@ -148,6 +150,8 @@ def _own_session(plugin: Plugin) -> None:
             session.error(f"{plugin.path}/pyproject.toml requires {missing}, which are not under plugins/")
         requires = [arg for name in plugin.requires for arg in ("-e", BY_NAME[name].requirement)]
         install(session, *CONSTRAINTS, "-e", f"{ROOT}[test]", *requires, "-e", plugin.requirement, *plugin.install)
+        if plugin.uninstall and session.venv_backend != "none":
+            session.run("python", "-m", "pip", "uninstall", "-y", *plugin.uninstall)
         run_suites(session, [(plugin.name, plugin.tests, plugin.pytest_args, plugin.env)])
 
     plugin_tests.__doc__ = f"{plugin.name} in its own venv ([tool.toolkit.nox] own-session)."

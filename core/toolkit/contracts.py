@@ -137,7 +137,7 @@ class ExportModel:
     tensors: Any
     """Callable returning an iterator of ``(hf_name, tensor)``; called once by the exporter."""
     adapter: Any = None
-    """Optional ``(peft_config_dict, tensors_callable)`` for adapter-only exports."""
+    """Optional callable returning ``(peft_config_dict, iterable of (name, tensor))`` for adapter-only exports."""
     description: str = ""
 
 
