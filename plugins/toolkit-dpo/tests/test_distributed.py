@@ -40,17 +40,22 @@ def test_two_ranks_equal_one_rank(tmp_path, loss, extra):
 
 
 @pytest.mark.slow
-def test_dpo_under_megatron_tp2_matches_local(tmp_path):
-    """Unverified here: toolkit-megatron was not on main when this was written; it skips without it."""
+@pytest.mark.parametrize("loss, extra", [
+    ("orpo", []),
+    ("simpo", ["--simpo-beta", "2.0", "--simpo-sft-weight", "0.5"]),
+    pytest.param("dpo", ["--dpo-beta", "0.5"], marks=pytest.mark.xfail(
+        reason="the megatron strategy does not provide reference log-probs yet", strict=False)),
+])
+def test_megatron_tp2_matches_local(tmp_path, loss, extra):
+    """The same loss classes under Megatron-Core TP2 (2 gloo processes) and under local, 3 steps."""
     pytest.importorskip("toolkit_megatron")
-    common = ["dpo", "--model", "tiny-llama", "--dataset", "parity-prefs", "--max-samples", "48", "--max-steps", "3",
-              "--lr", "1e-3", "--micro-batch-size", "2", "--global-batch-size", "4", "--seq-len", "128",
-              "--dpo-beta", "0.5"]
+    common = [loss, "--model", "tiny-llama", "--dataset", "parity-prefs", "--max-samples", "48", "--max-steps", "3",
+              "--lr", "1e-3", "--micro-batch-size", "2", "--global-batch-size", "4", "--seq-len", "128", *extra]
     toolkit(*common, "--output", str(tmp_path / "local"))
     toolkit(*common, "--strategy", "megatron", "--tp", "2", "--output", str(tmp_path / "tp2"), nproc=2)
     local, tp2 = ([json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
                   for name in ("local", "tp2"))
     assert len(local) == len(tp2) == 3
     for a, b in zip(local, tp2, strict=True):
-        for key in ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected"):
+        for key in ("loss", "grad_norm", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), (key, a[key], b[key])
