@@ -276,7 +276,7 @@ def test_kto_unpaired_matches_trl(models):
     batch = kto_batch(records)
     out = loss(token_logps(policy, batch, reference), context(batch, examples=len(records)))
     out.loss.backward()
-    total = float(out.loss)
+    total = float(out.loss.detach())
     assert total == pytest.approx(float(expected_loss.detach()), rel=1e-6)
     assert_grads_close(grads(policy), expected)
     assert float(out.metrics["kl"]) == pytest.approx(stub._metrics["train"]["kl"][-1], rel=1e-5)
@@ -329,7 +329,7 @@ def test_reward_model_matches_trl():
         scores = model(input_ids=batch["input_ids"], attention_mask=attention).logits.squeeze(-1)
         out = rm(_scores_only(batch, scores), context(batch, 4))
         out.loss.backward()
-        total += float(out.loss)
+        total += float(out.loss.detach())
     assert total == pytest.approx(float(expected_loss.detach()), rel=1e-6)
     assert_grads_close(grads(model), expected)
 
