@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+       "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/toolkit/torch_extensions"))}
 
 
 def toolkit(*args, nproc=1):
@@ -59,3 +60,24 @@ def test_megatron_tp2_matches_local(tmp_path, loss, extra):
     for a, b in zip(local, tp2, strict=True):
         for key in ("loss", "grad_norm", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), (key, a[key], b[key])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss, zero, extra", [("dpo", 2, ["--dpo-beta", "0.5", "--dpo-sft-weight", "0.2"]),
+                                               ("dpo", 3, ["--dpo-beta", "0.5"]),
+                                               ("kto", 2, ["--kto-beta", "0.5"])])
+def test_deepspeed_zero_matches_local(tmp_path, loss, zero, extra):
+    """The same loss classes under DeepSpeed ZeRO (2 gloo processes, with its reference model) and local."""
+    pytest.importorskip("toolkit_deepspeed")
+    dataset = "parity-kto" if loss == "kto" else "parity-prefs"
+    common = [loss, "--model", "tiny-llama", "--dataset", dataset, "--max-samples", "48", "--max-steps", "3",
+              "--lr", "1e-3", "--micro-batch-size", "2", "--global-batch-size", "4", "--seq-len", "128", *extra]
+    toolkit(*common, "--output", str(tmp_path / "local"))
+    toolkit(*common, "--strategy", "deepspeed", "--zero", str(zero), "--output", str(tmp_path / "zero"), nproc=2)
+    local, zeroed = ([json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+                     for name in ("local", "zero"))
+    assert len(local) == len(zeroed) == 3
+    for a, b in zip(local, zeroed, strict=True):
+        for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen", "logps/rejected"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), (key, a[key], b[key])
+    assert local[-1]["rewards/margins"] != 0
