@@ -65,9 +65,10 @@ def test_megatron_tp2_matches_local(tmp_path, loss, extra):
 @pytest.mark.slow
 @pytest.mark.parametrize("loss, zero, extra", [("dpo", 2, ["--dpo-beta", "0.5", "--dpo-sft-weight", "0.2"]),
                                                ("dpo", 3, ["--dpo-beta", "0.5"]),
-                                               ("kto", 2, ["--kto-beta", "0.5"])])
+                                               ("kto", 2, ["--kto-beta", "0.5"]),
+                                               ("rm", 2, [])])
 def test_deepspeed_zero_matches_local(tmp_path, loss, zero, extra):
-    """The same loss classes under DeepSpeed ZeRO (2 gloo processes, with its reference model) and local."""
+    """The same loss classes under DeepSpeed ZeRO (2 gloo processes, with its reference model or value head) and local."""
     pytest.importorskip("toolkit_deepspeed")
     dataset = "parity-kto" if loss == "kto" else "parity-prefs"
     common = [loss, "--model", "tiny-llama", "--dataset", dataset, "--max-samples", "48", "--max-steps", "3",
@@ -78,6 +79,7 @@ def test_deepspeed_zero_matches_local(tmp_path, loss, zero, extra):
                      for name in ("local", "zero"))
     assert len(local) == len(zeroed) == 3
     for a, b in zip(local, zeroed, strict=True):
-        for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen", "logps/rejected"):
+        for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen", "logps/rejected") if loss != "rm" else (
+                "loss", "grad_norm", "rewards/margins", "rewards/chosen"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), (key, a[key], b[key])
     assert local[-1]["rewards/margins"] != 0
