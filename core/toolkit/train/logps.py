@@ -105,9 +105,12 @@ class CausalLMLogps(nn.Module):
         self.autocast_dtype = autocast_dtype
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
-                sequence_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+                sequence_ids: torch.Tensor) -> tuple[Any, ...]:
+        """``(logps, aux, aux_metrics)``; a sequence-classification model (reward modeling) adds ``scores [sequences]``."""
         inner = unwrap(self.model)
         decoder, head = inner.get_decoder(), inner.get_output_embeddings()
+        if head is None and isinstance(getattr(inner, "score", None), nn.Module):
+            return self._scores(inner, decoder, input_ids, labels, position_ids, sequence_ids)
         device_type = input_ids.device.type
         enabled = self.autocast_dtype is not None
         with torch.autocast(device_type=device_type, dtype=self.autocast_dtype or torch.bfloat16, enabled=enabled):
@@ -124,6 +127,22 @@ class CausalLMLogps(nn.Module):
         logps = logps.masked_scatter(mask, picked)
         aux, aux_metrics = router_aux_loss(inner, out, sequence_ids)
         return logps, aux, aux_metrics
+
+    def _scores(self, inner: nn.Module, decoder: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
+                position_ids: torch.Tensor, sequence_ids: torch.Tensor) -> tuple[torch.Tensor, None, dict, torch.Tensor]:
+        """The value head on each sequence's last token (what HF's ``*ForSequenceClassification`` scores)."""
+        enabled = self.autocast_dtype is not None
+        with torch.autocast(device_type=input_ids.device.type, dtype=self.autocast_dtype or torch.bfloat16, enabled=enabled):
+            hidden = decoder(input_ids=input_ids, position_ids=position_ids,
+                             attention_mask=attention_mask_for(sequence_ids), use_cache=False).last_hidden_state
+        flat = sequence_ids.flatten()
+        valid = flat >= 0
+        positions = torch.arange(flat.numel(), device=flat.device)
+        count = int(flat.max()) + 1 if bool(valid.any()) else 0
+        last = torch.full((count,), -1, dtype=torch.long, device=flat.device)
+        last = last.scatter_reduce(0, flat[valid], positions[valid], reduce="amax")
+        scores = inner.score(hidden.flatten(0, 1)[last]).float().squeeze(-1)
+        return torch.zeros(labels.shape, dtype=torch.float32, device=labels.device), None, {}, scores
 
 
 def router_aux_loss(inner: nn.Module, out: Any, sequence_ids: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, float]]:
@@ -150,8 +169,10 @@ def token_logps(module: nn.Module, batch: dict[str, Any], device: torch.device) 
     """Run a :class:`CausalLMLogps` (possibly DDP-wrapped) on a micro-batch and build :class:`TokenLogps`."""
     ids = batch["input_ids"].to(device)
     labels = batch["labels"].to(device)
-    logps, aux, aux_metrics = module(ids, labels, batch["position_ids"].to(device), batch["sequence_ids"].to(device))
+    outputs = module(ids, labels, batch["position_ids"].to(device), batch["sequence_ids"].to(device))
+    logps, aux, aux_metrics = outputs[:3]
+    scores = outputs[3] if len(outputs) > 3 else None
     meta = {k: v.to(device) for k, v in batch["sequence_meta"].items()}
     return TokenLogps(logps=logps, mask=labels != IGNORE_INDEX, sequence_ids=batch["sequence_ids"].to(device),
                       num_sequences=batch["num_sequences"], sequence_meta=meta,
-                      reference_logps=meta.get("reference_logps"), aux_loss=aux, aux_metrics=aux_metrics)
+                      reference_logps=meta.get("reference_logps"), aux_loss=aux, aux_metrics=aux_metrics, scores=scores)
