@@ -1,4 +1,4 @@
-"""Check ``toolkit plan``'s memory and speed estimates against HF-transformers training on this GPU.
+"""Check ``toolkit plan``'s memory and speed estimates against the toolkit's own training path on this GPU.
 
 For each configuration (full fine-tune at two sequence lengths, with recompute, LoRA r=16) it
 trains a Llama of the 1.24B shape (hidden 2048, 16 layers, 32 heads, 8 KV, FFN 8192, vocab 128256)
@@ -6,10 +6,12 @@ for a few steps, measures peak allocated memory (torch.cuda.max_memory_allocated
 optimizer states exist) and tokens/s, and prints the planner's estimate beside each, plus whether
 the planner orders the configurations by speed as measured. Target: memory within 15%.
 
-The training path is the core ``local`` strategy's, which the planner models: fp32 parameters,
-bf16 autocast through toolkit.train.logps.CausalLMLogps (chunked label log-probs), torch AdamW
-(default foreach) with fp32 states, gradient clipping, token-mean NLL; LoRA: bf16 base weights,
-fp32 PEFT adapters on all attention and MLP linears (an assumption until the peft plugin lands).
+The training path is what ``toolkit train --strategy local --precision bf16`` runs: the ``local``
+engine (toolkit.builtins.strategies.LocalEngine: bf16 parameters, fp32 master weights, fused AdamW
+on CUDA, chunked label log-probs) with the tuner from the plugin registry (``full``, or
+toolkit-peft's ``lora``: bf16 frozen base, fused LoRA forward) and the ``sft`` loss, built by
+toolkit.plan.measure.local_engine. Every configuration runs in its own subprocess, so no model,
+optimizer or allocator cache of an earlier one is counted in a later peak.
 
     python bench/plan_check.py            # on a GPU (the lead's H200 run)
     python bench/plan_check.py --tiny     # CPU: a tiny model, peak from the CPU allocator trace
@@ -29,7 +31,6 @@ SHAPE_1B = dict(model_type="llama", hidden_size=2048, num_hidden_layers=16, num_
                 head_dim=64, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)
 SHAPE_TINY = dict(model_type="llama", hidden_size=320, num_hidden_layers=4, num_attention_heads=10, num_key_value_heads=2,
                   intermediate_size=1024, vocab_size=2048, tie_word_embeddings=True)
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @dataclass
@@ -48,62 +49,18 @@ TINY_CASES = [Case("full seq 64", "full", 64), Case("full seq 256", "full", 256)
               Case("full seq 256 recompute", "full", 256, recompute=True), Case("lora seq 256", "lora", 256)]
 
 
-def build_model(config_dict: dict, case: Case, device: str):
-    import torch
-    import transformers
-
-    config = transformers.AutoConfig.for_model(**config_dict)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
-    if case.tuner == "lora":
-        import peft
-
-        model = model.to(torch.bfloat16)
-        model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS, lora_dropout=0.0))
-    if case.recompute:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if case.tuner == "lora":
-            model.enable_input_require_grads()
-    return model.to(device).train()
-
-
-def make_batch(vocab: int, case: Case, device: str) -> dict:
-    """A micro-batch in the core's contract: labels already shifted, one sequence per row."""
-    import torch
-
-    ids = torch.randint(0, vocab, (case.micro_batch_size, case.seq_len + 1), device=device)
-    rows = torch.arange(case.micro_batch_size, device=device)[:, None].expand(-1, case.seq_len)
-    return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous(),
-            "position_ids": torch.arange(case.seq_len, device=device).expand(case.micro_batch_size, -1),
-            "sequence_ids": torch.zeros_like(rows)}
-
-
 def measure(config_dict: dict, case: Case, device: str, steps: int, warmup: int) -> dict:
+    import tempfile
+
     import torch
 
-    from toolkit.plan.measure import allocated_bytes, cpu_peak_bytes, saved_activation_bytes
-    from toolkit.train.logps import CausalLMLogps
+    from toolkit.plan.measure import cpu_peak_bytes, engine_allocated_bytes, local_engine, saved_activation_bytes
 
-    model = build_model(config_dict, case, device)
-    module = CausalLMLogps(model, torch.bfloat16)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=1e-5)
-    vocab = config_dict["vocab_size"]
-    batch = make_batch(vocab, case, device)
-
-    def loss_fn():
-        logps = module(batch["input_ids"], batch["labels"], batch["position_ids"], batch["sequence_ids"])[0]
-        return -logps.sum() / logps.numel()
-
-    activations = None if case.recompute else saved_activation_bytes(model, loss_fn, vocab)
+    with tempfile.TemporaryDirectory() as directory:
+        engine, loss_fn, step = local_engine(config_dict, directory, tuner=case.tuner, seq_len=case.seq_len,
+                                             micro_batch_size=case.micro_batch_size, recompute=case.recompute)
+    activations = None if case.recompute else saved_activation_bytes(engine.model, loss_fn, config_dict["vocab_size"])
     gc.collect()
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        loss_fn().backward()
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        optimizer.step()
-
     for _ in range(warmup):
         step()
     if device == "cuda":
@@ -117,18 +74,31 @@ def measure(config_dict: dict, case: Case, device: str, steps: int, warmup: int)
     elapsed = time.perf_counter() - start
     if device == "cuda":
         peak = torch.cuda.max_memory_allocated()
-    else:  # CPU: the allocator trace of one more step, on top of weights and optimizer states
-        optimizer.zero_grad(set_to_none=True)
-        peak = cpu_peak_bytes(step, allocated_bytes(model, optimizer))
+    else:  # CPU: the allocator trace of one more step, on top of weights, masters and optimizer states
+        peak = cpu_peak_bytes(step, engine_allocated_bytes(engine))
     return {"peak_bytes": peak, "tokens_per_s": steps * case.micro_batch_size * case.seq_len / elapsed,
             "activation_bytes": activations}
 
 
+def measure_in_subprocess(index: int, args: argparse.Namespace) -> dict:
+    """One configuration in a fresh interpreter: its peak cannot include an earlier case's tensors."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, __file__, "--child", str(index), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    if args.tiny:
+        command.append("--tiny")
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"case {index} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def estimate(config_dict: dict, case: Case, gpu_kind: str) -> dict:
-    """The planner's numbers; on CPU without the CUDA workspace and the foreach-AdamW temporary
-    (CPU AdamW runs tensor by tensor)."""
+    """The planner's numbers; on CPU without the CUDA workspace and with CPU AdamW's per-tensor
+    temporaries (no fused kernel there)."""
     from toolkit.plan import Layout, Workload, layout_memory, make_cluster, shape_from_config, step_time
-    from toolkit.plan.memory import activation_bytes_per_token_layer
+    from toolkit.plan.memory import activation_bytes_per_token_layer, cpu_optimizer_temp
 
     shape = shape_from_config(config_dict, name="bench")
     workload = Workload(seq_len=case.seq_len, micro_batch_size=case.micro_batch_size,
@@ -136,7 +106,8 @@ def estimate(config_dict: dict, case: Case, gpu_kind: str) -> dict:
     layout = Layout("local", recompute=case.recompute)
     memory = layout_memory(shape, layout, workload, micro_batches=1)
     if gpu_kind == "cpu":
-        memory.buffers = memory.optimizer_step_temp = 0.0
+        memory.buffers = 0.0
+        memory.optimizer_step_temp = max(memory.optimizer_step_temp, cpu_optimizer_temp(shape, case.tuner))
     timing = step_time(shape, layout, workload, make_cluster(1, 1, None, gpu_kind), case.micro_batch_size)
     activations = activation_bytes_per_token_layer(shape, layout, workload) * shape.layers * workload.micro_batch_tokens
     return {"peak_bytes": memory.total, "tokens_per_s": timing.tokens_per_second, "activation_bytes": activations,
@@ -152,6 +123,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test with a tiny model")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     import torch
@@ -160,14 +132,14 @@ def main() -> None:
 
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     config, cases = (SHAPE_TINY, TINY_CASES) if args.tiny else (SHAPE_1B, GPU_CASES)
-    steps = args.steps or (3 if args.tiny else 10)
+    steps = args.steps = args.steps or (3 if args.tiny else 10)
+    if args.child is not None:  # one configuration, its measurement as the last line of stdout
+        print(json.dumps(measure(config, cases[args.child], device, steps, args.warmup)))
+        return
     gpu_kind = detect_gpu_kind(torch.cuda.get_device_name(0)) if device == "cuda" else "cpu"
     rows = []
-    for case in cases:
-        measured = measure(config, case, device, steps, args.warmup)
-        gc.collect()  # the previous case's model and optimizer go before the next peak is measured
-        if device == "cuda":
-            torch.cuda.empty_cache()
+    for index, case in enumerate(cases):
+        measured = measure_in_subprocess(index, args)
         predicted = estimate(config, case, gpu_kind)
         rows.append({"case": case.name, "measured": measured, "estimate": predicted})
 

@@ -76,9 +76,12 @@ def test_doubling_tp_halves_weights_grads_and_optimizer():
 
 def test_bytes_per_parameter_follow_each_strategy():
     params = LLAMA1B.total_params
-    local = memory(LLAMA1B, Layout("local"))
-    assert (local.weights, local.gradients, local.optimizer) == (4 * params, 4 * params, 8 * params)
-    assert local.weight_copies == 2 * params
+    local = memory(LLAMA1B, Layout("local"))  # --precision bf16: bf16 params + fp32 master
+    assert (local.weights, local.master, local.gradients, local.optimizer) == (2 * params, 4 * params, 4 * params, 8 * params)
+    assert local.weight_copies == 0  # no autocast copies
+    autocast = memory(LLAMA1B, Layout("local"), replace(WORK, master_weights=False))
+    assert (autocast.weights, autocast.master, autocast.gradients, autocast.optimizer) == (4 * params, 0, 4 * params, 8 * params)
+    assert autocast.weight_copies == 2 * params
     mega = memory(LLAMA1B, Layout("megatron"))
     assert (mega.weights, mega.gradients, mega.optimizer) == (2 * params, 4 * params, 12 * params)
 
@@ -104,8 +107,43 @@ def test_recompute_keeps_only_layer_inputs():
     assert again.activations_without_recompute == plain.activations
     tokens, layers, hidden = WORK.micro_batch_tokens, LLAMA1B.layers, LLAMA1B.hidden
     one_layer = plain.activations / layers
-    assert again.activations == pytest.approx(layers * tokens * 4 * hidden + one_layer)
+    assert again.activations == pytest.approx(layers * tokens * 2 * hidden + one_layer)  # bf16 layer inputs
     assert again.activations < plain.activations / 5
+    autocast = memory(LLAMA1B, Layout("local", recompute=True), replace(WORK, master_weights=False))
+    fp32_layer = autocast.activations_without_recompute / layers
+    assert autocast.activations == pytest.approx(layers * tokens * 4 * hidden + fp32_layer)  # fp32 residual
+
+
+def test_master_weights_add_eight_bytes_per_param_at_the_optimizer_step():
+    """bf16 params + fp32 master + fp32 master grads + m, v = 18 B/param when the step runs; a pure
+    bf16 scheme would hold 2 + 2 + 8 with the same Adam states, so the masters cost 4 + 4 - 2 + 2."""
+    params = LLAMA1B.total_params
+    one = memory(LLAMA1B, Layout("local"), micro_batches=1)
+    held = one.weights + one.master + one.gradients + one.optimizer
+    assert held == 18 * params
+    assert held - (2 * params + 8 * params) == 8 * params  # vs bf16 params + Adam states alone
+    # One micro-batch per step: the fp32 master gradients do not exist during forward/backward yet.
+    assert not one.gradients_persistent
+    assert one.forward_backward_peak == pytest.approx(
+        14 * params + one.activations + one.logits + one.transient_gradients + one.buffers)
+    # With accumulation they do, and the next accumulation holds every bf16 gradient beside them.
+    accumulating = memory(LLAMA1B, Layout("local"), micro_batches=4)
+    assert accumulating.gradients_persistent
+    assert accumulating.forward_backward_peak - one.forward_backward_peak == pytest.approx(4 * params)
+    assert accumulating.optimizer_step_temp >= 2 * params
+    # The head's bf16 gradient exists at the loss-time peak (its backward runs first).
+    assert one.transient_gradients == 2 * LLAMA1B.embedding_params
+
+
+def test_kept_chunk_logits_grow_with_the_micro_batch():
+    tokens = WORK.micro_batch_tokens
+    recomputed = memory(LLAMA1B, Layout("local")).logits
+    kept = memory(LLAMA1B, Layout("local"), replace(WORK, keep_chunk_logits=True)).logits
+    chunk = min(tokens, 2048)
+    assert recomputed == 14 * LLAMA1B.vocab * chunk
+    assert kept == 2 * LLAMA1B.vocab * tokens + 12 * LLAMA1B.vocab * chunk
+    longer = replace(WORK, seq_len=4 * WORK.seq_len, keep_chunk_logits=True)
+    assert memory(LLAMA1B, Layout("local"), longer).logits - kept == pytest.approx(2 * LLAMA1B.vocab * 3 * tokens)
 
 
 def test_pipeline_first_stage_holds_pp_micro_batches():
@@ -124,7 +162,11 @@ def test_lora_trains_only_adapters_and_qlora_quantises_the_base():
     qlora = memory(LLAMA1B, Layout("local"), replace(WORK, tuner="qlora"))
     adapters = LLAMA1B.lora_params(16)
     assert lora.optimizer == pytest.approx(8 * adapters)
-    assert lora.weights == pytest.approx(2 * LLAMA1B.total_params + 4 * adapters)
+    # The local engine casts the adapters to bf16 too and keeps their fp32 masters (+ master grads).
+    assert lora.weights == pytest.approx(2 * LLAMA1B.total_params + 2 * adapters)
+    assert lora.master == lora.gradients == pytest.approx(4 * adapters)
+    fp32_adapters = memory(LLAMA1B, Layout("local"), replace(WORK, tuner="lora", master_weights=False))
+    assert fp32_adapters.weights == pytest.approx(2 * LLAMA1B.total_params + 4 * adapters) and fp32_adapters.master == 0
     assert qlora.weights < lora.weights / 3
 
 
@@ -299,8 +341,17 @@ def test_speed_model_reproduces_the_h200_measurements():
     per GPU at 32.4 GiB."""
     work = Workload(seq_len=4096, micro_batch_size=4)
     one, two = make_cluster(1, 1, None, "h200"), make_cluster(2, 1, None, "h200")
-    assert step_time(LLAMA1B, Layout("local"), work, one, 4).tokens_per_second == pytest.approx(47.7e3, rel=0.05)
-    assert step_time(LLAMA1B, Layout("local", dp=2), work, two, 8).tokens_per_second / 2 == pytest.approx(45.7e3, rel=0.05)
+    # bench/local_sft.py (2026-11-30): local engine, bf16 + fp32 master, untied head: 43.0k at 49.9 GiB.
+    config = json.loads((CONFIGS / "llama-3.2-1b.json").read_text())
+    untied = shape_from_config({**config, "tie_word_embeddings": False}, name="untied")
+    local = step_time(untied, Layout("local"), work, one, 4)
+    assert local.tokens_per_second == pytest.approx(43.0e3, rel=0.05)
+    assert layout_memory(untied, Layout("local"), work, 1).total / GIB == pytest.approx(49.9, rel=0.08)
+    # bench/peft_lora.py (2026-11-30): lora r16 through the local engine, 51.2k at 29.7 GiB.
+    lora = replace(work, tuner="lora")
+    assert step_time(LLAMA1B, Layout("local"), lora, one, 4).tokens_per_second == pytest.approx(51.2e3, rel=0.05)
+    assert layout_memory(LLAMA1B, Layout("local"), lora, 1).total / GIB == pytest.approx(29.7, rel=0.08)
+    assert step_time(LLAMA1B, Layout("fsdp"), work, one, 4).tokens_per_second == pytest.approx(47.7e3, rel=0.05)
     assert step_time(LLAMA1B, Layout("megatron", tp=2), work, two, 8).tokens_per_second / 2 == pytest.approx(36.2e3, rel=0.05)
     tp2 = layout_memory(LLAMA1B, Layout("megatron", tp=2), work, micro_batches=2)
     assert tp2.total / GIB == pytest.approx(32.4, rel=0.15)

@@ -1,4 +1,6 @@
-"""The activation model against what autograd really saves in an HF Llama (CPU, bf16 autocast).
+"""The activation and peak-memory model against what really happens on CPU: autograd's saved
+tensors of an HF Llama (fp32 under bf16 autocast, and the local engine's bf16 + fp32-master path with
+the registered full/lora tuners) and the CPU allocator trace of one ``engine.train_step``.
 
 ``saved_tensors_hooks`` sees every tensor kept for the backward pass; parameters, their bf16
 autocast copies and vocabulary-sized loss tensors are accounted separately by the planner.
@@ -34,67 +36,50 @@ def test_full_finetune_activations_match_autograd(seq_len):
     ids = torch.randint(0, CONFIG["vocab_size"], (batch, seq_len))
     measured = saved_activation_bytes(model, lambda: hf_loss(model, ids), CONFIG["vocab_size"])
     shape = shape_from_config(config.to_dict())
-    workload = Workload(seq_len=seq_len, micro_batch_size=batch)
+    workload = Workload(seq_len=seq_len, micro_batch_size=batch, master_weights=False)  # fp32 under autocast
     predicted = activation_bytes_per_token_layer(shape, Layout("local"), workload) * shape.layers * batch * seq_len
     assert predicted == pytest.approx(measured, rel=0.08)
 
 
-def test_lora_activations_match_autograd():
-    peft = pytest.importorskip("peft")
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(**CONFIG)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(torch.bfloat16)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=targets, lora_dropout=0.0))
-    batch, seq_len = 2, 96
-    ids = torch.randint(0, CONFIG["vocab_size"], (batch, seq_len))
-    measured = saved_activation_bytes(model, lambda: hf_loss(model, ids), CONFIG["vocab_size"])
-    shape = shape_from_config(config.to_dict())
-    workload = Workload(seq_len=seq_len, micro_batch_size=batch, tuner="lora", lora_rank=16)
-    predicted = activation_bytes_per_token_layer(shape, Layout("local"), workload) * shape.layers * batch * seq_len
+@pytest.mark.parametrize("tuner", ["full", "lora"])
+def test_engine_activations_match_autograd(tuner, tmp_path):
+    """bf16 parameters with fp32 masters (--precision bf16), the tuner from the registry."""
+    from toolkit.plan.measure import local_engine
+
+    if tuner == "lora":
+        pytest.importorskip("toolkit_peft")
+    seq_len = 128
+    engine, loss_fn, _ = local_engine(CONFIG, tmp_path / "model", tuner=tuner, seq_len=seq_len, micro_batch_size=2)
+    measured = saved_activation_bytes(engine.model, loss_fn, CONFIG["vocab_size"])
+    shape = shape_from_config(CONFIG)
+    workload = Workload(seq_len=seq_len, micro_batch_size=2, tuner=tuner, lora_rank=16)
+    predicted = activation_bytes_per_token_layer(shape, Layout("local"), workload) * shape.layers * 2 * seq_len
     assert predicted == pytest.approx(measured, rel=0.08)
 
 
-@pytest.mark.parametrize("tuner,recompute", [("full", False), ("full", True), ("lora", False)])
-def test_peak_memory_matches_the_cpu_allocator(tuner, recompute):
-    """The whole breakdown (weights, optimizer, activations, chunked logits, autocast copies) against
-    the allocator trace of one training step of the core engine's path, on CPU. CPU AdamW runs per
-    tensor (no foreach temporary) and there is no CUDA workspace, so those two terms are left out."""
+@pytest.mark.parametrize("tuner,recompute,micro_batches", [("full", False, 1), ("full", True, 1), ("lora", False, 1),
+                                                            ("full", False, 2)])
+def test_peak_memory_matches_the_cpu_allocator(tuner, recompute, micro_batches, tmp_path):
+    """The whole breakdown (bf16 weights, fp32 masters and master gradients, Adam states, activations,
+    chunked logits, bf16 gradients) against the allocator trace of one ``train_step`` of the local
+    engine on CPU. There is no CUDA workspace; CPU AdamW runs tensor by tensor (its temporaries
+    replace the fused kernel's none)."""
     from toolkit.plan import layout_memory
-    from toolkit.plan.measure import allocated_bytes, cpu_peak_bytes
-    from toolkit.train.logps import CausalLMLogps
+    from toolkit.plan.measure import cpu_peak_bytes, engine_allocated_bytes, local_engine
+    from toolkit.plan.memory import cpu_optimizer_temp
 
     if tuner == "lora":
-        peft = pytest.importorskip("peft")
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(**CONFIG)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    if tuner == "lora":
-        model = peft.get_peft_model(model.to(torch.bfloat16), peft.LoraConfig(
-            r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
-    if recompute:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if tuner == "lora":
-            model.enable_input_require_grads()
-    module = CausalLMLogps(model, torch.bfloat16)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=1e-4)
+        pytest.importorskip("toolkit_peft")
     seq_len = 256
-    ids = torch.randint(0, CONFIG["vocab_size"], (1, seq_len + 1))
-    positions = torch.arange(seq_len)[None]
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        logps = module(ids[:, :-1], ids[:, 1:], positions, torch.zeros_like(positions))[0]
-        (-logps.mean()).backward()
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        optimizer.step()
-
+    engine, _, step = local_engine(CONFIG, tmp_path / "model", tuner=tuner, seq_len=seq_len, recompute=recompute)
+    if micro_batches > 1:  # the same micro-batch repeated: gradient accumulation into the fp32 masters
+        single = engine.train_step
+        engine.train_step = lambda batches, loss, ctx: single(batches * micro_batches, loss, ctx)
     step()  # creates the optimizer states
-    optimizer.zero_grad(set_to_none=True)
-    measured = cpu_peak_bytes(step, allocated_bytes(model, optimizer))
-    shape = shape_from_config(config.to_dict())
+    measured = cpu_peak_bytes(step, engine_allocated_bytes(engine))
+    shape = shape_from_config(CONFIG)
     estimate = layout_memory(shape, Layout("local", recompute=recompute),
-                             Workload(seq_len=seq_len, micro_batch_size=1, tuner=tuner), micro_batches=1)
-    estimate.buffers = estimate.optimizer_step_temp = 0.0
+                             Workload(seq_len=seq_len, micro_batch_size=1, tuner=tuner), micro_batches=micro_batches)
+    estimate.buffers = 0.0
+    estimate.optimizer_step_temp = max(estimate.optimizer_step_temp, cpu_optimizer_temp(shape, tuner))
     assert estimate.total == pytest.approx(measured, rel=0.08)

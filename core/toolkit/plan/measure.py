@@ -75,3 +75,74 @@ def allocated_bytes(model: Any, optimizer: Any) -> int:
     for state in optimizer.state.values():
         total += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t) and t.dim())
     return total
+
+
+def local_engine(config: dict, directory: Any, *, tuner: str = "full", seq_len: int, micro_batch_size: int = 1,
+                 recompute: bool = False, precision: str = "bf16", master_weights: bool = True,
+                 lora_rank: int = 16, chunk_tokens: int = 2048) -> tuple[Any, Any, Callable[[], Any]]:
+    """The ``local`` engine on a randomly initialised HF model of ``config`` (saved to ``directory``)
+    with the registered tuner and the ``sft`` loss, as ``toolkit train`` builds it.
+
+    Returns ``(engine, loss_fn, step)``: ``loss_fn()`` runs one forward and returns the loss of one
+    micro-batch of random tokens, ``step()`` runs one optimizer step through ``engine.train_step``."""
+    from pathlib import Path
+
+    import torch
+    import transformers
+
+    from toolkit.contracts import ModelSource, StepContext
+    from toolkit.plugins import get_plugin_manager
+    from toolkit.recipe import resolve_recipe
+
+    directory = Path(directory)
+    if not (directory / "config.json").is_file():
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(**config), attn_implementation="sdpa", dtype=torch.bfloat16)
+        model.save_pretrained(directory)
+        del model
+    values = {"model": str(directory), "tuner": tuner, "loss": "sft", "precision": precision, "seq_len": seq_len,
+              "micro_batch_size": micro_batch_size, "lr": 1e-5, "max_grad_norm": 1.0, "gradient_checkpointing": recompute,
+              "local": {"master_weights": master_weights, "logps_chunk_tokens": chunk_tokens}}
+    if tuner != "full":
+        values[tuner] = {"rank": lora_rank, "alpha": 2.0 * lora_rank}
+    recipe = resolve_recipe(values, source="plan-measure")
+    manager = get_plugin_manager()
+    source = ModelSource(reference=str(directory), directory=directory,
+                         config=transformers.AutoConfig.from_pretrained(directory), tokenizer=None,
+                         weight_files=sorted(directory.glob("*.safetensors")))
+    tuner_cls, loss_cls, strategy_cls = (manager.get(kind, name) for kind, name in
+                                         (("tuner", tuner), ("loss", "sft"), ("strategy", "local")))
+    tuner_obj = tuner_cls(tuner_cls.Config(**recipe.section(tuner)))
+    loss = loss_cls()
+    engine = strategy_cls(strategy_cls.Config(**recipe.section("local"))).build(source, tuner_obj, loss, recipe)
+    engine.set_total_steps(1000)
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, config["vocab_size"], (micro_batch_size, seq_len + 1), generator=generator)
+    rows = micro_batch_size
+    batch = {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+             "position_ids": torch.arange(seq_len).expand(rows, -1).contiguous(),
+             "sequence_ids": torch.arange(rows)[:, None].expand(-1, seq_len).contiguous(),
+             "sequence_meta": {"example_ids": torch.arange(rows), "roles": torch.zeros(rows, dtype=torch.long)},
+             "num_sequences": rows}
+    batch = {k: (v.to(engine.device) if torch.is_tensor(v) else v) for k, v in batch.items()}
+    ctx = StepContext(label_tokens=rows * seq_len, sequences=rows, examples=rows)
+
+    def loss_fn() -> Any:
+        return engine._forward_loss(batch, loss, ctx)[1].loss
+
+    def step() -> float:
+        return engine.train_step([batch], loss, ctx).loss
+
+    return engine, loss_fn, step
+
+
+def engine_allocated_bytes(engine: Any) -> int:
+    """Bytes of the engine's parameters, fp32 master weights (and their gradients) and optimizer states."""
+    total = allocated_bytes(engine.model, engine.optimizer)
+    if getattr(engine, "master", None) is not None:
+        for master in engine.master.master:
+            total += master.numel() * master.element_size()
+            if master.grad is not None:
+                total += master.grad.numel() * master.grad.element_size()
+    return total

@@ -2,13 +2,19 @@
 
 Bytes per parameter follow each strategy's real precision scheme (docs/plan.md has the table):
 
-- ``local`` / ``fsdp``: fp32 parameters, bf16 autocast, fp32 AdamW states (4 + 4 + 8 bytes); under
-  autocast every matmul weight also gets a bf16 copy that autograd keeps until the backward pass.
+- ``local`` (``--precision bf16``, ``LocalConfig.master_weights`` on, the default): bf16 parameters
+  (2), fp32 master weights (4), fp32 master gradients (4, accumulated after every micro-batch, so
+  they exist during forward/backward only from the second micro-batch of a step on) and fp32 AdamW
+  m, v (8); bf16 parameter gradients exist only between a backward pass and the accumulation
+  (the head's gradient already at the loss-time peak). Fused AdamW makes no full-size temporary.
+- ``local`` with ``master_weights`` off, and ``fsdp``: fp32 parameters under bf16 autocast, fp32
+  AdamW (4 + 4 + 8); autocast keeps a bf16 copy of every matmul weight until the backward pass.
 - ``deepspeed``: bf16 parameters and gradients, fp32 master + AdamW states (2 + 2 + 12), sharded by
   the ZeRO stage over data parallelism; ``offload`` moves the optimizer partition to CPU.
 - ``megatron``: bf16 parameters, fp32 main gradients, fp32 master + AdamW (2 + 4 + 12); the
   distributed optimizer shards the 12 over data parallelism.
-- LoRA: frozen base weights in bf16 (QLoRA: 4-bit NF4 with double quantisation), fp32 adapters.
+- LoRA: frozen base weights in bf16 (QLoRA: 4-bit NF4 with double quantisation); adapters fp32
+  (4 + 4 + 8), or on ``local`` with master weights bf16 adapters + fp32 master, grads, m, v (2 + 4 + 4 + 8).
 
 Activation bytes per token were counted from what autograd saves for backward in the HF Llama
 layer (``tests/test_plan_memory.py`` re-measures them with ``saved_tensors_hooks``) and from
@@ -42,6 +48,13 @@ class Workload:
     global_batch_size: int = 0
     tuner: str = "full"
     lora_rank: int = 16
+    master_weights: bool = True
+    """``local``: bf16 parameters + fp32 master weights (``--precision bf16``); False: fp32 parameters
+    under bf16 autocast (``--local-master-weights false``)."""
+    logps_chunk_tokens: int = 2048
+    """Tokens per chunk of the label log-probs (``--local-logps-chunk-tokens``)."""
+    keep_chunk_logits: bool = False
+    """Log-probs keep each chunk's bf16 logits for backward instead of recomputing them."""
 
     @property
     def micro_batch_tokens(self) -> int:
@@ -105,8 +118,10 @@ class MemoryBreakdown:
     """Bytes on the most loaded GPU (the pipeline stage named in ``stage``)."""
 
     weights: float = 0.0
+    master: float = 0.0
     gradients: float = 0.0
     optimizer: float = 0.0
+    transient_gradients: float = 0.0
     activations: float = 0.0
     activations_without_recompute: float = 0.0
     logits: float = 0.0
@@ -120,12 +135,13 @@ class MemoryBreakdown:
     @property
     def forward_backward_peak(self) -> float:
         grads = self.gradients if self.gradients_persistent else 0.0
-        return (self.weights + grads + self.optimizer + self.activations + self.logits + self.weight_copies
-                + self.buffers)
+        return (self.weights + self.master + grads + self.optimizer + self.activations + self.logits
+                + self.weight_copies + self.transient_gradients + self.buffers)
 
     @property
     def optimizer_step_peak(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.optimizer_step_temp + self.buffers
+        """Gradient accumulation, clipping and the optimizer step (activations are gone)."""
+        return self.weights + self.master + self.gradients + self.optimizer + self.optimizer_step_temp + self.buffers
 
     @property
     def total(self) -> float:
@@ -133,22 +149,42 @@ class MemoryBreakdown:
         return max(self.forward_backward_peak, self.optimizer_step_peak)
 
     def rows(self) -> list[tuple[str, float]]:
-        rows = [("weights", self.weights), ("gradients", self.gradients), ("optimizer states", self.optimizer),
-                ("activations", self.activations)]
+        rows = [("weights", self.weights)]
+        if self.master:
+            rows.append(("fp32 master weights", self.master))
+        rows += [("gradients", self.gradients), ("optimizer states", self.optimizer), ("activations", self.activations)]
         if self.logits:
             rows.append(("logits + loss", self.logits))
         if self.weight_copies:
             rows.append(("bf16 weight copies (autocast)", self.weight_copies))
+        if self.transient_gradients:
+            rows.append(("bf16 gradients at the peak", self.transient_gradients))
+        if self.optimizer_step_temp:
+            rows.append(("optimizer-step temporaries", self.optimizer_step_temp))
         rows.append(("buffers + workspace", self.buffers))
         return rows
 
 
-def bytes_per_param(layout: Layout, tuner: str) -> tuple[float, float, float]:
-    """(weight, gradient, optimizer) bytes per *trainable* parameter for the strategy."""
+def uses_master_weights(layout: Layout, workload: Workload) -> bool:
+    """The local engine's ``--precision bf16`` scheme: bf16 parameters, fp32 master weights."""
+    return layout.strategy == "local" and workload.master_weights
+
+
+def fp32_autocast(layout: Layout, workload: Workload) -> bool:
+    """fp32 parameters under bf16 autocast: fp32 residual stream and bf16 weight copies (full tuning)."""
+    return layout.strategy == "local" and not workload.master_weights and workload.tuner == "full"
+
+
+def bytes_per_param(layout: Layout, tuner: str, master_weights: bool = True) -> tuple[float, float, float, float]:
+    """(weight, fp32 master, gradient, optimizer) bytes per *trainable* parameter for the strategy.
+
+    ``gradient`` is what persists until the optimizer step (fp32 master gradients on ``local``)."""
+    if layout.strategy == "local" and master_weights:
+        return 2.0, 4.0, 4.0, 8.0  # bf16 param, fp32 master, fp32 master grad, fp32 m + v
     if tuner != "full":
-        return 4.0, 4.0, 8.0  # fp32 adapters
-    return {"local": (4.0, 4.0, 8.0), "fsdp": (4.0, 4.0, 8.0), "deepspeed": (2.0, 2.0, 12.0),
-            "megatron": (2.0, 4.0, 12.0)}[layout.strategy]
+        return 4.0, 0.0, 4.0, 8.0  # fp32 adapters
+    return {"local": (4.0, 0.0, 4.0, 8.0), "fsdp": (4.0, 0.0, 4.0, 8.0), "deepspeed": (2.0, 0.0, 2.0, 12.0),
+            "megatron": (2.0, 0.0, 4.0, 12.0)}[layout.strategy]
 
 
 def frozen_bytes_per_param(tuner: str) -> float:
@@ -169,19 +205,24 @@ def activation_bytes_per_token_layer(shape: ModelShape, layout: Layout, workload
     if layout.strategy == "megatron":
         # bf16 everywhere; with sequence parallelism every saved tensor is split over TP.
         return (12 * h + 4 * kv + mlp + lora) / (layout.tp * layout.cp)
-    if layout.strategy == "local" and workload.tuner == "full":
+    if fp32_autocast(layout, workload):
         # fp32 residual stream: both RMSNorms keep fp32 input and output (16h), five autocast
         # copies of linear inputs (10h), q/attention output (4h), k/v (4kv), SwiGLU (8f).
         return (30 * h + 4 * kv + mlp) / layout.cp
-    # bf16 residual stream (bf16 base weights, or bf16 compute parameters under FSDP/ZeRO).
-    return (24 * h + 4 * kv + mlp + lora) / layout.cp
+    if workload.tuner != "full":
+        # Frozen bf16 base (toolkit-peft's fused LoRA forward): frozen RMSNorm weights keep no
+        # normalised input and frozen linears only the inputs their adapters share; 17h was counted
+        # with saved_tensors_hooks on the real engine path (tests/test_plan_measure.py).
+        return (17 * h + 4 * kv + mlp + lora) / layout.cp
+    # bf16 residual stream (bf16 parameters on local, or bf16 compute parameters under FSDP/ZeRO).
+    return (24 * h + 4 * kv + mlp) / layout.cp
 
 
 def checkpoint_bytes_per_token_layer(shape: ModelShape, layout: Layout, workload: Workload) -> float:
     """What full recompute keeps per layer and token: the layer's input hidden state."""
     if layout.strategy == "megatron":
         return 2 * shape.hidden / (layout.tp * layout.cp)
-    fp32_residual = layout.strategy == "local" and workload.tuner == "full"
+    fp32_residual = fp32_autocast(layout, workload)
     return (4 if fp32_residual else 2) * shape.hidden / layout.cp
 
 
@@ -189,17 +230,31 @@ LOGPS_CHUNK_TOKENS = 2048
 """Tokens per chunk of the core's label log-prob computation (toolkit.train.logps)."""
 
 
-def logits_bytes(shape: ModelShape, layout: Layout, tokens: int) -> float:
+def logits_bytes(shape: ModelShape, layout: Layout, tokens: int, workload: Workload | None = None) -> float:
     """Loss-time peak on the last stage for one micro-batch.
 
-    HF-module strategies use the core's chunked label log-probs: logits exist for one chunk of
-    2048 tokens at a time and are recomputed in backward, where bf16 logits, their fp32 copy, the
-    log-softmax and two gradients of that size coexist (14 bytes x vocab per token). Megatron's
-    vocab-parallel cross entropy keeps bf16 logits plus fp32 softmax for the whole micro-batch,
-    split over TP (10 bytes x vocab / TP per token)."""
+    HF-module strategies use the core's chunked label log-probs (``toolkit.train.logps``):
+
+    - trainable head (full tuning): each chunk's logits are recomputed in backward, where bf16
+      logits, their fp32 copy, the log-softmax and two gradients of that size coexist (14 bytes x
+      vocab per token of one chunk). With ``keep_chunk_logits`` every chunk's bf16 logits stay for
+      backward (2 bytes x vocab x all tokens) and one chunk's fp32 work (12 bytes x vocab) comes on top.
+    - frozen head (LoRA, QLoRA): the gradient is made in forward; bf16 logits, an fp32 copy and the
+      fp32 log-softmax of one chunk coexist (10 bytes x vocab), and each chunk keeps its ``[chunk, h]``
+      bf16 input gradient (2 bytes x hidden x all tokens).
+
+    Megatron's vocab-parallel cross entropy keeps bf16 logits plus fp32 softmax for the whole
+    micro-batch, split over TP (10 bytes x vocab / TP per token)."""
+    workload = workload or Workload()
     if layout.strategy == "megatron":
         return 10 * shape.vocab / layout.tp * tokens
-    return 14 * shape.vocab * min(tokens // layout.cp, LOGPS_CHUNK_TOKENS)
+    tokens = tokens // layout.cp
+    chunk = min(tokens, workload.logps_chunk_tokens)
+    if workload.tuner != "full":
+        return 10 * shape.vocab * chunk + 2 * shape.hidden * tokens
+    if workload.keep_chunk_logits:
+        return 2 * shape.vocab * tokens + 12 * shape.vocab * chunk
+    return 14 * shape.vocab * chunk
 
 
 def params_on_stage(shape: ModelShape, layout: Layout, first: bool, last: bool) -> tuple[float, float]:
@@ -235,7 +290,8 @@ def stage_memory(shape: ModelShape, layout: Layout, workload: Workload, micro_ba
     tuner = workload.tuner
     dense, expert = params_on_stage(shape, layout, first, last)
     params = dense + expert
-    w_bytes, g_bytes, o_bytes = bytes_per_param(layout, tuner)
+    master = uses_master_weights(layout, workload)
+    w_bytes, m_bytes, g_bytes, o_bytes = bytes_per_param(layout, tuner, workload.master_weights)
     out = MemoryBreakdown(stage=("only stage" if first and last else "first stage" if first else "last stage"))
     dp_dense, dp_expert = layout.dp, (layout.expert_dp if layout.strategy == "megatron" else layout.dp)
 
@@ -248,6 +304,7 @@ def stage_memory(shape: ModelShape, layout: Layout, workload: Workload, micro_ba
         trainable_local = dense / dp_dense + expert / dp_expert if layout.zero >= 1 else params
         if layout.strategy == "deepspeed":
             out.gradients += 4.0 * trainable_local  # fp32 gradient partition of the bf16 optimizer
+        head_trainable = shape.embedding_params if last else 0.0  # output head (tied or not)
     else:
         share = params / max(1, shape.total_params)
         adapters = shape.lora_params(workload.lora_rank) * share
@@ -256,6 +313,8 @@ def stage_memory(shape: ModelShape, layout: Layout, workload: Workload, micro_ba
         out.gradients = g_bytes * adapters
         out.optimizer = o_bytes * adapters
         trainable_local = adapters
+        head_trainable = 0.0
+    out.master = m_bytes * trainable_local
     if layout.offload:
         out.optimizer = 0.0
         if layout.strategy == "deepspeed":
@@ -272,19 +331,35 @@ def stage_memory(shape: ModelShape, layout: Layout, workload: Workload, micro_ba
     else:
         out.activations = out.activations_without_recompute
     if last:
-        out.logits = logits_bytes(shape, layout, tokens)
-    if layout.strategy == "local" and tuner == "full":
+        out.logits = logits_bytes(shape, layout, tokens, workload)
+    if fp32_autocast(layout, workload):
         out.weight_copies = 2.0 * params  # autocast's bf16 weights, saved for backward
-    out.gradients_persistent = layout.strategy in ("megatron", "deepspeed")
-    if layout.strategy in ("local", "fsdp") and not layout.offload:
-        out.optimizer_step_temp = 4.0 * trainable_local  # torch's foreach AdamW materialises sqrt(v)
+    if master:
+        # fp32 master gradients are made after the first micro-batch's backward and freed by
+        # zero_grad after the step: during forward/backward they exist only with accumulation.
+        out.gradients_persistent = micro_batches > 1
+        # At the loss-time peak the head's bf16 gradient is already there (its backward runs first).
+        out.transient_gradients = 2.0 * head_trainable
+        # Accumulation: every bf16 gradient waits while each is cast to fp32 (one cast tensor at a
+        # time); with more than one micro-batch the fp32 master gradients already exist beside them.
+        largest = max(shape.embedding_params, shape.expert_params / max(1, shape.layers) * 2 / 3) if tuner == "full" else 0.0
+        out.optimizer_step_temp = (w_bytes * trainable_local + 4.0 * largest) if micro_batches > 1 else 2.0 * largest
+    else:
+        out.gradients_persistent = layout.strategy in ("megatron", "deepspeed")
+        if layout.strategy in ("local", "fsdp") and not layout.offload:
+            out.optimizer_step_temp = 4.0 * trainable_local  # torch's foreach AdamW materialises sqrt(v)
     out.buffers = WORKSPACE
     if layout.zero >= 3:
         layer = (shape.layer_params_nonexpert + shape.expert_params) / shape.layers
         out.buffers += 2 * 2.0 * layer  # current + prefetched layer gathered in bf16
     if layout.strategy == "local" and layout.dp > 1 and tuner == "full":
-        out.buffers += 4.0 * params  # DDP gradient buckets (gradient_as_bucket_view=False)
+        out.buffers += w_bytes * params  # DDP gradient buckets in the parameter dtype (not bucket views)
     return out
+
+
+def cpu_optimizer_temp(shape: ModelShape, tuner: str) -> float:
+    """CPU AdamW runs tensor by tensor (no fused kernel): two fp32 temporaries of the largest tensor."""
+    return 8.0 * shape.embedding_params if tuner == "full" else 0.0
 
 
 def layout_memory(shape: ModelShape, layout: Layout, workload: Workload, micro_batches: int) -> MemoryBreakdown:

@@ -16,13 +16,24 @@ from toolkit.plan.hardware import Cluster
 from toolkit.plan.memory import Layout, Workload, params_on_stage
 from toolkit.plan.model import ModelShape
 
-BASE_EFFICIENCY = {"local": 0.45, "fsdp": 0.45, "deepspeed": 0.45, "megatron": 0.38}
-"""Fraction of the bf16 peak reached by large matmuls in training, calibrated on one H200
-(shared/notes/cpu-stack.md, 1.24B shape, 4 x 4096 tokens per micro-batch): HF modules 47.7k
-tokens/s (DDP on 2 GPUs 45.7k per GPU); Megatron-Core 0.19 TP2 with SDPA core attention and no
-Transformer Engine 36.2k per GPU. The model reproduces both within 2%."""
+BASE_EFFICIENCY = {"local": 0.41, "fsdp": 0.45, "deepspeed": 0.45, "megatron": 0.38}
+"""Fraction of the bf16 peak reached by large matmuls in training, calibrated on one H200.
+``local`` (bf16 parameters, fp32 master weights, fused AdamW): bench/local_sft.py, full SFT of the
+1.24B shape with an untied head (1.50B parameters), 4 x 4096 tokens, 43.0k tokens/s (2026-11-30).
+HF modules under FSDP/ZeRO keep the earlier HF-transformers calibration (47.7k tokens/s, same shape,
+shared/notes/cpu-stack.md); Megatron-Core 0.19 TP2 with SDPA core attention and no Transformer
+Engine 36.2k per GPU."""
+LORA_EFFICIENCY = 0.805
+"""LoRA on a frozen base reaches a lower share of peak (small adapter GEMMs, the frozen-head
+log-prob kernel): calibrated on bench/peft_lora.py, r=16 on every linear of the 1.24B shape,
+4 x 4096 tokens, 51.2k tokens/s on one H200 (2026-11-30)."""
 OPTIMIZER_BYTES_PER_PARAM = 40.0
 """AdamW step, gradient clipping and zeroing: fp32 param/grad/m/v reads and writes + temporaries."""
+MASTER_STEP_BYTES_PER_PARAM = 46.0
+"""Local engine with fp32 master weights: fused AdamW (read master, grad, m, v; write master, m, v:
+28), clipping (read + scale the fp32 grads: 12) and the bf16 write-back (6)."""
+ACCUMULATE_BYTES_PER_PARAM = 6.0
+"""Per micro-batch: read the bf16 gradient, write (or add into) the fp32 master gradient."""
 CPU_ADAM_PARAMS_PER_S = 1e9
 PCIE_BANDWIDTH = 25e9
 EXPOSED_DP = {"megatron": 0.5, "deepspeed": 0.7, "fsdp": 0.7, "local": 1.0}
@@ -84,6 +95,8 @@ def matmul_efficiency(shape: ModelShape, layout: Layout, workload: Workload, row
     tokens = workload.micro_batch_tokens / layout.cp if rows is None else rows
     width = shape.hidden / (layout.tp if layout.strategy == "megatron" else 1)
     efficiency = BASE_EFFICIENCY[layout.strategy] * tokens / (tokens + 512) * width / (width + 128)
+    if workload.tuner != "full":
+        efficiency *= LORA_EFFICIENCY
     if workload.tuner == "qlora":
         efficiency *= 0.75  # NF4 dequantisation before every base matmul
     return efficiency
@@ -164,6 +177,9 @@ def step_time(shape: ModelShape, layout: Layout, workload: Workload, cluster: Cl
     sharded = trainable / (layout.dp if layout.zero >= 1 else 1)
     if layout.offload:
         out.optimizer = sharded / CPU_ADAM_PARAMS_PER_S + sharded * 4.0 / PCIE_BANDWIDTH
+    elif layout.strategy == "local" and workload.master_weights:
+        moved = MASTER_STEP_BYTES_PER_PARAM + ACCUMULATE_BYTES_PER_PARAM * micro_batches
+        out.optimizer = sharded * moved / cluster.gpu.hbm_bandwidth
     else:
         out.optimizer = sharded * OPTIMIZER_BYTES_PER_PARAM / cluster.gpu.hbm_bandwidth
     return out
