@@ -18,6 +18,7 @@ from toolkit.errors import ConfigError, LayoutError
 class LocalConfig:
     find_unused_parameters: bool = option(False, help="DDP: tolerate parameters that get no gradient (some MoE models).")
     logps_chunk_tokens: int = option(2048, help="Tokens per chunk when computing label log-probs (bounds logits memory).")
+    recompute_logits: bool = option(False, help="Recompute each chunk's logits in backward instead of keeping them in the compute dtype (less memory, slower).")
     master_weights: bool = option(True, help="--precision bf16: bf16 parameters with fp32 master weights (false: fp32 parameters under bf16 autocast).")
 
 
@@ -81,6 +82,7 @@ class LocalEngine:
         self.device = self.world.device
         self.recipe, self.tuner, self.source = recipe, tuner, source
         logps.LOGPS_CHUNK_TOKENS = config.logps_chunk_tokens
+        logps.RECOMPUTE_LOGITS = config.recompute_logits
         self.model = load_hf_model(source, tuner, recipe, self.device)
         self.master = None
         compute_autocast = autocast_dtype(recipe.precision)
