@@ -136,14 +136,18 @@ def test_master_weights_add_eight_bytes_per_param_at_the_optimizer_step():
 
 
 def test_kept_chunk_logits_grow_with_the_micro_batch():
+    """The engine keeps every chunk's bf16 logits for backward unless --local-recompute-logits."""
     tokens = WORK.micro_batch_tokens
-    recomputed = memory(LLAMA1B, Layout("local")).logits
-    kept = memory(LLAMA1B, Layout("local"), replace(WORK, keep_chunk_logits=True)).logits
     chunk = min(tokens, 2048)
-    assert recomputed == 14 * LLAMA1B.vocab * chunk
-    assert kept == 2 * LLAMA1B.vocab * tokens + 12 * LLAMA1B.vocab * chunk
-    longer = replace(WORK, seq_len=4 * WORK.seq_len, keep_chunk_logits=True)
+    kept = memory(LLAMA1B, Layout("local")).logits
+    recomputed = memory(LLAMA1B, Layout("local"), replace(WORK, recompute_logits=True)).logits
+    assert recomputed == 12 * LLAMA1B.vocab * chunk
+    assert kept == 2 * LLAMA1B.vocab * tokens + 8 * LLAMA1B.vocab * chunk
+    longer = replace(WORK, seq_len=4 * WORK.seq_len)
     assert memory(LLAMA1B, Layout("local"), longer).logits - kept == pytest.approx(2 * LLAMA1B.vocab * 3 * tokens)
+    assert memory(LLAMA1B, Layout("local"), replace(longer, recompute_logits=True)).logits == recomputed
+    lora = memory(LLAMA1B, Layout("local"), replace(WORK, tuner="lora")).logits  # frozen head: gradient in forward
+    assert lora == 10 * LLAMA1B.vocab * chunk + 2 * LLAMA1B.hidden * tokens
 
 
 def test_pipeline_first_stage_holds_pp_micro_batches():
@@ -344,9 +348,11 @@ def test_speed_model_reproduces_the_h200_measurements():
     # bench/local_sft.py (2026-11-30): local engine, bf16 + fp32 master, untied head: 43.0k at 49.9 GiB.
     config = json.loads((CONFIGS / "llama-3.2-1b.json").read_text())
     untied = shape_from_config({**config, "tie_word_embeddings": False}, name="untied")
-    local = step_time(untied, Layout("local"), work, one, 4)
+    # (measured before the engine kept chunk logits for backward: --local-recompute-logits semantics)
+    measured_path = replace(work, recompute_logits=True)
+    local = step_time(untied, Layout("local"), measured_path, one, 4)
     assert local.tokens_per_second == pytest.approx(43.0e3, rel=0.05)
-    assert layout_memory(untied, Layout("local"), work, 1).total / GIB == pytest.approx(49.9, rel=0.08)
+    assert layout_memory(untied, Layout("local"), measured_path, 1).total / GIB == pytest.approx(49.9, rel=0.08)
     # bench/peft_lora.py (2026-11-30): lora r16 through the local engine, 51.2k at 29.7 GiB.
     lora = replace(work, tuner="lora")
     assert step_time(LLAMA1B, Layout("local"), lora, one, 4).tokens_per_second == pytest.approx(51.2e3, rel=0.05)

@@ -83,3 +83,29 @@ def test_peak_memory_matches_the_cpu_allocator(tuner, recompute, micro_batches, 
     estimate.buffers = 0.0
     estimate.optimizer_step_temp = max(estimate.optimizer_step_temp, cpu_optimizer_temp(shape, tuner))
     assert estimate.total == pytest.approx(measured, rel=0.08)
+
+
+LOGITS_CONFIG = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=1, vocab_size=8000, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("recompute_logits", [False, True])
+def test_chunk_logits_memory_matches_the_cpu_allocator(recompute_logits, tmp_path):
+    """A vocabulary-dominated model with 4 chunks per micro-batch: kept bf16 logits of every chunk
+    (the engine's default) against recomputing them in backward (--local-recompute-logits)."""
+    from toolkit.plan import layout_memory
+    from toolkit.plan.measure import cpu_peak_bytes, engine_allocated_bytes, local_engine
+    from toolkit.plan.memory import cpu_optimizer_temp
+
+    seq_len, chunk = 512, 128
+    engine, _, step = local_engine(LOGITS_CONFIG, tmp_path / "model", seq_len=seq_len, chunk_tokens=chunk,
+                                   recompute_logits=recompute_logits)
+    step()
+    measured = cpu_peak_bytes(step, engine_allocated_bytes(engine))
+    shape = shape_from_config(LOGITS_CONFIG)
+    workload = Workload(seq_len=seq_len, logps_chunk_tokens=chunk, recompute_logits=recompute_logits)
+    estimate = layout_memory(shape, Layout("local"), workload, micro_batches=1)
+    estimate.buffers = 0.0
+    estimate.optimizer_step_temp = max(estimate.optimizer_step_temp, cpu_optimizer_temp(shape, "full"))
+    assert estimate.forward_backward_peak > estimate.optimizer_step_peak or recompute_logits
+    assert estimate.total == pytest.approx(measured, rel=0.08)

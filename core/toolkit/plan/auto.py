@@ -61,6 +61,14 @@ def _gpu_memory_and_kind(gpu_memory: Any) -> tuple[Any, str | None]:
     return gpu_memory, kind
 
 
+def local_precision(recipe: Any) -> dict:
+    """The ``local`` engine's precision options as Workload fields (``--local-*`` flags)."""
+    local = recipe.section("local") if hasattr(recipe, "section") else {}
+    return {"master_weights": getattr(recipe, "precision", "bf16") == "bf16" and bool(local.get("master_weights", True)),
+            "logps_chunk_tokens": int(local.get("logps_chunk_tokens", 2048) or 2048),
+            "recompute_logits": bool(local.get("recompute_logits", False))}
+
+
 def choose_strategy(recipe: Any, source: Any = None, world_size: int | None = None, gpu_memory: Any = None) -> dict[str, Any]:
     """Recipe overrides for the fastest layout that fits ``world_size`` GPUs of this machine.
 
@@ -84,7 +92,7 @@ def choose_strategy(recipe: Any, source: Any = None, world_size: int | None = No
     section = recipe.section("lora") if hasattr(recipe, "section") else {}
     workload = Workload(seq_len=recipe.seq_len, micro_batch_size=recipe.micro_batch_size,
                         global_batch_size=recipe.global_batch_size, tuner=TUNER_FAMILY.get(recipe.tuner, "lora"),
-                        lora_rank=int(section.get("rank", 16) or 16))
+                        lora_rank=int(section.get("rank", 16) or 16), **local_precision(recipe))
     cluster = make_cluster(world_size, nodes, gpu_memory, kind)
     result = plan(shape_of(source), cluster, workload, installed_strategies())
     if result.best is None:
