@@ -16,14 +16,15 @@ from toolkit.plan.hardware import Cluster
 from toolkit.plan.memory import Layout, Workload, params_on_stage
 from toolkit.plan.model import ModelShape
 
-BASE_EFFICIENCY = {"local": 0.41, "fsdp": 0.45, "deepspeed": 0.45, "megatron": 0.38}
+BASE_EFFICIENCY = {"local": 0.435, "fsdp": 0.45, "deepspeed": 0.45, "megatron": 0.38}
 """Fraction of the bf16 peak reached by large matmuls in training, calibrated on one H200.
 ``local`` (bf16 parameters, fp32 master weights, fused AdamW): bench/local_sft.py, full SFT of the
-1.24B shape with an untied head (1.50B parameters), 4 x 4096 tokens, 43.0k tokens/s (2026-11-30).
+1.24B shape with an untied head (1.50B parameters), 4 x 4096 tokens, 43.0k tokens/s (2026-11-30,
+measured while the engine still recomputed chunk logits in backward: ``recompute_logits``).
 HF modules under FSDP/ZeRO keep the earlier HF-transformers calibration (47.7k tokens/s, same shape,
 shared/notes/cpu-stack.md); Megatron-Core 0.19 TP2 with SDPA core attention and no Transformer
 Engine 36.2k per GPU."""
-LORA_EFFICIENCY = 0.805
+LORA_EFFICIENCY = 0.76
 """LoRA on a frozen base reaches a lower share of peak (small adapter GEMMs, the frozen-head
 log-prob kernel): calibrated on bench/peft_lora.py, r=16 on every linear of the 1.24B shape,
 4 x 4096 tokens, 51.2k tokens/s on one H200 (2026-11-30)."""
@@ -77,7 +78,8 @@ class TimeBreakdown:
 def train_flops_per_token(shape: ModelShape, workload: Workload, recompute: bool) -> tuple[float, float]:
     """(dense, routed-expert) FLOPs of forward and backward (and recompute) for one token.
 
-    Dense covers attention/shared matmuls, the LM head and causal attention scores."""
+    Dense covers attention/shared matmuls, the LM head (recomputed in backward with
+    ``recompute_logits``) and causal attention scores."""
     routed = shape.moe_layers * shape.experts_per_token * 3 * shape.hidden * shape.expert_ffn
     matmul = shape.active_matmul_params - routed
     if workload.tuner == "full":
@@ -87,6 +89,8 @@ def train_flops_per_token(shape: ModelShape, workload: Workload, recompute: bool
         coefficient = 6.0 if recompute else 4.0
         extra = 6.0 * shape.lora_params(workload.lora_rank) * (shape.experts_per_token / shape.experts if shape.is_moe else 1)
     attention = (8.0 if recompute else 6.0) * shape.layers * workload.seq_len * shape.q_dim
+    if workload.tuner == "full" and workload.recompute_logits:
+        extra += 2.0 * shape.vocab * shape.hidden  # the head GEMM again in backward, for each chunk
     return coefficient * matmul + extra + attention, coefficient * routed
 
 
