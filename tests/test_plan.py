@@ -133,6 +133,24 @@ def test_master_weights_add_eight_bytes_per_param_at_the_optimizer_step():
     assert accumulating.optimizer_step_temp >= 2 * params
     # The head's bf16 gradient exists at the loss-time peak (its backward runs first).
     assert one.transient_gradients == 2 * LLAMA1B.embedding_params
+    # DDP buckets hold gradients in the parameter dtype: bf16 with master weights, fp32 under autocast.
+    ddp = memory(LLAMA1B, Layout("local", dp=2), micro_batches=1)
+    assert ddp.buffers - one.buffers == 2 * params
+    autocast = replace(WORK, master_weights=False)
+    assert (memory(LLAMA1B, Layout("local", dp=2), autocast, 1).buffers
+            - memory(LLAMA1B, Layout("local"), autocast, 1).buffers) == 4 * params
+
+
+def test_auto_reads_the_local_engine_precision_options():
+    from toolkit.plan.auto import local_precision
+    from toolkit.recipe import resolve_recipe
+
+    default = resolve_recipe({"model": "m", "precision": "bf16"}, source="test")
+    assert local_precision(default) == {"master_weights": True, "logps_chunk_tokens": 2048, "recompute_logits": False}
+    custom = resolve_recipe({"model": "m", "precision": "bf16", "local": {"master_weights": False, "logps_chunk_tokens": 512,
+                                                                          "recompute_logits": True}}, source="test")
+    assert local_precision(custom) == {"master_weights": False, "logps_chunk_tokens": 512, "recompute_logits": True}
+    assert local_precision(resolve_recipe({"model": "m", "precision": "fp32"}, source="test"))["master_weights"] is False
 
 
 def test_kept_chunk_logits_grow_with_the_micro_batch():

@@ -17,7 +17,7 @@ Bytes per parameter follow each strategy's real precision scheme (docs/plan.md h
   (4 + 4 + 8), or on ``local`` with master weights bf16 adapters + fp32 master, grads, m, v (2 + 4 + 4 + 8).
 
 Activation bytes per token were counted from what autograd saves for backward in the HF Llama
-layer (``tests/test_plan_memory.py`` re-measures them with ``saved_tensors_hooks``) and from
+layer (``tests/test_plan_measure.py`` re-measures them with ``saved_tensors_hooks``) and from
 Korthikanti et al. (2022) for Megatron-Core with sequence parallelism, assuming flash attention
 (no seq x seq scores are stored).
 """
