@@ -379,3 +379,22 @@ def test_speed_model_reproduces_the_h200_measurements():
     assert step_time(LLAMA1B, Layout("megatron", tp=2), work, two, 8).tokens_per_second / 2 == pytest.approx(36.2e3, rel=0.05)
     tp2 = layout_memory(LLAMA1B, Layout("megatron", tp=2), work, micro_batches=2)
     assert tp2.total / GIB == pytest.approx(32.4, rel=0.15)
+
+
+def test_plan_command_takes_the_local_precision_flags():
+    from click.testing import CliRunner
+
+    from toolkit.plan.command import plan_command
+
+    def run(*flags):
+        args = ["--model", str(CONFIGS / "llama-3.2-1b.json"), "--gpus", "1", "--gpu", "h200", "--micro-batch-size", "4",
+                "--global-batch-size", "4", "--strategies", "local", "--json", *flags]
+        out = CliRunner().invoke(plan_command, args)
+        assert out.exit_code == 0, out.output
+        return json.loads(out.output)["ranked"][0]
+
+    default, recompute, autocast = run(), run("--local-recompute-logits"), run("--no-local-master-weights")
+    assert default["memory_gib"]["fp32 master weights"] > 0 and "bf16 weight copies (autocast)" not in default["memory_gib"]
+    assert recompute["memory_gib"]["logits + loss"] < default["memory_gib"]["logits + loss"]
+    assert recompute["tokens_per_second"] < default["tokens_per_second"]  # the head GEMM runs again in backward
+    assert "fp32 master weights" not in autocast["memory_gib"] and autocast["memory_gib"]["bf16 weight copies (autocast)"] > 0

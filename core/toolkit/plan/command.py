@@ -18,11 +18,16 @@ from toolkit.plan.memory import STRATEGIES, TUNERS
 @click.option("--global-batch-size", type=int, default=0, help="Rows per optimizer step (0: 8 x GPUs x micro-batch).")
 @click.option("--tuner", type=click.Choice(TUNERS), default="full", show_default=True)
 @click.option("--lora-rank", type=int, default=16, show_default=True)
+@click.option("--local-master-weights/--no-local-master-weights", default=True, show_default=True,
+              help="local strategy: bf16 params + fp32 master weights (off: fp32 params under bf16 autocast).")
+@click.option("--local-recompute-logits", is_flag=True, help="local strategy: recompute chunk logits in backward (less memory).")
+@click.option("--local-logps-chunk-tokens", type=int, default=2048, show_default=True, help="Tokens per log-prob chunk.")
 @click.option("--strategies", default=",".join(STRATEGIES), show_default=True, help="Strategies to consider, comma-separated.")
 @click.option("--top", type=int, default=3, show_default=True, help="Layouts to print.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the report.")
 def plan_command(model: str, gpus: int, nodes: int, gpu_kind: str, gpu_memory: str | None, seq_len: int,
-                 micro_batch_size: int, global_batch_size: int, tuner: str, lora_rank: int, strategies: str, top: int,
+                 micro_batch_size: int, global_batch_size: int, tuner: str, lora_rank: int, local_master_weights: bool,
+                 local_recompute_logits: bool, local_logps_chunk_tokens: int, strategies: str, top: int,
                  as_json: bool) -> None:
     """Recommend parallel layouts: per-GPU memory, estimated step time and the reasons.
 
@@ -38,7 +43,8 @@ def plan_command(model: str, gpus: int, nodes: int, gpu_kind: str, gpu_memory: s
 
     cluster = make_cluster(gpus, nodes, gpu_memory, gpu_kind)
     workload = Workload(seq_len=seq_len, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
-                        tuner=tuner, lora_rank=lora_rank)
+                        tuner=tuner, lora_rank=lora_rank, master_weights=local_master_weights,
+                        recompute_logits=local_recompute_logits, logps_chunk_tokens=local_logps_chunk_tokens)
     chosen = tuple(s.strip() for s in strategies.split(",") if s.strip())
     result = plan(load_shape(model), cluster, workload, chosen)
     click.echo(json.dumps(to_json(result, top), indent=2) if as_json else render(result, top))

@@ -153,7 +153,8 @@ class MemoryBreakdown:
         rows = [("weights", self.weights)]
         if self.master:
             rows.append(("fp32 master weights", self.master))
-        rows += [("gradients", self.gradients), ("optimizer states", self.optimizer), ("activations", self.activations)]
+        rows += [("fp32 master gradients" if self.master else "gradients", self.gradients),
+                 ("optimizer states", self.optimizer), ("activations", self.activations)]
         if self.logits:
             rows.append(("logits + loss", self.logits))
         if self.weight_copies:
