@@ -40,13 +40,17 @@ class Case:
     seq_len: int
     micro_batch_size: int = 1
     recompute: bool = False
+    micro_batches: int = 1
+    """Micro-batches per optimizer step (gradient accumulation into the fp32 master gradients)."""
 
 
 GPU_CASES = [Case("full seq 1024", "full", 1024), Case("full seq 4096", "full", 4096),
              Case("full seq 4096 recompute", "full", 4096, recompute=True), Case("lora seq 4096", "lora", 4096),
-             Case("lora seq 8192", "lora", 8192)]
+             Case("lora seq 8192", "lora", 8192), Case("full seq 4096 x 4", "full", 4096, micro_batch_size=4),
+             Case("full seq 4096 accum 2", "full", 4096, micro_batches=2)]
 TINY_CASES = [Case("full seq 64", "full", 64), Case("full seq 256", "full", 256),
-              Case("full seq 256 recompute", "full", 256, recompute=True), Case("lora seq 256", "lora", 256)]
+              Case("full seq 256 recompute", "full", 256, recompute=True), Case("lora seq 256", "lora", 256),
+              Case("full seq 256 accum 2", "full", 256, micro_batches=2)]
 
 
 def measure(config_dict: dict, case: Case, device: str, steps: int, warmup: int) -> dict:
@@ -58,7 +62,8 @@ def measure(config_dict: dict, case: Case, device: str, steps: int, warmup: int)
 
     with tempfile.TemporaryDirectory() as directory:
         engine, loss_fn, step = local_engine(config_dict, directory, tuner=case.tuner, seq_len=case.seq_len,
-                                             micro_batch_size=case.micro_batch_size, recompute=case.recompute)
+                                             micro_batch_size=case.micro_batch_size, recompute=case.recompute,
+                                             micro_batches=case.micro_batches)
     activations = None if case.recompute else saved_activation_bytes(engine.model, loss_fn, config_dict["vocab_size"])
     gc.collect()
     for _ in range(warmup):
@@ -76,7 +81,8 @@ def measure(config_dict: dict, case: Case, device: str, steps: int, warmup: int)
         peak = torch.cuda.max_memory_allocated()
     else:  # CPU: the allocator trace of one more step, on top of weights, masters and optimizer states
         peak = cpu_peak_bytes(step, engine_allocated_bytes(engine))
-    return {"peak_bytes": peak, "tokens_per_s": steps * case.micro_batch_size * case.seq_len / elapsed,
+    tokens = steps * case.micro_batches * case.micro_batch_size * case.seq_len
+    return {"peak_bytes": peak, "tokens_per_s": tokens / elapsed,
             "activation_bytes": activations}
 
 
@@ -102,13 +108,14 @@ def estimate(config_dict: dict, case: Case, gpu_kind: str) -> dict:
 
     shape = shape_from_config(config_dict, name="bench")
     workload = Workload(seq_len=case.seq_len, micro_batch_size=case.micro_batch_size,
-                        global_batch_size=case.micro_batch_size, tuner=case.tuner, lora_rank=16)
+                        global_batch_size=case.micro_batch_size * case.micro_batches, tuner=case.tuner, lora_rank=16)
     layout = Layout("local", recompute=case.recompute)
-    memory = layout_memory(shape, layout, workload, micro_batches=1)
+    memory = layout_memory(shape, layout, workload, micro_batches=case.micro_batches)
     if gpu_kind == "cpu":
         memory.buffers = 0.0
         memory.optimizer_step_temp = max(memory.optimizer_step_temp, cpu_optimizer_temp(shape, case.tuner))
-    timing = step_time(shape, layout, workload, make_cluster(1, 1, None, gpu_kind), case.micro_batch_size)
+    timing = step_time(shape, layout, workload, make_cluster(1, 1, None, gpu_kind),
+                       case.micro_batch_size * case.micro_batches)
     activations = activation_bytes_per_token_layer(shape, layout, workload) * shape.layers * workload.micro_batch_tokens
     return {"peak_bytes": memory.total, "tokens_per_s": timing.tokens_per_second, "activation_bytes": activations,
             "breakdown_gib": {name: round(value / 2**30, 3) for name, value in memory.rows()}}

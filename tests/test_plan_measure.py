@@ -71,10 +71,8 @@ def test_peak_memory_matches_the_cpu_allocator(tuner, recompute, micro_batches, 
     if tuner == "lora":
         pytest.importorskip("toolkit_peft")
     seq_len = 256
-    engine, _, step = local_engine(CONFIG, tmp_path / "model", tuner=tuner, seq_len=seq_len, recompute=recompute)
-    if micro_batches > 1:  # the same micro-batch repeated: gradient accumulation into the fp32 masters
-        single = engine.train_step
-        engine.train_step = lambda batches, loss, ctx: single(batches * micro_batches, loss, ctx)
+    engine, _, step = local_engine(CONFIG, tmp_path / "model", tuner=tuner, seq_len=seq_len, recompute=recompute,
+                                   micro_batches=micro_batches)
     step()  # creates the optimizer states
     measured = cpu_peak_bytes(step, engine_allocated_bytes(engine))
     shape = shape_from_config(CONFIG)

@@ -79,12 +79,14 @@ def allocated_bytes(model: Any, optimizer: Any) -> int:
 
 def local_engine(config: dict, directory: Any, *, tuner: str = "full", seq_len: int, micro_batch_size: int = 1,
                  recompute: bool = False, precision: str = "bf16", master_weights: bool = True,
-                 lora_rank: int = 16, chunk_tokens: int = 2048, recompute_logits: bool = False) -> tuple[Any, Any, Callable[[], Any]]:
+                 lora_rank: int = 16, chunk_tokens: int = 2048, recompute_logits: bool = False,
+                 micro_batches: int = 1) -> tuple[Any, Any, Callable[[], Any]]:
     """The ``local`` engine on a randomly initialised HF model of ``config`` (saved to ``directory``)
     with the registered tuner and the ``sft`` loss, as ``toolkit train`` builds it.
 
     Returns ``(engine, loss_fn, step)``: ``loss_fn()`` runs one forward and returns the loss of one
-    micro-batch of random tokens, ``step()`` runs one optimizer step through ``engine.train_step``."""
+    micro-batch of random tokens, ``step()`` runs one optimizer step of ``micro_batches`` such
+    micro-batches through ``engine.train_step``."""
     from pathlib import Path
 
     import torch
@@ -127,13 +129,14 @@ def local_engine(config: dict, directory: Any, *, tuner: str = "full", seq_len: 
              "sequence_meta": {"example_ids": torch.arange(rows), "roles": torch.zeros(rows, dtype=torch.long)},
              "num_sequences": rows}
     batch = {k: (v.to(engine.device) if torch.is_tensor(v) else v) for k, v in batch.items()}
-    ctx = StepContext(label_tokens=rows * seq_len, sequences=rows, examples=rows)
+    ctx = StepContext(label_tokens=rows * seq_len * micro_batches, sequences=rows * micro_batches,
+                      examples=rows * micro_batches)
 
     def loss_fn() -> Any:
         return engine._forward_loss(batch, loss, ctx)[1].loss
 
     def step() -> float:
-        return engine.train_step([batch], loss, ctx).loss
+        return engine.train_step([batch] * micro_batches, loss, ctx).loss
 
     return engine, loss_fn, step
 
