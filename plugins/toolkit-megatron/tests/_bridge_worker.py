@@ -14,10 +14,12 @@ import torch.distributed as dist
 
 def main() -> None:
     hf_dir, out_path, layouts = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
+    mcore_dir = sys.argv[4] if len(sys.argv) > 4 else None
     dist.init_process_group("gloo")
     from transformers import AutoModelForCausalLM
 
     from toolkit_megatron.bridge import SafetensorsReader, export_hf_tensors, load_hf_weights
+    from toolkit_megatron.checkpoint import load_mcore
     from toolkit_megatron.hf_io import save_hf_checkpoint
     from toolkit_megatron.model import Layout, build_model, initialize_parallel
     from toolkit_megatron.schedule import gather_logits
@@ -39,7 +41,10 @@ def main() -> None:
                         context=int(spec.get("cp", 1)), sequence_parallel="sp" in spec)
         initialize_parallel(layout)
         models = build_model(hf.config, layout)
-        load_hf_weights(models, hf.config, SafetensorsReader.from_directory(hf_dir))
+        if "mcore" in spec:  # a dist checkpoint written by another layout
+            load_mcore(models, mcore_dir)
+        else:
+            load_hf_weights(models, hf.config, SafetensorsReader.from_directory(hf_dir))
         logits = gather_logits(models, ids)
         packed = gather_logits(models, ids, torch.stack([positions, sequence_ids]))
         entry = {}

@@ -14,3 +14,21 @@ def toolkit_register_architectures(register):
 
     for cls in BUILTIN:
         register(cls)
+
+
+@hookimpl
+def toolkit_register_exporters(register):
+    from toolkit_megatron.exporter import McoreExporter
+
+    register(McoreExporter)
+
+
+@hookimpl
+def toolkit_resolve_export_source(path):
+    from pathlib import Path
+
+    if not (Path(path) / "toolkit_mcore.json").is_file():
+        return None
+    from toolkit_megatron.exporter import resolve_mcore_source
+
+    return resolve_mcore_source(path)

@@ -46,8 +46,8 @@ def redirected_sites() -> list[str]:
 
 
 def _note_site() -> None:
-    frame = sys._getframe(3)
-    while frame is not None and ("torch/" in frame.f_code.co_filename or frame.f_code.co_filename.endswith("compat.py")):
+    frame = sys._getframe(1)
+    while frame is not None and ("/torch/" in frame.f_code.co_filename or frame.f_code.co_filename.endswith("compat.py")):
         frame = frame.f_back
     if frame is not None:
         name = frame.f_code.co_filename
