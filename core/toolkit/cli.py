@@ -31,7 +31,7 @@ class ToolkitGroup(click.Group):
 
 @click.group(cls=ToolkitGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="toolkit")
-@click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
+@click.option("--debug", is_flag=True, help="Show tracebacks for errors (also accepted after the subcommand).")
 def cli(debug: bool) -> None:
     """Train, align, export and serve large language models; features come from plugins.
 
@@ -42,15 +42,22 @@ def cli(debug: bool) -> None:
 
 
 def build_cli() -> click.Group:
+    """A fresh ``toolkit`` group holding every command the process-wide plugin manager
+    registers (a new group per call, so tests with different managers stay apart)."""
     from toolkit.plugins import get_plugin_manager
 
-    get_plugin_manager().register_commands(cli)
-    return cli
+    group = ToolkitGroup(name="toolkit", callback=cli.callback, params=list(cli.params), help=cli.help,
+                         context_settings=dict(cli.context_settings))
+    get_plugin_manager().register_commands(group)
+    return group
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``toolkit`` script and ``python -m toolkit``."""
     args = list(sys.argv[1:] if argv is None else argv)
     if "--debug" in args:
+        # Accepted anywhere (``toolkit sft ... --debug``), not only before the subcommand.
+        args = ["--debug", *[a for a in args if a != "--debug"]]
         os.environ["TOOLKIT_DEBUG"] = "1"
     try:
         group = build_cli()
@@ -60,6 +67,11 @@ def main(argv: list[str] | None = None) -> None:
     except click.Abort:
         click.echo("Aborted.", err=True)
         sys.exit(130)
+    except click.UsageError as exc:  # one paragraph instead of click's usage block
+        ctx = exc.ctx
+        hint = f" See '{ctx.command_path} --help'." if ctx is not None else ""
+        click.echo(f"Error: {exc.format_message()}{hint}", err=True)
+        sys.exit(exc.exit_code)
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)

@@ -65,6 +65,15 @@ class PluginInfo:
     hooks: list[str] = field(default_factory=list)
 
 
+def plural(kind: str) -> str:
+    """``loss`` -> ``losses``, ``strategy`` -> ``strategies``, ``tuner`` -> ``tuners``."""
+    if kind.endswith("s"):
+        return kind + "es"
+    if kind.endswith("y"):
+        return kind[:-1] + "ies"
+    return kind + "s"
+
+
 def _env_list(name: str) -> set[str] | None:
     value = os.environ.get(name)
     if value is None:
@@ -103,7 +112,7 @@ class Registry:
         else:
             close = difflib.get_close_matches(name, list(self._items), n=1)
             hint = f"unknown {self.kind} {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
-        raise RegistryError(f"{hint}. Installed {self.kind}s: {installed}.")
+        raise RegistryError(f"{hint}. Installed {plural(self.kind)}: {installed}.")
 
     def owner(self, name: str) -> str:
         return self._owners[name]
@@ -170,13 +179,30 @@ class Toolkit:
             self.registry(kind)
 
     def register_commands(self, cli: Any) -> None:
-        for impl in reversed(self.pm.hook.toolkit_register_commands.get_hookimpls()):
+        """Let every plugin add its commands, the core's first. A command name taken by an
+        earlier plugin keeps the earlier command, and the clash is reported naming both."""
+        owners: dict[str, str] = {}
+        for impl in self.pm.hook.toolkit_register_commands.get_hookimpls():  # registration order
             owner = self.pm.get_name(impl.plugin) or "?"
+            info = next((p for p in self.plugins if p.name == owner), None)
+            before = dict(cli.commands)
             try:
                 impl.function(cli=cli)
+            except RegistryError as exc:  # e.g. a duplicate name: both plugins are named in it
+                print(f"toolkit: {exc}", file=sys.stderr)
             except Exception as exc:
-                info = next((p for p in self.plugins if p.name == owner), None)
                 _report_broken(owner, info.version if info else "?", exc)
+            for name, command in list(cli.commands.items()):
+                if before.get(name) is command:
+                    continue
+                if name in before:
+                    cli.commands[name] = before[name]
+                    print(f"toolkit: command {name!r} is registered twice: by plugin {owners.get(name, '?')!r} and by "
+                          f"plugin {owner!r}; keeping the first. Disable one with TOOLKIT_DISABLE_PLUGINS={owner}.", file=sys.stderr)
+                    continue
+                owners[name] = owner
+                if info is not None and name not in info.registered.get("command", []):  # the CLI may be built twice
+                    info.registered.setdefault("command", []).append(name)
 
     def resolve_export_source(self, path: str) -> Any:
         return self.pm.hook.toolkit_resolve_export_source(path=path)
@@ -211,7 +237,9 @@ def build_plugin_manager(extra_plugins: list[tuple[str, object]] | None = None) 
     for name, obj in extra_plugins or []:
         candidates.append((name, "(in-process)", __version__, obj))
     for name, dist, version, target in candidates:
-        if (allow is not None and name not in allow and not name.startswith("toolkit.")) or name in block:
+        in_process = not isinstance(target, metadata.EntryPoint)
+        allowed = allow is None or name in allow or name.startswith("toolkit.") or in_process
+        if not allowed or name in block:
             continue
         if pm.has_plugin(name):
             continue
@@ -219,8 +247,9 @@ def build_plugin_manager(extra_plugins: list[tuple[str, object]] | None = None) 
         infos.append(info)
         try:
             plugin = target.load() if isinstance(target, metadata.EntryPoint) else target
+            _check_hooks(plugin)
             pm.register(plugin, name=name)
-            _check_hooks(pm, name, plugin)
+            pm.check_pending()
         except Exception as exc:
             if pm.has_plugin(name):
                 pm.unregister(name=name)
@@ -231,17 +260,19 @@ def build_plugin_manager(extra_plugins: list[tuple[str, object]] | None = None) 
     return Toolkit(pm, infos)
 
 
-def _check_hooks(pm: pluggy.PluginManager, name: str, plugin: object) -> None:
-    """Reject misspelled or unprefixed hook implementations (pluggy's ``check_pending``)."""
-    known = {n for n in dir(pm.hook) if n.startswith("toolkit_")}
+HOOK_NAMES = frozenset(n for n in dir(hookspecs) if n.startswith("toolkit_"))
+
+
+def _check_hooks(plugin: object) -> None:
+    """Reject misspelled or unprefixed hook implementations before registering the plugin
+    (pluggy's ``check_pending`` only catches prefixed ones, and without a suggestion)."""
     for attr in dir(plugin):
         function = getattr(plugin, attr, None)
         marked = callable(function) and hasattr(function, "toolkit_impl")
-        if marked and attr not in known:
-            close = difflib.get_close_matches(attr, sorted(known), n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
+        if marked and attr not in HOOK_NAMES:
+            close = difflib.get_close_matches(attr, sorted(HOOK_NAMES), n=1, cutoff=0.5)
+            hint = f" (did you mean {close[0]}?)" if close else f"; hooks: {', '.join(sorted(HOOK_NAMES))}"
             raise PluginLoadError(f"hook implementation {attr!r} matches no toolkit hook{hint}")
-    pm.check_pending()
 
 
 _MANAGER: Toolkit | None = None

@@ -59,6 +59,7 @@ class Recipe:
 
     save_every: int = option(0, help="Save a checkpoint every N steps (0: only at the end).")
     keep_last: int = option(2, help="Checkpoints to keep.")
+    stop_after: int = option(0, help="Stop with a checkpoint after N steps of this invocation (time-boxed jobs); the schedule still spans the whole run.")
     resume: str | None = option(None, help="'auto' (newest complete checkpoint) or a checkpoint path.")
     overwrite: bool = option(False, help="Allow reusing an output directory that holds a different run.")
     log_every: int = option(1, help="Log metrics every N steps.")
@@ -73,7 +74,7 @@ class Recipe:
                      "expert_tensor_parallel", "micro_batch_size", "seq_len", "keep_last", "log_every"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("max_steps", "global_batch_size", "save_every", "warmup_steps", "max_samples", "eval_samples"):
+        for name in ("max_steps", "global_batch_size", "save_every", "stop_after", "warmup_steps", "max_samples", "eval_samples"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be 0 or more, got {getattr(self, name)}")
         if self.lr <= 0:

@@ -1,1 +1,68 @@
-"""Core built-in plugin: inference (filled in by the engine work)."""
+"""Core built-in plugin: the ``hf`` inference backend (transformers ``generate``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, ClassVar
+
+from toolkit import hookimpl
+from toolkit.config import option
+
+
+@dataclasses.dataclass(kw_only=True)
+class GenerateConfig:
+    max_new_tokens: int = option(64, help="Tokens to generate per prompt.")
+    temperature: float = option(0.0, help="Sampling temperature; 0 is greedy.")
+    chat_template: bool = option(True, help="Wrap each prompt as a user message with the model's chat template.")
+    dtype: str = option("float32", help="Weights dtype for generation.")
+    system: str = option("", help="System message placed before each prompt.")
+
+
+def format_prompt(tokenizer: Any, prompt: str, chat_template: bool, system: str = "") -> str:
+    """The text a backend feeds the model: the prompt as a user turn of the chat template, or raw."""
+    if not chat_template:
+        return prompt
+    from toolkit.data.template import ChatTemplate
+
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return ChatTemplate(tokenizer).render(messages, add_generation_prompt=True)
+
+
+class HFBackend:
+    """Generation with transformers on CPU or one GPU; greedy by default."""
+
+    name: ClassVar[str] = "hf"
+    Config: ClassVar[type] = GenerateConfig
+
+    def __init__(self, config: GenerateConfig | None = None):
+        self.config = config or GenerateConfig()
+
+    def generate_ids(self, model_dir: Path, prompts: list[str], options: GenerateConfig) -> list[list[int]]:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, options.dtype)).to(device).eval()
+        results = []
+        for prompt in prompts:
+            text = format_prompt(tokenizer, prompt, options.chat_template, options.system)
+            ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
+            sampling = {"do_sample": True, "temperature": options.temperature} if options.temperature > 0 else {"do_sample": False}
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=options.max_new_tokens,
+                                     pad_token_id=tokenizer.pad_token_id, **sampling)
+            results.append(out[0, ids.shape[1]:].tolist())
+        return results
+
+    def generate(self, model_dir: Path, prompts: list[str], options: GenerateConfig) -> list[str]:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        return [tokenizer.decode(ids, skip_special_tokens=True) for ids in self.generate_ids(model_dir, prompts, options)]
+
+
+@hookimpl
+def toolkit_register_inference_backends(register):
+    register(HFBackend)

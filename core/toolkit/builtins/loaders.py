@@ -1,1 +1,177 @@
-"""Core built-in plugin: loaders (filled in by the engine work)."""
+"""Core built-in plugin: model loaders for local HF directories and the embedded ``tiny-*`` presets.
+
+Presets are built from configs with the tokenizer that ships with the package and materialised
+once into a cache directory (deterministic weights), so every strategy sees an ordinary HF dir.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, ClassVar
+
+from toolkit import hookimpl
+from toolkit.contracts import ModelSource
+from toolkit.errors import ModelError
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+TOKENIZER_DIR = ASSETS / "tokenizer"
+
+_COMMON = {
+    "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 768, "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False, "initializer_range": 0.02,
+    "bos_token_id": None, "eos_token_id": 2, "pad_token_id": 3,
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **_COMMON},
+    "tiny-mistral": {"model_type": "mistral", "architectures": ["MistralForCausalLM"], **_COMMON, "sliding_window": None},
+    "tiny-qwen2": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], **_COMMON, "tie_word_embeddings": True},
+    "tiny-qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], **_COMMON},
+    "tiny-mixtral": {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], **_COMMON,
+                     "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 128},
+    "tiny-qwen2-moe": {"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"], **_COMMON,
+                       "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                       "shared_expert_intermediate_size": 128, "decoder_sparse_step": 1, "norm_topk_prob": False},
+    "tiny-qwen3-moe": {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], **_COMMON,
+                       "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                       "decoder_sparse_step": 1, "norm_topk_prob": True},
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TOOLKIT_CACHE", Path.home() / ".cache" / "toolkit"))
+
+
+def preset_config(name: str, **overrides: Any) -> Any:
+    """The ``transformers`` config of a preset (optionally overridden, e.g. ``num_hidden_layers=4``)."""
+    from transformers import AutoConfig
+
+    if name not in PRESETS:
+        raise ModelError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+    values = {**PRESETS[name], **overrides}
+    model_type = values.pop("model_type")
+    return AutoConfig.for_model(model_type, **values)
+
+
+def materialize_preset(name: str, directory: Path | None = None, seed: int = 0, **overrides: Any) -> Path:
+    """Write a preset as an HF directory (config, safetensors, tokenizer) and return it.
+
+    Weights come from ``seed``, so the same preset is the same model on every machine.
+    Written to a temporary folder and renamed, so a concurrent or interrupted call never
+    leaves a half-written model.
+    """
+    spec = json.dumps({"preset": PRESETS.get(name), "overrides": overrides, "seed": seed, "v": 1}, sort_keys=True)
+    digest = hashlib.sha256(spec.encode() + (TOKENIZER_DIR / "tokenizer.json").read_bytes()).hexdigest()[:12]
+    target = directory or cache_root() / "presets" / f"{name}-{digest}"
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    config = preset_config(name, **overrides)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+        tokenizer.save_pretrained(staging)
+        GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, do_sample=False).save_pretrained(staging)
+        if target.exists():
+            shutil.rmtree(staging)
+            return target
+        os.replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def load_hf_directory(reference: str, directory: Path, trust_remote_code: bool = False) -> ModelSource:
+    from transformers import AutoConfig, AutoTokenizer
+
+    if not (directory / "config.json").is_file():
+        raise ModelError(f"{directory} is not a Hugging Face model directory: config.json is missing")
+    weights = sorted(directory.glob("*.safetensors"))
+    if not weights:
+        found = ", ".join(sorted(p.name for p in directory.iterdir())) or "nothing"
+        hint = " (.bin weights are not read: convert them to safetensors)" if list(directory.glob("*.bin")) else ""
+        raise ModelError(f"model directory {directory} has no *.safetensors weights{hint}; found: {found}")
+    try:
+        config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        raise ModelError(f"cannot read {directory / 'config.json'}: {exc}. If the model needs its own code, pass --trust-remote-code.") from None
+    tokenizer_dir = directory if any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")) else None
+    if tokenizer_dir is None:
+        raise ModelError(f"model directory {directory} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=trust_remote_code)
+    return ModelSource(reference=reference, directory=directory, config=config, tokenizer=tokenizer,
+                       weight_files=weights, trust_remote_code=trust_remote_code)
+
+
+@dataclasses.dataclass(kw_only=True)
+class NoOptions:
+    """This loader has no options."""
+
+
+class PresetLoader:
+    """Embedded tiny models (``tiny-llama``, ``tiny-qwen2``, ...) built from configs, for demos and tests."""
+
+    name: ClassVar[str] = "preset"
+    Config: ClassVar[type] = NoOptions
+
+    def __init__(self, config: NoOptions | None = None):
+        self.config = config
+
+    def accepts(self, reference: str) -> bool:
+        return reference in PRESETS
+
+    def load(self, reference: str, *, trust_remote_code: bool = False) -> ModelSource:
+        return load_hf_directory(reference, materialize_preset(reference))
+
+
+class DirectoryLoader:
+    """A local Hugging Face model directory: config.json, safetensors shards, tokenizer files."""
+
+    name: ClassVar[str] = "hf-dir"
+    Config: ClassVar[type] = NoOptions
+
+    def __init__(self, config: NoOptions | None = None):
+        self.config = config
+
+    def accepts(self, reference: str) -> bool:
+        return Path(reference).is_dir()
+
+    def load(self, reference: str, *, trust_remote_code: bool = False) -> ModelSource:
+        return load_hf_directory(reference, Path(reference), trust_remote_code)
+
+
+def resolve_model(reference: str, trust_remote_code: bool = False) -> ModelSource:
+    """Turn ``--model`` into a :class:`ModelSource` through the registered loaders."""
+    from toolkit.plugins import get_plugin_manager
+
+    registry = get_plugin_manager().registry("model_loader")
+    for _, cls in registry.items():
+        loader = cls(cls.Config())
+        if loader.accepts(reference):
+            return loader.load(reference, trust_remote_code=trust_remote_code)
+    raise ModelError(
+        f"cannot load model {reference!r}: it is neither a local directory nor a preset "
+        f"({', '.join(PRESETS)}). This machine has no model hub access: download the model "
+        "elsewhere and pass its directory."
+    )
+
+
+@hookimpl
+def toolkit_register_model_loaders(register):
+    register(PresetLoader)
+    register(DirectoryLoader)

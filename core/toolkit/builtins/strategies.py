@@ -1,1 +1,240 @@
-"""Core built-in plugin: strategies (filled in by the engine work)."""
+"""Core built-in plugin: the ``local`` strategy (one process, or DDP under torchrun)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+from toolkit import hookimpl
+from toolkit.config import option
+from toolkit.contracts import StepContext, StepResult
+from toolkit.errors import ConfigError, LayoutError
+
+
+@dataclasses.dataclass(kw_only=True)
+class LocalConfig:
+    find_unused_parameters: bool = option(False, help="DDP: tolerate parameters that get no gradient (some MoE models).")
+    logps_chunk_tokens: int = option(2048, help="Tokens per chunk when computing label log-probs (bounds logits memory).")
+
+
+def load_hf_model(source: Any, tuner: Any, recipe: Any, device: Any) -> Any:
+    """The HF causal LM in fp32 master weights, with the tuner applied, on ``device``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(recipe.seed)
+    kwargs = {"dtype": torch.float32, **tuner.model_load_kwargs()}
+    model = AutoModelForCausalLM.from_pretrained(source.directory, trust_remote_code=source.trust_remote_code, **kwargs)
+    if "quantization_config" not in kwargs:
+        model.to(device)
+    if recipe.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    torch.manual_seed(recipe.seed)
+    return tuner.apply(model, source)
+
+
+def autocast_dtype(precision: str) -> Any:
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+
+class LocalEngine:
+    """HF model on one device; DDP over all processes when launched by torchrun."""
+
+    def __init__(self, source: Any, tuner: Any, loss: Any, recipe: Any, config: LocalConfig):
+        import torch
+
+        from toolkit.train import logps
+        from toolkit.train.distributed import init_world
+        from toolkit.train.optim import build_optimizer
+
+        self.world = init_world()
+        self.dp_rank, self.dp_world_size, self.is_main = self.world.rank, self.world.world_size, self.world.is_main
+        self.device = self.world.device
+        self.recipe, self.tuner, self.source = recipe, tuner, source
+        logps.LOGPS_CHUNK_TOKENS = config.logps_chunk_tokens
+        self.model = load_hf_model(source, tuner, recipe, self.device)
+        self.module = logps.CausalLMLogps(self.model, autocast_dtype(recipe.precision))
+        if self.world.distributed:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.module = torch.nn.parallel.DistributedDataParallel(
+                self.module, device_ids=ids, find_unused_parameters=config.find_unused_parameters)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.params, recipe, getattr(tuner, "optimizer_factory", None))
+        self.scheduler = None
+        self.reference = self._build_reference(loss) if getattr(loss, "needs_reference", False) else None
+
+    def set_total_steps(self, total_steps: int) -> None:
+        from toolkit.train.optim import build_scheduler
+
+        self.scheduler = build_scheduler(self.optimizer, self.recipe, total_steps)
+
+    # ------------------------------------------------------------------ reference model
+    def _build_reference(self, loss: Any) -> Any:
+        import copy
+
+        from toolkit.train.logps import CausalLMLogps
+
+        if hasattr(self.tuner, "disabled_adapters"):
+            return None  # the policy with adapters disabled is the reference: no second copy
+        frozen = copy.deepcopy(self.model).eval().requires_grad_(False)
+        return CausalLMLogps(frozen, autocast_dtype(self.recipe.precision))
+
+    def reference_logps(self, micro_batch: dict) -> Any:
+        """Summed reference log-probs per sequence ``[num_sequences]`` (no gradient)."""
+        import torch
+
+        from toolkit.train.logps import CausalLMLogps, token_logps
+
+        with torch.no_grad():
+            if self.reference is not None:
+                out = token_logps(self.reference, micro_batch, self.device)
+            else:
+                context = self.tuner.disabled_adapters(self.model) if hasattr(self.tuner, "disabled_adapters") else contextlib.nullcontext()
+                with context:
+                    out = token_logps(CausalLMLogps(self.model, autocast_dtype(self.recipe.precision)), micro_batch, self.device)
+        return out.sequence_sums().detach()
+
+    # ------------------------------------------------------------------ stepping
+    def _forward_loss(self, micro_batch: dict, loss: Any, ctx: StepContext) -> Any:
+        from toolkit.train.logps import token_logps
+
+        out = token_logps(self.module, micro_batch, self.device)
+        if getattr(loss, "needs_reference", False) and out.reference_logps is None:
+            out.reference_logps = self.reference_logps(micro_batch)
+        return out, loss(out, ctx)
+
+    def train_step(self, micro_batches: list[dict], loss: Any, ctx: StepContext) -> StepResult:
+        import torch
+
+        self.module.train()
+        total, metrics = 0.0, {}
+        for index, micro_batch in enumerate(micro_batches):
+            last = index == len(micro_batches) - 1
+            sync = contextlib.nullcontext() if last or not self.world.distributed else self.module.no_sync()
+            with sync:
+                out, result = self._forward_loss(micro_batch, loss, ctx)
+                objective = result.loss
+                if out.aux_loss is not None:
+                    objective = objective + out.aux_loss / (len(micro_batches) * self.dp_world_size)
+                    metrics["aux_loss"] = metrics.get("aux_loss", 0.0) + float(out.aux_loss) / (len(micro_batches) * self.dp_world_size)
+                # DDP averages gradients over ranks; the loss contract wants their sum.
+                (objective * self.dp_world_size).backward()
+            total += float(result.loss.detach())
+            for key, value in result.metrics.items():
+                metrics[key] = metrics.get(key, 0.0) + float(value)
+        max_norm = self.recipe.max_grad_norm if self.recipe.max_grad_norm > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        keys = sorted(metrics)
+        reduced = self.all_reduce_sum([total, *(metrics[k] for k in keys)])
+        return StepResult(loss=reduced[0], grad_norm=grad_norm, metrics=dict(zip(keys, reduced[1:])))
+
+    def evaluate(self, micro_batches: list[dict], loss: Any, ctx: StepContext) -> dict[str, float]:
+        import torch
+
+        self.module.eval()
+        total, metrics = 0.0, {}
+        with torch.no_grad():
+            for micro_batch in micro_batches:
+                _, result = self._forward_loss(micro_batch, loss, ctx)
+                total += float(result.loss)
+                for key, value in result.metrics.items():
+                    metrics[key] = metrics.get(key, 0.0) + float(value)
+        keys = sorted(metrics)
+        reduced = self.all_reduce_sum([total, *(metrics[k] for k in keys)])
+        return {"loss": reduced[0], **dict(zip(keys, reduced[1:]))}
+
+    def current_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, directory: Path) -> None:
+        import torch
+        from safetensors.torch import save_file
+
+        if self.is_main:
+            state = {k: v.detach().contiguous().cpu() for k, v in self.tuner.checkpoint_state(self.model).items()}
+            save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt", "tuner": self.tuner.name})
+            torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
+            torch.save(self.scheduler.state_dict() if self.scheduler else {}, directory / "scheduler.pt")
+
+    def load_checkpoint(self, directory: Path) -> None:
+        import torch
+        from safetensors.torch import load_file
+
+        self.tuner.load_checkpoint_state(self.model, load_file(str(directory / "model.safetensors"), device=str(self.device)))
+        self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", map_location=self.device, weights_only=True))
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=True))
+
+    def export_tensors(self) -> Iterator[tuple[str, Any]]:
+        if self.is_main:
+            yield from self.tuner.export_tensors(self.model)
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        from toolkit.train.distributed import all_reduce_sum
+
+        return all_reduce_sum(values, self.device if self.device.type == "cuda" else None)
+
+    def barrier(self) -> None:
+        from toolkit.train.distributed import barrier
+
+        barrier()
+
+    def close(self) -> None:
+        pass
+
+
+class LocalStrategy:
+    """One process, or plain PyTorch DDP when launched with torchrun (gloo on CPU, NCCL on GPU)."""
+
+    name: ClassVar[str] = "local"
+    Config: ClassVar[type] = LocalConfig
+
+    def __init__(self, config: LocalConfig | None = None):
+        self.config = config or LocalConfig()
+
+    def validate(self, recipe: Any, world_size: int) -> list[str]:
+        problems = []
+        for flag, value in (("--tp", recipe.tensor_parallel), ("--pp", recipe.pipeline_parallel), ("--cp", recipe.context_parallel),
+                            ("--ep", recipe.expert_parallel), ("--vpp", recipe.virtual_pipeline)):
+            if value != 1:
+                problems.append(f"{flag} {value} needs --strategy megatron (pip install toolkit-megatron); the local strategy is data-parallel only")
+        if recipe.zero:
+            problems.append(f"--zero {recipe.zero} needs --strategy deepspeed (pip install toolkit-deepspeed)")
+        if recipe.sequence_parallel:
+            problems.append("--sequence-parallel needs --strategy megatron with --tp > 1")
+        return problems
+
+    def build(self, source: Any, tuner: Any, loss: Any, recipe: Any) -> LocalEngine:
+        return LocalEngine(source, tuner, loss, recipe, self.config)
+
+    def checkpoint_tensors(self, checkpoint: Path, source: Any, tuner: Any, recipe: Any) -> Iterator[tuple[str, Any]]:
+        import torch
+        from safetensors.torch import load_file
+
+        model = load_hf_model(source, tuner, recipe, torch.device("cpu"))
+        tuner.load_checkpoint_state(model, load_file(str(checkpoint / "model.safetensors")))
+        yield from tuner.export_tensors(model)
+
+
+def check_layout(problems: list[str]) -> None:
+    if problems:
+        raise LayoutError("\n".join(problems)) if len(problems) == 1 else ConfigError(problems, source="layout")
+
+
+@hookimpl
+def toolkit_register_strategies(register):
+    from toolkit.builtins.fsdp import FSDPStrategy
+
+    register(LocalStrategy)
+    register(FSDPStrategy)

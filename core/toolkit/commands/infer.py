@@ -11,14 +11,15 @@ import click
 @click.option("--backend", default="hf", show_default=True, help="Inference backend: hf, vllm, lmdeploy.")
 @click.option("--max-new-tokens", default=64, show_default=True, type=int)
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 means greedy.")
+@click.option("--system", default="", help="System message placed before each prompt (chat template).")
 @click.option("--no-chat-template", is_flag=True, help="Feed the prompt as raw text.")
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
-def infer_command(model: str, prompts: tuple[str, ...], backend: str, max_new_tokens: int, temperature: float, no_chat_template: bool, dtype: str) -> None:
+def infer_command(model: str, prompts: tuple[str, ...], backend: str, max_new_tokens: int, temperature: float, system: str, no_chat_template: bool, dtype: str) -> None:
     """Generate completions for --prompt from MODEL (a run, HF dir or preset); the completion is the last line."""
     from toolkit.inference import run_infer
 
     run_infer(model, list(prompts), backend, max_new_tokens=max_new_tokens, temperature=temperature,
-              chat_template=not no_chat_template, dtype=dtype)
+              chat_template=not no_chat_template, dtype=dtype, system=system)
 
 
 @click.command("serve")

@@ -7,6 +7,7 @@ every registered strategy, tuner, loss and dataset format (``--lora-rank``, ``--
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from typing import Any, Literal, get_args, get_origin
 
@@ -19,7 +20,7 @@ from toolkit.recipe import OPTION_KINDS, Recipe
 def _click_type(tp: Any) -> tuple[Any, bool]:
     """(click type, is_list) for a dataclass field type."""
     origin = get_origin(tp)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType")):
+    if origin in (typing.Union, types.UnionType):
         args = [a for a in get_args(tp) if a is not type(None)]
         return _click_type(args[0]) if len(args) == 1 else (str, False)
     if origin is Literal:
@@ -29,6 +30,14 @@ def _click_type(tp: Any) -> tuple[Any, bool]:
     if origin is dict:
         return str, True
     return {int: int, float: float, str: str, bool: bool}.get(tp, str), False
+
+
+def _metavar(tp: Any) -> str:
+    """``int`` -> ``INT``; ``str | None`` -> ``STR`` (leaving a flag out is how one says None)."""
+    if get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        tp = args[0] if len(args) == 1 else tp
+    return describe_type(tp).upper()
 
 
 def _options_for(cls: type, prefix: str | None, dest_prefix: str) -> list[click.Option]:
@@ -47,33 +56,43 @@ def _options_for(cls: type, prefix: str | None, dest_prefix: str) -> list[click.
             negative = "--no-" + flag[2:]
             options.append(click.Option([f"{flag}/{negative}", dest], default=None, help=help_text))
         elif is_list:
-            help_text += " (repeatable" + (", KEY=VALUE)" if get_origin(tp) is dict else ")")
-            options.append(click.Option([*names, dest], type=ctype, multiple=True, default=None, help=help_text))
+            is_dict = get_origin(tp) is dict
+            help_text += " (repeatable" + (", KEY=VALUE)" if is_dict else ")")
+            options.append(click.Option([*names, dest], type=ctype, multiple=True, default=None, help=help_text,
+                                        callback=_key_value_pairs if is_dict else None))
         else:
             default = field.default if field.default is not dataclasses.MISSING else None
             show = f" [default: {default}]" if default not in (None, "") else ""
             options.append(click.Option([*names, dest], type=ctype, default=None, help=help_text + show,
-                                        metavar=describe_type(tp).upper() if ctype in (int, float, str) else None))
+                                        metavar=_metavar(tp) if ctype in (int, float, str) else None))
     return options
 
 
-def _collect_values(params: dict[str, Any], manager: Any) -> dict[str, Any]:
-    """Flags the user actually set, as a nested dict like a YAML recipe."""
+def _key_value_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...] | None) -> dict[str, str] | None:
+    """``--columns instruction=question`` (repeatable) -> ``{"instruction": "question"}``."""
+    if not value:
+        return None
+    pairs = {}
+    for item in value:
+        key, sep, val = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}")
+        pairs[key] = val
+    return pairs
+
+
+def _collect_values(params: dict[str, Any], sections: dict[str, tuple[str, str]]) -> dict[str, Any]:
+    """Flags the user actually set, as a nested dict like a YAML recipe.
+
+    ``sections`` maps the parameter name of a plugin option to its (section, field).
+    """
     values: dict[str, Any] = {}
     for key, value in params.items():
         if value is None or value == ():
             continue
-        if key.startswith("opt__"):
-            _, section, name = key.split("__", 2)
+        if key in sections:
+            section, name = sections[key]
             values.setdefault(section, {})[name] = list(value) if isinstance(value, tuple) else value
-        elif key == "columns":
-            pairs = {}
-            for item in value:
-                if "=" not in item:
-                    raise click.BadParameter(f"expected OURS=THEIRS, got {item!r}", param_hint="--columns")
-                ours, theirs = item.split("=", 1)
-                pairs[ours] = theirs
-            values["columns"] = pairs
         elif key in ("config", "debug"):
             continue
         else:
@@ -87,20 +106,26 @@ def make_training_command(name: str, loss: str | None, help_text: str, manager: 
                      help="YAML recipe; flags given on the command line override it."),
     ]
     params += _options_for(Recipe, None, "")
-    seen = {p.name for p in params}
+    taken = {flag for p in params for flag in (*p.opts, *p.secondary_opts)}
+    sections: dict[str, tuple[str, str]] = {}
     for kind in OPTION_KINDS:
         for thing_name, cls in manager.registry(kind).items():
-            for opt in _options_for(cls.Config, thing_name, f"opt__{thing_name}__"):
-                if opt.name not in seen:
-                    seen.add(opt.name)
-                    params.append(opt)
+            # Parameter names must be identifiers; thing names may hold dashes.
+            prefix = f"opt{len(sections)}_{kind}__"
+            for opt in _options_for(cls.Config, thing_name, prefix):
+                flags = {*opt.opts, *opt.secondary_opts}
+                if flags & taken:
+                    continue  # e.g. a thing named "seq" with a field "len": the YAML section still works
+                taken |= flags
+                sections[opt.name] = (thing_name, opt.name.removeprefix(prefix))
+                params.append(opt)
 
     def callback(**kwargs: Any) -> None:
         from toolkit.recipe import read_yaml, resolve_recipe
 
         config = kwargs.get("config")
         values = read_yaml(config) if config else {}
-        flags = _collect_values(kwargs, manager)
+        flags = _collect_values(kwargs, sections)
         for key, value in flags.items():
             if isinstance(value, dict) and isinstance(values.get(key), dict):
                 values[key] = {**values[key], **value}

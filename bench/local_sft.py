@@ -1,0 +1,147 @@
+"""Full SFT throughput: the toolkit ``local`` engine beside a plain HF transformers loop, same script.
+
+    python bench/local_sft.py              # 1.24B Llama shape, seq 4096, batch 4, bf16 (one GPU)
+    python bench/local_sft.py --tiny       # a CPU smoke run of the same code path
+
+Prints a table (tokens/s, peak GiB) and writes JSON to $OUT/local_sft.json when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SHAPE_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                intermediate_size=8192, vocab_size=128256, max_position_embeddings=8192, head_dim=64)
+SHAPE_TINY = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=256, vocab_size=768, max_position_embeddings=512, head_dim=32)
+
+
+def make_model_dir(shape: dict, root: Path) -> Path:
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from toolkit.builtins.loaders import TOKENIZER_DIR
+
+    config = LlamaConfig(**shape, tie_word_embeddings=False, torch_dtype="bfloat16", attn_implementation="sdpa")
+    with torch.device("cpu"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(root, safe_serialization=True)
+    AutoTokenizer.from_pretrained(TOKENIZER_DIR).save_pretrained(root)
+    return root
+
+
+def batches(steps: int, batch: int, seq: int, vocab: int, device: str) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (batch, seq), generator=generator).to(device) for _ in range(steps)]
+
+
+def timed(step_fn, data: list, warmup: int) -> tuple[float, float]:
+    device = data[0].device
+    for ids in data[:warmup]:
+        step_fn(ids)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for ids in data[warmup:]:
+        step_fn(ids)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    tokens = sum(ids.numel() for ids in data[warmup:])
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    return tokens / elapsed, peak
+
+
+def hf_baseline(model_dir: Path, data: list, warmup: int, compile_model: bool = False) -> tuple[float, float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").to(data[0].device)
+    model.config.use_cache = False
+    if compile_model:
+        model = torch.compile(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=data[0].device.type == "cuda")
+
+    def step(ids: torch.Tensor) -> None:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    result = timed(step, data, warmup)
+    del model, optimizer
+    return result
+
+
+def toolkit_engine(model_dir: Path, data: list, warmup: int, precision: str) -> tuple[float, float]:
+    from toolkit.builtins.losses import SFTLoss
+    from toolkit.builtins.strategies import LocalConfig, LocalEngine
+    from toolkit.builtins.tuners import FullTuner
+    from toolkit.builtins.loaders import load_hf_directory
+    from toolkit.contracts import StepContext
+    from toolkit.recipe import Recipe
+
+    recipe = Recipe(model=str(model_dir), precision=precision, lr=1e-5, max_grad_norm=1.0)
+    source = load_hf_directory(str(model_dir), model_dir)
+    engine = LocalEngine(source, FullTuner(), SFTLoss(), recipe, LocalConfig())
+    engine.set_total_steps(len(data))
+    loss = SFTLoss()
+
+    def step(ids: torch.Tensor) -> None:
+        b, t = ids.shape
+        labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+        batch = {"input_ids": ids, "labels": labels, "position_ids": torch.arange(t, device=ids.device).expand(b, t),
+                 "sequence_ids": torch.arange(b, device=ids.device)[:, None].expand(b, t).contiguous(),
+                 "sequence_meta": {}, "num_sequences": b}
+        engine.train_step([batch], loss, StepContext(label_tokens=b * (t - 1), sequences=b, examples=b))
+
+    result = timed(step, data, warmup)
+    del engine
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="also time HF + torch.compile")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shape = SHAPE_TINY if args.tiny else SHAPE_1B
+    seq, batch = (64, 2) if args.tiny else (args.seq, args.batch)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_model_dir(shape, Path(tmp))
+        data = batches(args.steps + args.warmup, batch, seq, shape["vocab_size"], device)
+        runs = [("hf transformers (bf16 params, labels= loss)", lambda: hf_baseline(model_dir, data, args.warmup))]
+        if args.compile:
+            runs.append(("hf transformers + torch.compile", lambda: hf_baseline(model_dir, data, args.warmup, True)))
+        runs.append(("toolkit local (bf16 autocast, fp32 master, chunked logps)", lambda: toolkit_engine(model_dir, data, args.warmup, "bf16")))
+        for name, run in runs:
+            tokens_per_s, peak = run()
+            rows.append({"run": name, "tokens_per_s": tokens_per_s, "peak_gib": peak, "batch": batch, "seq": seq})
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"\nfull SFT, {device_name}, batch {batch} x seq {seq}, {'tiny' if args.tiny else '1.24B'} Llama shape")
+    print(f"{'run':62s} {'tokens/s':>10s} {'peak GiB':>9s}")
+    for row in rows:
+        print(f"{row['run']:62s} {row['tokens_per_s']:10.0f} {row['peak_gib']:9.1f}")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "local_sft.json").write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

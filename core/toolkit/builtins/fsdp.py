@@ -1,0 +1,185 @@
+"""Core built-in strategy ``fsdp``: PyTorch FSDP2 (``fully_shard``) per decoder layer, DCP checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+from toolkit.builtins.strategies import LocalEngine, LocalStrategy, autocast_dtype, load_hf_model
+from toolkit.config import option
+
+
+@dataclasses.dataclass(kw_only=True)
+class FSDPConfig:
+    reshard_after_forward: bool = option(True, help="Free gathered parameters after forward (ZeRO-3-like); false keeps them (ZeRO-2-like).")
+    cpu_offload: bool = option(False, help="Keep sharded parameters and optimizer state in CPU memory.")
+    mixed_precision: bool = option(True, help="With --precision bf16: bf16 compute copies, fp32 sharded master weights and fp32 gradient reduction.")
+
+
+def decoder_layers(model: Any) -> list[Any]:
+    from toolkit.train.logps import unwrap
+
+    inner = unwrap(model)
+    layers = getattr(inner.get_decoder(), "layers", None)
+    if layers is None:
+        from toolkit.errors import ModelError
+
+        raise ModelError(f"--strategy fsdp: cannot find the decoder layers of {type(inner).__name__} (expected model.layers)")
+    return list(layers)
+
+
+class FSDPEngine(LocalEngine):
+    """The local engine's loop on an FSDP2-sharded model: same loss contract, sharded state."""
+
+    def __init__(self, source: Any, tuner: Any, loss: Any, recipe: Any, config: FSDPConfig):
+        import torch
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        from toolkit.train import logps
+        from toolkit.train.distributed import init_world
+        from toolkit.train.optim import build_optimizer
+
+        self.world = init_world()
+        self.dp_rank, self.dp_world_size, self.is_main = self.world.rank, self.world.world_size, self.world.is_main
+        self.device = self.world.device
+        self.recipe, self.tuner, self.source, self.config = recipe, tuner, source, config
+        self.model = load_hf_model(source, tuner, recipe, self.device)
+        # a frozen reference (DPO) is a full, unsharded copy made before sharding
+        self.reference = self._build_reference(loss) if getattr(loss, "needs_reference", False) else None
+        kwargs: dict[str, Any] = {"reshard_after_forward": config.reshard_after_forward}
+        if config.cpu_offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+        use_policy = config.mixed_precision and recipe.precision == "bf16"
+        if use_policy:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        self._ensure_group()
+        for layer in decoder_layers(self.model):
+            fully_shard(layer, **kwargs)
+        self.module = logps.CausalLMLogps(self.model, None if use_policy else autocast_dtype(recipe.precision))
+        fully_shard(self.module, **kwargs)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.params, recipe, getattr(tuner, "optimizer_factory", None))
+        self.scheduler = None
+
+    def _ensure_group(self) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():  # FSDP needs a process group even on one process
+            import os
+
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", rank=0, world_size=1)
+
+    def train_step(self, micro_batches: list[dict], loss: Any, ctx: Any) -> Any:
+        import torch
+
+        from toolkit.contracts import StepResult
+
+        self.module.train()
+        total, metrics = 0.0, {}
+        for index, micro_batch in enumerate(micro_batches):
+            self.module.set_requires_gradient_sync(index == len(micro_batches) - 1)
+            out, result = self._forward_loss(micro_batch, loss, ctx)
+            objective = result.loss
+            if out.aux_loss is not None:
+                objective = objective + out.aux_loss / (len(micro_batches) * self.dp_world_size)
+            (objective * self.dp_world_size).backward()  # FSDP averages over ranks; the contract sums
+            total += float(result.loss.detach())
+            for key, value in result.metrics.items():
+                metrics[key] = metrics.get(key, 0.0) + float(value)
+        max_norm = self.recipe.max_grad_norm if self.recipe.max_grad_norm > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        keys = sorted(metrics)
+        reduced = self.all_reduce_sum([total, *(metrics[k] for k in keys)])
+        return StepResult(loss=reduced[0], grad_norm=grad_norm, metrics=dict(zip(keys, reduced[1:])))
+
+    def _trainable_names(self) -> set[str]:
+        return {name for name, p in self.model.named_parameters() if p.requires_grad}
+
+    def save_checkpoint(self, directory: Path) -> None:
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        trainable = self._trainable_names()
+        model_state = {k: v for k, v in model_state.items() if k in trainable}
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(directory / "dcp"))
+        if self.is_main:
+            torch.save(self.scheduler.state_dict() if self.scheduler else {}, directory / "scheduler.pt")
+
+    def load_checkpoint(self, directory: Path) -> None:
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        trainable = self._trainable_names()
+        state = {"model": {k: v for k, v in model_state.items() if k in trainable}, "optimizer": optim_state}
+        dcp.load(state, checkpoint_id=str(directory / "dcp"))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(strict=False))
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=True))
+
+    def export_tensors(self) -> Iterator[tuple[str, Any]]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.is_main:
+            yield from self.tuner.export_tensors(_FullStateModel(self.model, full))
+
+
+class _FullStateModel:
+    """Presents a gathered full state dict through the module API tuners use for export."""
+
+    def __init__(self, model: Any, state: dict[str, Any]):
+        self._model, self._state = model, state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._state
+
+    def named_parameters(self) -> Iterator[tuple[str, Any]]:
+        return iter(self._state.items())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class FSDPStrategy(LocalStrategy):
+    """PyTorch FSDP2: parameters, gradients and optimizer state sharded over the data-parallel ranks."""
+
+    name: ClassVar[str] = "fsdp"
+    Config: ClassVar[type] = FSDPConfig
+
+    def __init__(self, config: FSDPConfig | None = None):
+        self.config = config or FSDPConfig()
+
+    def build(self, source: Any, tuner: Any, loss: Any, recipe: Any) -> FSDPEngine:
+        return FSDPEngine(source, tuner, loss, recipe, self.config)
+
+    def checkpoint_tensors(self, checkpoint: Path, source: Any, tuner: Any, recipe: Any) -> Iterator[tuple[str, Any]]:
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        model = load_hf_model(source, tuner, recipe, torch.device("cpu"))
+        trainable = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+        dcp.load({"model": trainable}, checkpoint_id=str(checkpoint / "dcp"), no_dist=True)
+        tuner.load_checkpoint_state(model, trainable)
+        yield from tuner.export_tensors(model)

@@ -1,0 +1,93 @@
+"""Reading dataset files (JSONL, JSON, Parquet, CSV) and bundled names into lists of records."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from toolkit.errors import DataError
+
+BUNDLED = Path(__file__).resolve().parents[1] / "assets" / "datasets"
+
+
+def bundled_names() -> list[str]:
+    names = {p.stem for p in BUNDLED.glob("*.jsonl")}
+    from toolkit.plugins import get_plugin_manager
+
+    for _, cls in get_plugin_manager().registry("dataset_format").items():
+        names.update(getattr(cls, "bundled_datasets", {}) or {})
+    return sorted(names)
+
+
+def resolve_dataset_path(reference: str) -> Path:
+    path = Path(reference)
+    if path.exists():
+        return path
+    bundled = BUNDLED / f"{reference}.jsonl"
+    if bundled.is_file():
+        return bundled
+    from toolkit.plugins import get_plugin_manager
+
+    for _, cls in get_plugin_manager().registry("dataset_format").items():
+        extra = getattr(cls, "bundled_datasets", {}) or {}
+        if reference in extra:
+            return Path(extra[reference])
+    raise DataError(f"dataset {reference!r} is neither a file nor a bundled dataset; bundled: {', '.join(bundled_names())}")
+
+
+def read_records(reference: str, limit: int = 0) -> tuple[Path, list[dict[str, Any]]]:
+    """Read every record of a dataset file, with errors naming the file and line."""
+    path = resolve_dataset_path(reference)
+    suffix = path.suffix.lower()
+    if path.is_dir():
+        raise DataError(f"{path} is a directory; pass a .jsonl, .json, .parquet or .csv file")
+    if suffix in (".jsonl", ".ndjson"):
+        records = _read_jsonl(path, limit)
+    elif suffix == ".json":
+        records = _read_json(path)
+    elif suffix in (".parquet", ".csv"):
+        import datasets
+
+        try:
+            table = datasets.load_dataset(suffix[1:], data_files=str(path), split="train")
+        except Exception as exc:
+            raise DataError(f"cannot read {path}: {exc}") from None
+        records = [dict(r) for r in table]
+    else:
+        raise DataError(f"{path}: unsupported file type {suffix!r}; use .jsonl, .json, .parquet or .csv")
+    if limit:
+        records = records[:limit]
+    return path, records
+
+
+def _read_jsonl(path: Path, limit: int) -> list[dict[str, Any]]:
+    records = []
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}, line {number}: not valid JSON ({exc.msg} at column {exc.colno}). "
+                                "Each line of a .jsonl file must be one JSON object.") from None
+            if not isinstance(record, dict):
+                raise DataError(f"{path}, line {number}: expected a JSON object, got {type(record).__name__}")
+            record["__line__"] = number
+            records.append(record)
+            if limit and len(records) >= limit:
+                break
+    return records
+
+
+def _read_json(path: Path) -> list[dict[str, Any]]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path}, line {exc.lineno}: not valid JSON ({exc.msg})") from None
+    if isinstance(data, dict):
+        data = next((v for v in data.values() if isinstance(v, list)), None)
+    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+        raise DataError(f"{path}: expected a list of JSON objects (or an object holding one)")
+    return data

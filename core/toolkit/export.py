@@ -1,0 +1,148 @@
+"""Export sources (run, checkpoint, HF dir, preset) -> ExportModel -> an exporter's artefact on disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from toolkit.contracts import ExportModel, ModelSource
+from toolkit.errors import ConfigError, ToolkitError
+
+
+def hf_dir_tensors(source: ModelSource) -> Callable[[], Iterator[tuple[str, Any]]]:
+    """Stream the tensors of an HF directory one at a time."""
+
+    def tensors() -> Iterator[tuple[str, Any]]:
+        from safetensors import safe_open
+
+        for path in source.weight_files:
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)
+
+    return tensors
+
+
+def load_run_recipe(run_dir: Path) -> Any:
+    from toolkit.recipe import read_yaml, resolve_recipe
+
+    path = run_dir / "recipe.yaml"
+    if not path.is_file():
+        raise ToolkitError(f"{run_dir} has no recipe.yaml: it is not a toolkit run directory")
+    values = read_yaml(path)
+    values.pop("resume", None)
+    return resolve_recipe(values, source=str(path))
+
+
+def checkpoint_source(checkpoint: Path, run_dir: Path, adapter_only: bool = False) -> ExportModel:
+    """An ExportModel for a training checkpoint: the run's strategy turns it into HF tensors."""
+    from toolkit.builtins.loaders import resolve_model
+    from toolkit.plugins import get_plugin_manager
+    from toolkit.recipe import thing_options
+
+    recipe = load_run_recipe(run_dir)
+    manager = get_plugin_manager()
+    strategy_cls, tuner_cls = manager.get("strategy", recipe.strategy), manager.get("tuner", recipe.tuner)
+    strategy, tuner = strategy_cls(thing_options(recipe, strategy_cls)), tuner_cls(thing_options(recipe, tuner_cls))
+    source = resolve_model(recipe.model, recipe.trust_remote_code)
+    adapter = None
+    if hasattr(tuner, "adapter_from_checkpoint"):
+        adapter = lambda: tuner.adapter_from_checkpoint(checkpoint, source, recipe)  # noqa: E731
+    elif adapter_only:
+        raise ToolkitError(f"--adapter-only: the run used --tuner {recipe.tuner}, which has no adapters to export")
+    return ExportModel(source=source, tensors=lambda: strategy.checkpoint_tensors(checkpoint, source, tuner, recipe),
+                       adapter=adapter, description=f"checkpoint {checkpoint}")
+
+
+def resolve_export_source(reference: str, adapter_only: bool = False) -> ExportModel:
+    from toolkit.builtins.loaders import resolve_model
+    from toolkit.plugins import get_plugin_manager
+    from toolkit.train.checkpoint import STATE_FILE, list_checkpoints
+
+    claimed = get_plugin_manager().resolve_export_source(reference)
+    if claimed is not None:
+        return claimed
+    path = Path(reference)
+    if (path / "recipe.yaml").is_file():
+        found = list_checkpoints(path)
+        if not found:
+            raise ToolkitError(f"run {path} has no complete checkpoint under {path / 'checkpoints'} yet")
+        return checkpoint_source(found[-1], path, adapter_only)
+    if (path / STATE_FILE).is_file():
+        return checkpoint_source(path, path.parent.parent, adapter_only)
+    source = resolve_model(reference)
+    return ExportModel(source=source, tensors=hf_dir_tensors(source), description=f"model {reference}")
+
+
+def export_model(model: ExportModel, exporter: str, output: str | Path, *, overwrite: bool = False, options: Any = None,
+                 adapter_only: bool = False) -> Path:
+    from toolkit.plugins import get_plugin_manager
+
+    cls = get_plugin_manager().get("exporter", exporter)
+    instance = cls(options if options is not None else cls.Config())
+    output = Path(output)
+    if output.exists() and any(output.iterdir()) and not overwrite:
+        raise ToolkitError(f"export output {output} exists and is not empty; pass --overwrite or choose another --output")
+    if adapter_only:
+        if model.adapter is None:
+            raise ToolkitError(f"{model.description} has no adapters; --adapter-only applies to LoRA/DoRA/QLoRA runs")
+        writer = getattr(instance, "export_adapter", None)
+        if writer is None:
+            raise ToolkitError(f"exporter {exporter!r} cannot write adapter-only exports")
+        return atomic_dir(output, lambda tmp: writer(model, tmp, instance.config))
+    return atomic_dir(output, lambda tmp: instance.export(model, tmp, instance.config))
+
+
+def atomic_dir(output: Path, write: Callable[[Path], Any]) -> Path:
+    """Run ``write`` into a temporary sibling folder, then replace ``output`` with it."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}-", dir=output.parent))
+    try:
+        write(staging)
+        if output.exists():
+            shutil.rmtree(output)
+        os.replace(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return output
+
+
+def parse_options(cls: type, extra: tuple[str, ...], flag: str = "--option") -> Any:
+    from toolkit.config import build_dataclass
+
+    values = {}
+    for item in extra:
+        if "=" not in item:
+            raise ConfigError(f"{flag} expects KEY=VALUE, got {item!r}")
+        key, value = item.split("=", 1)
+        values[key] = value
+    problems: list[str] = []
+    config = build_dataclass(cls.Config, values, f"{flag} ({cls.name})", problems)
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def run_export(reference: str, exporter: str, output: str, *, merge_lora: bool = True, adapter_only: bool = False,
+               extra: tuple[str, ...] = (), overwrite: bool = False) -> Path:
+    from toolkit.plugins import get_plugin_manager
+
+    cls = get_plugin_manager().get("exporter", exporter)
+    options = parse_options(cls, extra)
+    if not merge_lora and not adapter_only:
+        adapter_only = True
+    model = resolve_export_source(reference, adapter_only)
+    path = export_model(model, exporter, output, overwrite=overwrite, options=options, adapter_only=adapter_only)
+    print(f"exported {model.description} with {exporter!r} to {path}")
+    return path
+
+
+def read_index(directory: Path) -> dict[str, Any]:
+    index = directory / "model.safetensors.index.json"
+    return json.loads(index.read_text()) if index.is_file() else {}

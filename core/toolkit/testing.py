@@ -1,0 +1,359 @@
+"""Pytest plugin shipped with the core (entry point ``pytest11: toolkit``): fixtures for plugin authors.
+
+Installed with ``toolkit``, so every test session in that environment gets these fixtures:
+
+- ``toolkit_manager(*plugins, installed=True)``: an isolated plugin manager with in-process plugins
+- ``cli_runner``: runs ``toolkit ...`` in-process exactly as the console script does
+- ``tiny_model_factory(family, **overrides)``: a tiny HF model of an embedded preset (no hub)
+- ``run_distributed(target, nproc=2, args=())``: real ``torch.distributed`` (gloo) processes
+
+and helpers usable outside fixtures: :func:`run_distributed`, :func:`write_plugin_distribution`.
+Importing this module is cheap (no torch), because pytest loads it in every session.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# Marks a rank that finished its work; an abort at interpreter exit after it is harmless.
+_DONE = "done"
+_EXIT_ABORT = "terminate called without an active exception"
+
+
+# ----------------------------------------------------------------------------- plugin manager
+
+
+def _as_named(plugin: Any, index: int) -> tuple[str, object]:
+    if isinstance(plugin, tuple):
+        return plugin
+    name = getattr(plugin, "__name__", None) or f"test-plugin-{index}"
+    return name, plugin
+
+
+@pytest.fixture
+def toolkit_manager(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Any]]:
+    """Factory for an isolated plugin manager that becomes the process-wide one for the test.
+
+    ``toolkit_manager(my_plugin, ("name", obj), installed=True)`` loads the given in-process
+    plugins (modules, classes or objects with ``@toolkit.hookimpl`` functions; a bare object is
+    named after its ``__name__``) on top of the installed ones; ``installed=False`` keeps only
+    the core's built-ins. The previous manager is restored after the test.
+    """
+    from toolkit.plugins import build_plugin_manager, set_plugin_manager
+
+    previous = set_plugin_manager(None)
+
+    def make(*plugins: Any, installed: bool = True) -> Any:
+        if installed:
+            monkeypatch.delenv("TOOLKIT_PLUGINS", raising=False)
+        else:
+            monkeypatch.setenv("TOOLKIT_PLUGINS", "")  # an empty allow-list: built-ins only
+        manager = build_plugin_manager(extra_plugins=[_as_named(p, i) for i, p in enumerate(plugins)])
+        set_plugin_manager(manager)
+        return manager
+
+    yield make
+    set_plugin_manager(previous)
+
+
+@dataclasses.dataclass
+class CliResult:
+    """What one ``toolkit`` invocation printed and returned."""
+
+    exit_code: int
+    stdout: str
+    stderr: str
+    output: str
+    exception: BaseException | None
+
+    def __repr__(self) -> str:
+        return f"CliResult(exit_code={self.exit_code}, output={self.output[-2000:]!r})"
+
+
+class CliRunner:
+    """Runs ``toolkit ARGS`` in-process through :func:`toolkit.cli.main` (errors are printed
+    the way users see them, not raised), against the current process-wide plugin manager."""
+
+    def __init__(self, env: dict[str, str] | None = None):
+        self.env = env or {}
+
+    def invoke(self, *args: str, env: dict[str, str] | None = None, input: str | None = None) -> CliResult:
+        from click.testing import CliRunner as ClickRunner
+
+        from toolkit.cli import main
+
+        class _Script:  # what click's runner needs from a command: a name and main()
+            name = "toolkit"
+
+            def main(self, args: Sequence[str] = (), prog_name: str | None = None, **_: Any) -> None:
+                main(list(args))
+
+        flat = [str(a) for a in (args[0] if len(args) == 1 and isinstance(args[0], (list, tuple)) else args)]
+        environment = {"TOOLKIT_DEBUG": None, **self.env, **(env or {})}
+        result = ClickRunner().invoke(_Script(), flat, env=environment, input=input, catch_exceptions=True)  # type: ignore[arg-type]
+        exception = result.exception if not isinstance(result.exception, SystemExit) else None
+        return CliResult(result.exit_code, result.stdout, result.stderr, result.output, exception)
+
+
+@pytest.fixture
+def cli_runner() -> CliRunner:
+    """``cli_runner.invoke("plugins", "--json")`` -> :class:`CliResult` (exit_code, stdout, stderr)."""
+    return CliRunner()
+
+
+# ----------------------------------------------------------------------------- tiny models
+
+def preset_name(family: str) -> str:
+    """``llama`` / ``qwen2_moe`` (HF ``model_type``) or ``tiny-qwen2-moe`` -> the embedded preset name."""
+    from toolkit.builtins.loaders import PRESETS
+
+    name = family if family.startswith("tiny-") else "tiny-" + family.replace("_", "-")
+    if name not in PRESETS:
+        families = ", ".join(p.removeprefix("tiny-") for p in PRESETS)
+        raise ValueError(f"no tiny model for {family!r}; families: {families}")
+    return name
+
+
+class TinyModels:
+    """Tiny HF models of the embedded presets (``tiny-llama``, ``tiny-qwen2-moe``, ...), built
+    from configs with fixed seeds: nothing is downloaded and every machine gets the same weights."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def config(self, family: str = "llama", **overrides: Any) -> Any:
+        """The ``transformers`` config (``overrides`` such as ``num_hidden_layers=1``)."""
+        from toolkit.builtins.loaders import preset_config
+
+        return preset_config(preset_name(family), **overrides)
+
+    def __call__(self, family: str = "llama", seed: int = 0, **overrides: Any) -> Any:
+        """A randomly initialised fp32 model in eval mode."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(self.config(family, **overrides), dtype=torch.float32)
+        return model.eval()
+
+    def directory(self, family: str = "llama", seed: int = 0, **overrides: Any) -> Path:
+        """The model written as an HF directory (config, safetensors, tokenizer) under the test's tmp dir."""
+        import hashlib
+
+        from toolkit.builtins.loaders import materialize_preset
+
+        name = preset_name(family)
+        digest = hashlib.sha256(repr(sorted(overrides.items())).encode()).hexdigest()[:10]
+        return materialize_preset(name, self.root / f"{name}-{seed}-{digest}", seed=seed, **overrides)
+
+    def tokenizer(self) -> Any:
+        """The small tokenizer shipped with the core (what every preset uses)."""
+        from transformers import AutoTokenizer
+
+        from toolkit.builtins.loaders import TOKENIZER_DIR
+
+        return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+
+
+@pytest.fixture
+def tiny_model_factory(tmp_path: Path) -> TinyModels:
+    """``tiny_model_factory("qwen2", num_hidden_layers=1)`` -> a tiny HF model; also ``.config(...)``,
+    ``.directory(...)`` (an HF dir on disk) and ``.tokenizer()``."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return TinyModels(tmp_path / "tiny-models")
+
+
+# ----------------------------------------------------------------------------- distributed
+
+
+@dataclasses.dataclass
+class RankResult:
+    """One process of a script run by :func:`run_distributed`."""
+
+    rank: int
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+class DistributedError(AssertionError):
+    """A rank failed; the message holds every failing rank's exit code and output tail."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
+               HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    # The children must import what the parent imports (test modules that pytest put on sys.path).
+    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
+    return env
+
+
+def _worker() -> None:
+    """Body of one rank started by :func:`run_distributed` for a function target."""
+    import importlib
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    job = Path(sys.argv[1])
+    rank = int(os.environ["RANK"])
+    module_name, qualname, args, kwargs = pickle.loads((job / "job.pkl").read_bytes())
+    target: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        target = getattr(target, part)
+    timeout = timedelta(seconds=float(os.environ.get("TOOLKIT_DIST_TIMEOUT", "300")))
+    dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+    try:
+        value = target(*args, **kwargs)
+        (job / f"rank-{rank}.pkl").write_bytes(pickle.dumps(value))
+        dist.barrier()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    (job / f"rank-{rank}.{_DONE}").touch()
+    # A gloo worker thread may free a collective during interpreter shutdown and abort the
+    # process (notes/cpu-stack.md); skipping the shutdown after a clean teardown avoids it.
+    os._exit(0)
+
+
+def _wait_all(procs: list[subprocess.Popen], logs: list[tuple[Path, Path]], timeout: float,
+              finished: Callable[[int], bool]) -> list[tuple[int, str, str]]:
+    """Wait for every rank; once one fails, give the others a few seconds, then kill them
+    (they would otherwise sit in a collective until gloo's own timeout)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    failed_at: float | None = None
+    note = ""
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        if failed_at is None and any(p.returncode not in (None, 0) and not finished(r) for r, p in enumerate(procs)):
+            failed_at = now
+        if now > deadline or (failed_at is not None and now - failed_at > 10):
+            why = f"after a timeout of {timeout:.0f}s" if now > deadline else "after another rank failed"
+            note = f"\n[run_distributed: killed {why}]"
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+            for proc in procs:
+                proc.wait()
+            break
+        time.sleep(0.05)
+    results = []
+    for proc, (out, err) in zip(procs, logs):
+        killed = note if proc.returncode == -9 else ""
+        results.append((proc.returncode, out.read_text(errors="replace"), err.read_text(errors="replace") + killed))
+    return results
+
+
+def _raise_failures(failures: list[tuple[int, int, str, str]]) -> None:
+    if not failures:
+        return
+    parts = []
+    for rank, code, out, err in failures:
+        tail = "\n".join((out + err).strip().splitlines()[-40:])
+        parts.append(f"--- rank {rank} exited with {code}:\n{tail}")
+    raise DistributedError("distributed run failed\n" + "\n".join(parts))
+
+
+def run_distributed(target: Callable[..., Any] | str | Path | Sequence[str], nproc: int = 2, args: Sequence[Any] = (),
+                    kwargs: dict[str, Any] | None = None, timeout: float = 300.0, env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``target`` on ``nproc`` processes joined by ``torch.distributed`` (gloo) on this machine.
+
+    - a function (module-level, importable by a fresh interpreter): each rank runs
+      ``init_process_group("gloo")``, ``target(*args, **kwargs)``, a barrier and a clean
+      teardown; returns the per-rank return values (picklable), rank 0 first.
+    - a script path (``"train.py"``) or an argv list (``["-m", "toolkit", "sft", ...]``): run
+      with ``python`` and the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT,
+      LOCAL_RANK); ``args`` are appended; returns a :class:`RankResult` per rank.
+
+    A rank that exits non-zero raises :class:`DistributedError` with each failing rank's output,
+    except the known harmless abort at interpreter exit after the rank reported it was done.
+    """
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="toolkit-dist-") as tmp:
+        job = Path(tmp)
+        if callable(target):
+            module, qualname = target.__module__, target.__qualname__
+            if module == "__main__" or "<locals>" in qualname:
+                raise ValueError(f"run_distributed needs a module-level function another process can import, got {module}.{qualname}")
+            job.joinpath("job.pkl").write_bytes(pickle.dumps((module, qualname, tuple(args), kwargs or {})))
+            argv = ["-c", "from toolkit.testing import _worker; _worker()", str(job)]
+        elif isinstance(target, (str, Path)):
+            argv = [str(target), *map(str, args)]
+        else:
+            argv = [*map(str, target), *map(str, args)]
+        procs, logs = [], []
+        for rank in range(nproc):
+            rank_env = {**_rank_env(rank, nproc, port), "TOOLKIT_DIST_TIMEOUT": str(timeout), **(env or {})}
+            out, err = job / f"rank-{rank}.out", job / f"rank-{rank}.err"
+            logs.append((out, err))
+            with out.open("w") as stdout, err.open("w") as stderr:  # files, not pipes: no blocking on full buffers
+                procs.append(subprocess.Popen([sys.executable, *argv], env=rank_env, stdout=stdout, stderr=stderr))
+
+        def finished(rank: int) -> bool:
+            return not callable(target) or job.joinpath(f"rank-{rank}.{_DONE}").exists()
+
+        outcomes = _wait_all(procs, logs, timeout, finished)
+        failures = []
+        for rank, (code, out, err) in enumerate(outcomes):
+            harmless = callable(target) and code != 0 and finished(rank) and _EXIT_ABORT in err
+            if (code != 0 and not harmless) or not finished(rank):
+                failures.append((rank, code, out, err))
+        _raise_failures(failures)
+        if callable(target):
+            return [pickle.loads(job.joinpath(f"rank-{r}.pkl").read_bytes()) for r in range(nproc)]
+        return [RankResult(rank, code, out, err) for rank, (code, out, err) in enumerate(outcomes)]
+
+
+@pytest.fixture(name="run_distributed")
+def _run_distributed_fixture() -> Callable[..., list[Any]]:
+    """:func:`run_distributed` as a fixture: ``run_distributed(my_function, nproc=2, args=(...))``."""
+    return run_distributed
+
+
+# ----------------------------------------------------------------------------- throwaway plugins
+
+
+def write_plugin_distribution(site: Path, name: str, source: str, *, version: str = "0.0.1",
+                              entry_point: str | None = None, module: str | None = None) -> Path:
+    """Write an installed-looking distribution ``name`` into ``site`` (a directory to put on
+    ``sys.path``/``PYTHONPATH``): a module with ``source`` and a dist-info whose
+    ``entry_points.txt`` lists it under the ``toolkit`` group. Returns the module file.
+
+    Lets a test exercise real entry-point discovery (a broken plugin, a duplicate name)
+    without pip; run the CLI in a subprocess with ``PYTHONPATH=site``.
+    """
+    module = module or name.replace("-", "_")
+    site.mkdir(parents=True, exist_ok=True)
+    module_file = site / f"{module}.py"
+    module_file.write_text(textwrap.dedent(source))
+    dist_info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    dist_info.mkdir(exist_ok=True)
+    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (dist_info / "entry_points.txt").write_text(f"[toolkit]\n{entry_point or name.removeprefix('toolkit-')} = {module}\n")
+    (dist_info / "RECORD").write_text("")
+    return module_file

@@ -1,0 +1,94 @@
+"""Run directories and checkpoints: complete or absent (temp dir + rename), keep last K, find newest."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from toolkit.errors import ToolkitError
+
+STATE_FILE = "trainer_state.json"
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (a complete one has its trainer state written last)."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def find_resume_checkpoint(run_dir: Path, resume: str) -> Path | None:
+    if resume == "auto":
+        found = list_checkpoints(run_dir)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not (path / STATE_FILE).is_file():
+        raise ToolkitError(f"--resume {resume}: not a complete checkpoint ({STATE_FILE} missing); "
+                           f"complete ones: {', '.join(str(p) for p in list_checkpoints(run_dir)) or 'none'}")
+    return path
+
+
+def save_checkpoint(run_dir: Path, step: int, engine: Any, trainer_state: dict[str, Any], keep_last: int) -> Path:
+    """Write ``checkpoints/step-N`` through a temporary folder on every rank, then rename on rank 0."""
+    import torch
+
+    root = checkpoints_dir(run_dir)
+    final = root / f"step-{step}"
+    staging = root / f".tmp-step-{step}"
+    if engine.is_main:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    engine.barrier()
+    engine.save_checkpoint(staging)
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save(rng, staging / f"rng-rank{engine.dp_rank}.pt")
+    (staging / f"python-rng-rank{engine.dp_rank}.json").write_text(json.dumps(_python_rng()))
+    engine.barrier()
+    if engine.is_main:
+        (staging / STATE_FILE).write_text(json.dumps(trainer_state, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(staging, final)
+        for old in list_checkpoints(run_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    engine.barrier()
+    return final
+
+
+def restore_rng(checkpoint: Path, rank: int) -> None:
+    import torch
+
+    path = checkpoint / f"rng-rank{rank}.pt"
+    if not path.is_file():
+        return
+    rng = torch.load(path, weights_only=True)
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    python = checkpoint / f"python-rng-rank{rank}.json"
+    if python.is_file():
+        version, state, gauss = json.loads(python.read_text())
+        random.setstate((version, tuple(state), gauss))
+
+
+def _python_rng() -> list[Any]:
+    version, state, gauss = random.getstate()
+    return [version, list(state), gauss]
+
+
+def read_state(checkpoint: Path) -> dict[str, Any]:
+    return json.loads((checkpoint / STATE_FILE).read_text())

@@ -1,0 +1,114 @@
+"""Per-token label log-probabilities from an HF causal LM, chunked so full fp32 logits never exist.
+
+Shared by every strategy that runs HF modules (local/DDP, FSDP, DeepSpeed).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from toolkit.contracts import IGNORE_INDEX, TokenLogps
+
+LOGPS_CHUNK_TOKENS = 2048
+
+
+def attention_mask_for(sequence_ids: torch.Tensor) -> torch.Tensor | None:
+    """Block-causal boolean mask ``[B, 1, T, T]`` from sequence ids; ``None`` when plain causal suffices.
+
+    Padding positions (-1) attend only to themselves so no row of the softmax is empty.
+    """
+    if bool((sequence_ids == sequence_ids[:, :1]).all()) and bool((sequence_ids >= 0).all()):
+        return None
+    length = sequence_ids.shape[1]
+    same = sequence_ids[:, :, None] == sequence_ids[:, None, :]
+    causal = torch.ones(length, length, dtype=torch.bool, device=sequence_ids.device).tril()
+    mask = same & causal & (sequence_ids[:, :, None] >= 0)
+    mask |= torch.eye(length, dtype=torch.bool, device=sequence_ids.device)
+    return mask[:, None, :, :]
+
+
+def _chunk_logps(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = head(hidden).float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, labels[:, None]).squeeze(-1)
+
+
+def label_logps(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk: int = LOGPS_CHUNK_TOKENS) -> torch.Tensor:
+    """``log p(labels)`` for ``hidden [N, H]``; each chunk's logits are recomputed in backward, never stored."""
+    pieces = []
+    for start in range(0, hidden.shape[0], chunk):
+        h, y = hidden[start:start + chunk], labels[start:start + chunk]
+        if torch.is_grad_enabled() and h.requires_grad:
+            pieces.append(checkpoint(_chunk_logps, head, h, y, use_reentrant=False))
+        else:
+            pieces.append(_chunk_logps(head, h, y))
+    return torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The HF ``*ForCausalLM`` under DDP/PEFT wrappers."""
+    while True:
+        if hasattr(model, "module") and isinstance(model.module, nn.Module):
+            model = model.module
+        elif hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        else:
+            return model
+
+
+class CausalLMLogps(nn.Module):
+    """Wraps an HF causal LM so its forward returns label log-probs (what DDP/FSDP/DeepSpeed wrap)."""
+
+    def __init__(self, model: nn.Module, autocast_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.model = model
+        self.autocast_dtype = autocast_dtype
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
+                sequence_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        inner = unwrap(self.model)
+        decoder, head = inner.get_decoder(), inner.get_output_embeddings()
+        device_type = input_ids.device.type
+        enabled = self.autocast_dtype is not None
+        with torch.autocast(device_type=device_type, dtype=self.autocast_dtype or torch.bfloat16, enabled=enabled):
+            kwargs: dict[str, Any] = {}
+            if getattr(inner.config, "output_router_logits", None) is not None and hasattr(inner.config, "router_aux_loss_coef"):
+                kwargs["output_router_logits"] = True
+            out = decoder(input_ids=input_ids, position_ids=position_ids,
+                          attention_mask=attention_mask_for(sequence_ids), use_cache=False, **kwargs)
+            hidden = out.last_hidden_state
+            mask = labels != IGNORE_INDEX
+            picked = label_logps(head, hidden[mask], labels[mask])
+        logps = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
+        logps = logps.masked_scatter(mask, picked)
+        aux = router_aux_loss(inner, out, sequence_ids)
+        return logps, aux
+
+
+def router_aux_loss(inner: nn.Module, out: Any, sequence_ids: torch.Tensor) -> torch.Tensor | None:
+    router_logits = getattr(out, "router_logits", None)
+    coef = getattr(inner.config, "router_aux_loss_coef", 0.0)
+    if not router_logits or not coef:
+        return None
+    try:
+        from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+    except ImportError:  # pragma: no cover - transformers without mixtral
+        return None
+    experts = getattr(inner.config, "num_local_experts", None) or inner.config.num_experts
+    top_k = inner.config.num_experts_per_tok
+    attention = (sequence_ids >= 0).long()
+    return coef * load_balancing_loss_func(router_logits, experts, top_k, attention)
+
+
+def token_logps(module: nn.Module, batch: dict[str, Any], device: torch.device) -> TokenLogps:
+    """Run a :class:`CausalLMLogps` (possibly DDP-wrapped) on a micro-batch and build :class:`TokenLogps`."""
+    ids = batch["input_ids"].to(device)
+    labels = batch["labels"].to(device)
+    logps, aux = module(ids, labels, batch["position_ids"].to(device), batch["sequence_ids"].to(device))
+    meta = {k: v.to(device) for k, v in batch["sequence_meta"].items()}
+    return TokenLogps(logps=logps, mask=labels != IGNORE_INDEX, sequence_ids=batch["sequence_ids"].to(device),
+                      num_sequences=batch["num_sequences"], sequence_meta=meta,
+                      reference_logps=meta.get("reference_logps"), aux_loss=aux)

@@ -1,0 +1,260 @@
+"""The run loop: recipe -> model source -> engine -> data -> steps, logging, checkpoints, export."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from toolkit.errors import ConfigError, LayoutError, ModelError, ToolkitError
+from toolkit.recipe import Recipe, thing_options
+
+
+@dataclass
+class RunInfo:
+    """What callbacks see of a run."""
+
+    recipe: Recipe
+    run_dir: Path
+    total_steps: int
+    start_step: int
+    is_main: bool
+    data_summary: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class StopFlag:
+    """SIGINT/SIGTERM ask the loop to save a checkpoint and stop after the current step."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopFlag:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:  # second signal: stop now
+            raise KeyboardInterrupt
+        self.requested = True
+        print(f"\ntoolkit: received signal {signum}; saving a checkpoint after this step (again to abort)", file=sys.stderr)
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def prepare_run_dir(recipe: Recipe, is_main: bool) -> Path:
+    run_dir = Path(recipe.output)
+    existing = run_dir / "recipe.yaml"
+    if existing.is_file() and not recipe.resume and not recipe.overwrite:
+        raise ToolkitError(f"output directory {run_dir} already holds a run ({existing}). Pass --resume auto to continue it, "
+                           "--overwrite to start over there, or choose another --output.")
+    if is_main:
+        if existing.is_file() and recipe.overwrite and not recipe.resume:
+            for name in ("checkpoints", "metrics.jsonl", "export"):
+                target = run_dir / name
+                shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def write_recipe(recipe: Recipe, run_dir: Path) -> None:
+    import yaml
+
+    data = recipe.to_yaml_dict()
+    tmp = run_dir / ".recipe.yaml.tmp"
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+    tmp.replace(run_dir / "recipe.yaml")
+
+
+def resolve_components(recipe: Recipe, world_size: int) -> tuple[Any, Any, Any, Recipe]:
+    """Strategy, tuner and loss instances; layout checked before any model memory is allocated."""
+    from toolkit.plugins import get_plugin_manager
+
+    manager = get_plugin_manager()
+    if recipe.strategy == "auto":
+        recipe = choose_auto_strategy(recipe, world_size)
+    strategy_cls = manager.get("strategy", recipe.strategy)
+    tuner_cls = manager.get("tuner", recipe.tuner)
+    loss_cls = manager.get("loss", recipe.loss)
+    strategy, tuner, loss = (cls(thing_options(recipe, cls)) for cls in (strategy_cls, tuner_cls, loss_cls))
+    problems = strategy.validate(recipe, world_size)
+    if problems:
+        raise LayoutError(f"--strategy {recipe.strategy} cannot run this layout:\n" + "\n".join(f"  - {p}" for p in problems))
+    return strategy, tuner, loss, recipe
+
+
+def choose_auto_strategy(recipe: Recipe, world_size: int) -> Recipe:
+    import dataclasses
+
+    try:
+        from toolkit.plan import choose_strategy
+    except ImportError:
+        return dataclasses.replace(recipe, strategy="local")
+    overrides = choose_strategy(recipe, world_size)
+    print(f"toolkit: --strategy auto chose {overrides}", file=sys.stderr)
+    return dataclasses.replace(recipe, **overrides)
+
+
+def check_model_limits(recipe: Recipe, source: Any) -> None:
+    limit = getattr(source.config, "max_position_embeddings", None)
+    if limit and recipe.seq_len > limit:
+        raise ModelError(f"--seq-len {recipe.seq_len} exceeds the model's maximum of {limit} positions "
+                         f"(max_position_embeddings in {source.directory / 'config.json'}); lower --seq-len")
+
+
+def run_training(recipe: Recipe) -> Path:
+    """Train as the recipe says; returns the run directory. Works the same under torchrun."""
+    from toolkit.builtins.loaders import resolve_model
+    from toolkit.train.distributed import init_world, shutdown
+
+    world = init_world()
+    strategy, tuner, loss, recipe = resolve_components(recipe, world.world_size)
+    source = resolve_model(recipe.model, recipe.trust_remote_code)
+    check_model_limits(recipe, source)
+    problems = tuner.validate(recipe, source)
+    if problems:
+        raise ConfigError(problems, source=f"--tuner {recipe.tuner}")
+    run_dir = prepare_run_dir(recipe, world.is_main)
+    from toolkit.data.pipeline import load_examples
+
+    examples, stats = load_examples(
+        recipe.dataset, source.tokenizer, dataset_format=recipe.dataset_format, columns=recipe.columns,
+        train_on=getattr(loss, "train_on", "assistant"), seq_len=recipe.seq_len, max_samples=recipe.max_samples,
+        example_kinds=loss.example_kinds, options=recipe.options, packing=recipe.packing)
+    engine = strategy.build(source, tuner, loss, recipe)
+    try:
+        _train_loop(recipe, run_dir, engine, loss, tuner, source, examples, stats)
+    finally:
+        engine.close()
+    if world.distributed:
+        shutdown(exit_code=0)
+    return run_dir
+
+
+def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: Any, source: Any, examples: list, stats: Any) -> None:
+    from toolkit.data.pipeline import Batches
+    from toolkit.train.checkpoint import find_resume_checkpoint, read_state, restore_rng, save_checkpoint
+
+    eval_examples, examples = examples[: recipe.eval_samples], examples[recipe.eval_samples:]
+    pad_id = source.tokenizer.pad_token_id if source.tokenizer.pad_token_id is not None else 0
+    batches = Batches(examples, seed=recipe.seed, seq_len=recipe.seq_len, packing=recipe.packing,
+                      micro_batch_size=recipe.micro_batch_size, global_batch_size=recipe.global_batch_size,
+                      dp_rank=engine.dp_rank, dp_world_size=engine.dp_world_size, pad_id=pad_id)
+    total_steps = recipe.max_steps or max(1, math.ceil(recipe.epochs * batches.steps_per_epoch))
+    engine.set_total_steps(total_steps)
+    start_step = 0
+    checkpoint = find_resume_checkpoint(run_dir, recipe.resume) if recipe.resume else None
+    if checkpoint is not None:
+        engine.load_checkpoint(checkpoint)
+        start_step = read_state(checkpoint)["step"]
+        restore_rng(checkpoint, engine.dp_rank)
+        if engine.is_main:
+            print(f"toolkit: resumed from {checkpoint} at step {start_step}", file=sys.stderr)
+    if engine.is_main:
+        write_recipe(recipe, run_dir)
+    info = RunInfo(recipe, run_dir, total_steps, start_step, engine.is_main, stats.summary())
+    callbacks = make_callbacks(engine.is_main)
+    for cb in callbacks:
+        cb.on_train_start(info)
+    eval_batches = _eval_batches(eval_examples, recipe, engine, pad_id)
+    step = start_step
+    window_tokens, window_start = 0, time.perf_counter()
+    with StopFlag() as stop:
+        for step in range(start_step, total_steps):
+            micro_batches = batches.micro_batches(step)
+            ctx = batches.context(step)
+            lr = engine.current_lr()
+            result = engine.train_step(micro_batches, loss, ctx)
+            window_tokens += sum(int((mb["sequence_ids"] >= 0).sum()) for mb in micro_batches)
+            done = step + 1
+            elapsed = time.perf_counter() - window_start
+            tokens_per_s = engine.all_reduce_sum([window_tokens])[0] / max(elapsed, 1e-9)
+            metrics = {"step": done, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
+                       "tokens_per_s": tokens_per_s, "epoch": step / batches.steps_per_epoch, **result.metrics}
+            for cb in callbacks:
+                cb.on_step_end(done, metrics)
+            if done % recipe.log_every == 0 or done == total_steps:
+                if eval_batches:
+                    evaluated = engine.evaluate(eval_batches[0], loss, eval_batches[1])
+                    metrics.update({f"eval_{k}": v for k, v in evaluated.items()})
+                for cb in callbacks:
+                    cb.on_log(done, metrics)
+                window_tokens, window_start = 0, time.perf_counter()
+            if recipe.stop_after and done - start_step >= recipe.stop_after and done < total_steps:
+                stop.requested = True
+            stopping = engine.all_reduce_sum([1.0 if stop.requested else 0.0])[0] > 0
+            if (recipe.save_every and done % recipe.save_every == 0) or done == total_steps or stopping:
+                state = {"step": done, "total_steps": total_steps, "epoch": step // batches.steps_per_epoch,
+                         "loss": result.loss, "tuner": tuner.name, "strategy": recipe.strategy,
+                         "world_size": engine.dp_world_size, "model": recipe.model}
+                path = save_checkpoint(run_dir, done, engine, state, recipe.keep_last)
+                if engine.is_main and stopping:
+                    print(f"toolkit: stopped at step {done}; checkpoint {path}. Continue with --resume auto.", file=sys.stderr)
+            if stopping:
+                break
+    for cb in callbacks:
+        cb.on_train_end(info)
+    if recipe.export and not stop.requested:
+        export_after_training(recipe, run_dir, engine, source, tuner)
+
+
+def _eval_batches(eval_examples: list, recipe: Recipe, engine: Any, pad_id: int) -> tuple[list, Any] | None:
+    if not eval_examples:
+        return None
+    from toolkit.data.pipeline import Batches
+
+    count = len(eval_examples) - len(eval_examples) % engine.dp_world_size
+    if count == 0:
+        return None
+    batches = Batches(eval_examples[:count], seed=recipe.seed, seq_len=recipe.seq_len, packing=False, micro_batch_size=1,
+                      global_batch_size=count, dp_rank=engine.dp_rank, dp_world_size=engine.dp_world_size, pad_id=pad_id)
+    return batches.micro_batches(0), batches.context(0)
+
+
+def make_callbacks(is_main: bool) -> list[Any]:
+    from toolkit.plugins import get_plugin_manager
+
+    if not is_main:
+        return []
+    callbacks = []
+    for _, cls in get_plugin_manager().registry("callback").items():
+        callback = cls(cls.Config())
+        if callback.available():
+            callbacks.append(callback)
+    return callbacks
+
+
+def export_after_training(recipe: Recipe, run_dir: Path, engine: Any, source: Any, tuner: Any) -> None:
+    from toolkit.contracts import ExportModel
+    from toolkit.export import export_model
+
+    model = ExportModel(source=source, tensors=engine.export_tensors, adapter=adapter_export(tuner, engine),
+                        description=f"run {run_dir}")
+    if engine.is_main:
+        output = run_dir / ("export" if recipe.export == "hf" else f"export-{recipe.export}")
+        export_model(model, recipe.export, output, overwrite=True)
+    else:
+        for _ in engine.export_tensors():  # collective gathers need every rank
+            pass
+    engine.barrier()
+
+
+def adapter_export(tuner: Any, engine: Any) -> Any:
+    exporter = getattr(tuner, "adapter_export", None)
+    model = getattr(engine, "model", None)
+    return exporter(model) if exporter is not None and model is not None else None
+
+
+def dump_metrics_line(path: Path, metrics: dict[str, Any]) -> None:
+    with path.open("a") as handle:
+        handle.write(json.dumps(metrics) + "\n")

@@ -1,0 +1,158 @@
+"""Sessions for CI and development, with plugins discovered from ``plugins/*/pyproject.toml``.
+
+    nox -t tests          the core and every plugin's tests (what scripts/test.sh and .ci/run run)
+    nox -s tests          the shared session: core + every plugin that does not ask for its own venv
+    nox -s tests-vllm     one plugin's own session (plugins that opt in, see below)
+    nox -s lint           ruff over the whole repository
+    nox -s demo           the README's main job: train the demo, export, generate, score
+
+A plugin takes part without being listed here. Its ``pyproject.toml`` may carry a table::
+
+    [tool.toolkit.nox]
+    own-session = true          # test in session tests-<x> with its own venv (default false)
+    requires = ["toolkit-peft"] # other plugins of this repository to install with it (own session)
+    install = ["vllm==0.11.0"]  # extra requirements for its session
+    extras = ["test"]           # extras of the plugin to install (default ["test"])
+    python = "3.12"             # interpreter for its own session (default: the one running nox)
+    pytest-args = ["-x"]        # added to its pytest command
+    env = {VLLM_TARGET_DEVICE = "cpu"}
+    skip = "needs a GPU"        # not tested by nox; the reason is printed
+
+Every install uses ``-c constraints.txt`` (it pins torch). ``TOOLKIT_TEST_FAST=1`` deselects tests
+marked ``slow``; tests marked ``gpu`` never run here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from pathlib import Path
+
+import nox
+from nox.command import CommandFailed
+
+ROOT = Path(__file__).resolve().parent
+CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
+
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["lint", "tests"]
+nox.options.reuse_existing_virtualenvs = False
+
+
+@dataclasses.dataclass
+class Plugin:
+    """One ``plugins/<dir>`` package and its ``[tool.toolkit.nox]`` settings."""
+
+    name: str
+    path: Path
+    own_session: bool = False
+    requires: list[str] = dataclasses.field(default_factory=list)
+    install: list[str] = dataclasses.field(default_factory=list)
+    extras: list[str] = dataclasses.field(default_factory=lambda: ["test"])
+    python: str | None = None
+    pytest_args: list[str] = dataclasses.field(default_factory=list)
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    skip: str | bool = False
+
+    @property
+    def short(self) -> str:
+        return self.name.removeprefix("toolkit-")
+
+    @property
+    def requirement(self) -> str:
+        extras = f"[{','.join(self.extras)}]" if self.extras else ""
+        return f"{self.path}{extras}"
+
+    @property
+    def tests(self) -> Path:
+        return self.path / "tests"
+
+
+def discover_plugins(root: Path = ROOT) -> list[Plugin]:
+    """Every ``plugins/*/pyproject.toml`` under ``root`` with its ``[tool.toolkit.nox]`` table."""
+    plugins = []
+    known = {f.name.replace("_", "-") for f in dataclasses.fields(Plugin)} - {"name", "path"}
+    for pyproject in sorted(root.glob("plugins/*/pyproject.toml")):
+        data = tomllib.loads(pyproject.read_text())
+        table = data.get("tool", {}).get("toolkit", {}).get("nox", {})
+        unknown = set(table) - known
+        if unknown:
+            raise SystemExit(f"{pyproject}: unknown keys in [tool.toolkit.nox]: {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
+        settings = {key.replace("-", "_"): value for key, value in table.items()}
+        plugins.append(Plugin(name=data["project"]["name"], path=pyproject.parent, **settings))
+    return plugins
+
+
+PLUGINS = discover_plugins()
+BY_NAME = {p.name: p for p in PLUGINS}
+
+
+def pytest_args(session: nox.Session) -> list[str]:
+    markers = "not gpu and not slow" if os.environ.get("TOOLKIT_TEST_FAST") else "not gpu"
+    return ["-m", markers, *session.posargs]
+
+
+def run_suites(session: nox.Session, suites: list[tuple[str, Path, list[str], dict[str, str]]]) -> None:
+    """Run each package's tests in its own pytest process (test module names may repeat across
+    packages) and fail at the end, naming every suite that failed."""
+    failed = []
+    for name, path, extra, env in suites:
+        if not path.is_dir():
+            session.log(f"{name}: no tests/ directory")
+            continue
+        try:
+            session.run("pytest", str(path), *pytest_args(session), *extra, env={"HF_HUB_OFFLINE": "1", **env})
+        except CommandFailed:
+            failed.append(name)
+    if failed:
+        session.error(f"tests failed in: {', '.join(failed)}")
+
+
+@nox.session(tags=["tests"])
+def tests(session: nox.Session) -> None:
+    """The core and every plugin that shares the main venv."""
+    shared = [p for p in PLUGINS if not p.own_session and not p.skip]
+    extra = [req for p in shared for req in p.install]
+    session.install(*CONSTRAINTS, "-e", f"{ROOT}[test]", *[arg for p in shared for arg in ("-e", p.requirement)], *extra)
+    for plugin in PLUGINS:
+        if plugin.skip:
+            session.log(f"{plugin.name}: skipped ({plugin.skip})")
+    run_suites(session, [("toolkit", ROOT / "tests", [], {})] +
+               [(p.name, p.tests, p.pytest_args, p.env) for p in shared])
+
+
+def _own_session(plugin: Plugin) -> None:
+    @nox.session(name=f"tests-{plugin.short}", python=plugin.python, tags=["tests"])
+    def plugin_tests(session: nox.Session) -> None:
+        missing = [name for name in plugin.requires if name not in BY_NAME]
+        if missing:
+            session.error(f"{plugin.path}/pyproject.toml requires {missing}, which are not under plugins/")
+        requires = [arg for name in plugin.requires for arg in ("-e", BY_NAME[name].requirement)]
+        session.install(*CONSTRAINTS, "-e", f"{ROOT}[test]", *requires, "-e", plugin.requirement, *plugin.install)
+        run_suites(session, [(plugin.name, plugin.tests, plugin.pytest_args, plugin.env)])
+
+    plugin_tests.__doc__ = f"{plugin.name} in its own venv ([tool.toolkit.nox] own-session)."
+
+
+for _plugin in PLUGINS:
+    if _plugin.own_session and not _plugin.skip:
+        _own_session(_plugin)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff over the core, the plugins, tests, examples and scripts."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", str(ROOT), *session.posargs)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The README's main job: train the tiny demo model, export it, generate, score it."""
+    session.install(*CONSTRAINTS, "-e", str(ROOT))
+    run = Path(session.create_tmp()) / "demo"
+    env = {"HF_HUB_OFFLINE": "1"}
+    session.run("toolkit", "sft", "--config", str(ROOT / "examples" / "demo.yaml"), "--output", str(run), "--overwrite", env=env)
+    session.run("toolkit", "infer", str(run), "--prompt", "What is the capital of Lopehes?", env=env)
+    session.run("python", str(ROOT / "examples" / "score_demo.py"), str(run / "export"), env=env)

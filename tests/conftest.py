@@ -1,0 +1,98 @@
+"""Core test setup (offline, few threads), a small in-process plugin and a stand-in for the training runner."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import types
+from typing import Literal
+
+import pytest
+
+from toolkit import hookimpl
+from toolkit.config import option
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+class ProbeLoss:
+    """Train with the probe objective (a test loss)."""
+
+    name = "probe"
+    consumes = "logps"
+    needs_reference = False
+    example_kinds = ("lm",)
+
+    @dataclasses.dataclass(kw_only=True)
+    class Config:
+        weight: float = option(1.0, help="Scale of the loss.")
+        mode: Literal["sum", "mean"] = option("mean", help="Reduction.")
+        warm: bool = option(False, help="A boolean option.")
+
+    def __init__(self, config):
+        self.config = config
+
+
+class ProbeStrategy:
+    name = "probe-strategy"
+
+    @dataclasses.dataclass(kw_only=True)
+    class Config:
+        buckets: int = option(2, help="Buckets.")
+
+    def __init__(self, config):
+        self.config = config
+
+
+class ProbeTuner:
+    name = "probe-tuner"
+
+    @dataclasses.dataclass(kw_only=True)
+    class Config:
+        layers: list[int] = option([], help="Layers to train.")
+
+    def __init__(self, config):
+        self.config = config
+
+
+class probe_plugin:  # noqa: N801 - a namespace standing in for a plugin module
+    @staticmethod
+    @hookimpl
+    def toolkit_register_losses(register):
+        register(ProbeLoss)
+
+    @staticmethod
+    @hookimpl
+    def toolkit_register_strategies(register):
+        register(ProbeStrategy)
+
+    @staticmethod
+    @hookimpl
+    def toolkit_register_tuners(register):
+        register(ProbeTuner)
+
+
+PROBE_FLAGS = ["--loss", "probe", "--strategy", "probe-strategy", "--tuner", "probe-tuner"]
+PROBE_YAML = "loss: probe\nstrategy: probe-strategy\ntuner: probe-tuner\n"
+
+
+@pytest.fixture
+def probe_manager(toolkit_manager):
+    """Built-ins plus the probe plugin (no other installed plugins)."""
+    return toolkit_manager(("probe", probe_plugin), installed=False)
+
+
+@pytest.fixture
+def captured_runs(monkeypatch):
+    """Replace the training runner: training commands append their resolved Recipe here."""
+    runs = []
+    try:
+        import toolkit.train.runner as runner_module
+    except ImportError:
+        runner_module = types.ModuleType("toolkit.train.runner")
+        monkeypatch.setitem(sys.modules, "toolkit.train.runner", runner_module)
+    monkeypatch.setattr(runner_module, "run_training", runs.append, raising=False)
+    return runs

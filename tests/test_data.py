@@ -1,0 +1,118 @@
+"""Data pipeline: formats, label masking, truncation, packing, sharding, and errors that name file and line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from toolkit.builtins.loaders import resolve_model
+from toolkit.contracts import IGNORE_INDEX
+from toolkit.data.pipeline import Batches, collate, load_examples
+from toolkit.errors import DataError
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return resolve_model("tiny-llama").tokenizer
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def trained_text(tokenizer, example):
+    seq = example.sequences[0]
+    # labels are shifted: label t predicts token t + 1
+    ids = [seq.input_ids[t + 1] for t, label in enumerate(seq.labels[:-1]) if label != IGNORE_INDEX]
+    return tokenizer.decode(ids)
+
+
+def test_sft_trains_only_on_assistant_replies(tokenizer, tmp_path):
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
+        {"role": "assistant", "content": "Hello there."}, {"role": "user", "content": "Again?"},
+        {"role": "assistant", "content": "Yes indeed."}]}])
+    (example,), _ = load_examples([path], tokenizer, train_on="assistant")
+    assert trained_text(tokenizer, example) == "Hello there.<|im_end|>Yes indeed.<|im_end|>"
+    seq = example.sequences[0]
+    assert all(seq.labels[t] in (IGNORE_INDEX, seq.input_ids[t + 1]) for t in range(len(seq.labels) - 1))
+
+
+def test_pt_trains_on_every_token(tokenizer, tmp_path):
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Ok."}]}])
+    (example,), _ = load_examples([path], tokenizer, train_on="all")
+    seq = example.sequences[0]
+    assert seq.labels[:-1] == seq.input_ids[1:] and seq.labels[-1] == IGNORE_INDEX
+
+
+@pytest.mark.parametrize("record,expected", [
+    ({"instruction": "Add", "input": "1 and 2", "output": "3"}, "3<|im_end|>"),
+    ({"conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "A long answer"}]}, "A long answer<|im_end|>"),
+])
+def test_alpaca_and_sharegpt(tokenizer, tmp_path, record, expected):
+    (example,), _ = load_examples([write_jsonl(tmp_path / "d.jsonl", [record])], tokenizer)
+    assert trained_text(tokenizer, example) == expected
+
+
+def test_text_format_and_column_remapping(tokenizer, tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"body": "plain words here"}])
+    (example,), _ = load_examples([path], tokenizer, columns={"text": "body"}, train_on="all")
+    assert tokenizer.decode(example.sequences[0].input_ids) == "plain words here<|im_end|>"
+
+
+def test_truncation_is_counted(tokenizer, tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"text": "word " * 200}, {"text": "short"}])
+    examples, stats = load_examples([path], tokenizer, seq_len=32, train_on="all")
+    assert stats.truncated == 1 and max(len(e.sequences[0].input_ids) for e in examples) == 32
+    assert examples[0].sequences[0].labels[-1] == IGNORE_INDEX
+
+
+def test_malformed_jsonl_names_file_and_line(tokenizer, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "ok"}\n{"text": oops}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl, line 2"):
+        load_examples([str(path)], tokenizer)
+
+
+def test_missing_columns_lists_found_columns(tokenizer, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "x", "output": "y"}, {"instruction": "x", "answer": "y"}])
+    with pytest.raises(DataError, match=r"line 2: missing column 'output'; columns found: instruction, answer"):
+        load_examples([path], tokenizer)
+    with pytest.raises(DataError, match="cannot tell the record format.*question"):
+        load_examples([write_jsonl(tmp_path / "e.jsonl", [{"question": "x"}])], tokenizer)
+
+
+def test_empty_after_filtering(tokenizer, tmp_path):
+    long_prompt = [{"messages": [{"role": "user", "content": "word " * 100}, {"role": "assistant", "content": "x"}]}]
+    with pytest.raises(DataError, match="no trainable examples"):
+        load_examples([write_jsonl(tmp_path / "d.jsonl", long_prompt)], tokenizer, seq_len=16)
+
+
+def test_packing_resets_positions_and_isolates_samples(tokenizer, tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"text": f"sample number {i} " * (i + 1)} for i in range(6)])
+    examples, _ = load_examples([path], tokenizer, train_on="all")
+    batch = collate(examples, [[0, 1, 2]], pad_id=3, packing=True)
+    assert batch["input_ids"].shape[0] == 1 and batch["num_sequences"] == 3
+    seq_ids, pos = batch["sequence_ids"][0], batch["position_ids"][0]
+    for s in range(3):
+        positions = pos[seq_ids == s]
+        assert positions.tolist() == list(range(len(examples[s].sequences[0].input_ids)))
+    # the last token of each packed sample predicts nothing across the boundary
+    ends = [int((seq_ids == s).nonzero().max()) for s in range(3)]
+    assert all(batch["labels"][0, e] == IGNORE_INDEX for e in ends)
+
+
+def test_order_is_deterministic_and_sharded(tokenizer):
+    examples, _ = load_examples(["demo"], tokenizer)
+    kwargs = dict(seed=3, seq_len=128, packing=False, micro_batch_size=2, global_batch_size=8, pad_id=3)
+    whole = Batches(examples, dp_rank=0, dp_world_size=1, **kwargs)
+    again = Batches(examples, dp_rank=0, dp_world_size=1, **kwargs)
+    assert whole.step_units(5) == again.step_units(5)
+    shards = [Batches(examples, dp_rank=r, dp_world_size=2, **kwargs) for r in range(2)]
+    full = [mb["sequence_meta"]["dataset_index"].tolist() for mb in whole.micro_batches(5)]
+    split = [mb["sequence_meta"]["dataset_index"].tolist() for b in shards for mb in b.micro_batches(5)]
+    assert sorted(sum(full, [])) == sorted(sum(split, [])) and len(sum(split, [])) == 8
+    other = Batches(examples, dp_rank=0, dp_world_size=1, **{**kwargs, "seed": 4})
+    assert other.step_units(0) != whole.step_units(0)

@@ -1,0 +1,62 @@
+"""noxfile.py finds plugins from plugins/*/pyproject.toml and honours [tool.toolkit.nox]."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def noxfile():
+    pytest.importorskip("nox")
+    spec = importlib.util.spec_from_file_location("toolkit_noxfile", ROOT / "noxfile.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[spec.name]
+
+
+def write_plugin(root: Path, name: str, nox_table: str = "") -> None:
+    path = root / "plugins" / name
+    path.mkdir(parents=True)
+    (path / "pyproject.toml").write_text(f'[project]\nname = "{name}"\nversion = "0.1"\n{nox_table}')
+
+
+def test_the_repository_plugins_are_discovered(noxfile):
+    names = {p.name for p in noxfile.PLUGINS}
+    on_disk = {p.name for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml").is_file()}
+    assert "toolkit-example" in names and len(names) == len(on_disk)
+
+
+def test_opt_in_settings_and_defaults(noxfile, tmp_path):
+    write_plugin(tmp_path, "toolkit-plain")
+    write_plugin(tmp_path, "toolkit-engine", '[tool.toolkit.nox]\nown-session = true\nrequires = ["toolkit-plain"]\n'
+                                             'install = ["engine==1.0"]\npython = "3.12"\nenv = {A = "1"}\n')
+    plain, engine = sorted(noxfile.discover_plugins(tmp_path), key=lambda p: p.name != "toolkit-plain")
+    assert (plain.own_session, plain.extras, plain.requirement) == (False, ["test"], f"{plain.path}[test]")
+    assert (engine.own_session, engine.requires, engine.install, engine.python, engine.env, engine.short) == (
+        True, ["toolkit-plain"], ["engine==1.0"], "3.12", {"A": "1"}, "engine")
+
+
+def test_unknown_keys_are_refused(noxfile, tmp_path):
+    write_plugin(tmp_path, "toolkit-typo", "[tool.toolkit.nox]\nown_sesion = true\n")
+    with pytest.raises(SystemExit, match="unknown keys in \\[tool.toolkit.nox\\]: own_sesion"):
+        noxfile.discover_plugins(tmp_path)
+
+
+def test_nox_lists_the_sessions():
+    result = subprocess.run([sys.executable, "-m", "nox", "-l", "-f", str(ROOT / "noxfile.py")], capture_output=True, text=True, timeout=120)
+    if "No module named nox" in result.stderr:
+        pytest.skip("nox is not installed")
+    assert result.returncode == 0, result.stderr
+    for session in ("tests", "lint", "demo"):
+        assert f" {session} " in result.stdout + " "

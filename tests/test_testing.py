@@ -1,0 +1,90 @@
+"""toolkit.testing, the fixtures plugin authors use: tiny models and the 2-process gloo runner."""
+
+from __future__ import annotations
+
+import pytest
+
+from toolkit.testing import DistributedError, RankResult, run_distributed
+
+
+def all_reduce_rank_plus_one(scale: float) -> tuple[int, int, float]:
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([scale * (dist.get_rank() + 1)])
+    dist.all_reduce(value)
+    return dist.get_rank(), dist.get_world_size(), value.item()
+
+
+def rank_one_fails() -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise RuntimeError("rank one is broken on purpose")
+    dist.barrier()  # rank 0 waits here for a rank that never comes
+
+
+@pytest.mark.slow
+def test_run_distributed_returns_each_ranks_value():
+    assert run_distributed(all_reduce_rank_plus_one, nproc=2, args=(2.0,)) == [(0, 2, 6.0), (1, 2, 6.0)]
+
+
+@pytest.mark.slow
+def test_run_distributed_reports_the_failing_rank_quickly():
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(DistributedError) as error:
+        run_distributed(rank_one_fails, timeout=120)
+    assert "rank 1 exited with 1" in str(error.value) and "rank one is broken on purpose" in str(error.value)
+    assert time.monotonic() - start < 60  # the waiting rank is not left to gloo's own timeout
+
+
+def test_run_distributed_runs_scripts_with_the_torchrun_environment(tmp_path):
+    script = tmp_path / "show_env.py"
+    script.write_text("import os, sys\nprint(os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['MASTER_PORT'], sys.argv[1])\n")
+    results = run_distributed(script, nproc=2, args=["hello"])
+    assert [r.rank for r in results] == [0, 1] and all(isinstance(r, RankResult) and r.returncode == 0 for r in results)
+    ranks = [r.stdout.split() for r in results]
+    assert [r[0] for r in ranks] == ["0", "1"] and {r[1] for r in ranks} == {"2"} and {r[3] for r in ranks} == {"hello"}
+    assert ranks[0][2] == ranks[1][2]  # one rendezvous port for both
+
+
+def test_run_distributed_rejects_functions_other_processes_cannot_import():
+    def local():
+        return 1
+
+    with pytest.raises(ValueError, match="module-level function"):
+        run_distributed(local)
+
+
+def test_tiny_model_factory_builds_presets_deterministically(tiny_model_factory):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model_factory("qwen2", num_hidden_layers=1)
+    assert model.config.model_type == "qwen2" and model.config.num_hidden_layers == 1
+    again = tiny_model_factory("tiny-qwen2", num_hidden_layers=1)
+    other = tiny_model_factory("qwen2", seed=1, num_hidden_layers=1)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        logits = model(ids).logits
+        assert torch.equal(logits, again(ids).logits)
+        assert not torch.allclose(logits, other(ids).logits)
+        directory = tiny_model_factory.directory("qwen2", num_hidden_layers=1)
+        reloaded = AutoModelForCausalLM.from_pretrained(directory).eval()
+        torch.testing.assert_close(reloaded(ids).logits, logits)
+    assert tiny_model_factory.tokenizer()("hello").input_ids
+
+
+def test_tiny_model_factory_names_the_families(tiny_model_factory):
+    with pytest.raises(ValueError, match="families: llama, mistral, qwen2"):
+        tiny_model_factory.config("gpt5")
+
+
+def test_toolkit_manager_installs_a_fresh_process_wide_manager(toolkit_manager):
+    from toolkit import plugins
+
+    before = plugins.get_plugin_manager()
+    inner = toolkit_manager(installed=False)
+    assert plugins.get_plugin_manager() is inner and inner is not before
