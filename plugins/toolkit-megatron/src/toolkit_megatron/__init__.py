@@ -32,3 +32,10 @@ def toolkit_resolve_export_source(path):
     from toolkit_megatron.exporter import resolve_mcore_source
 
     return resolve_mcore_source(path)
+
+
+@hookimpl
+def toolkit_register_strategies(register):
+    from toolkit_megatron.strategy import MegatronStrategy
+
+    register(MegatronStrategy)

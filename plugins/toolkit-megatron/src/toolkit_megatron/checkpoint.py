@@ -63,7 +63,7 @@ def save_mcore(models: list[Any], directory: str | Path, hf_config: Any, layout:
     torch.distributed.barrier()
     state = model_sharded_state_dict(models)
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state, sharding_type="dp_reshardable")
+        state["optimizer"] = optimizer.sharded_state_dict(state, **_optimizer_format(optimizer))
     with cpu_compat():
         request = dist_checkpointing.save(state, str(tmp), async_sharded_save=async_save)
     finalize = _Finalize(final, tmp, hf_config, layout, _unwrap(models[0]).vocab_size, extra or {}, tokenizer_source)
@@ -97,6 +97,14 @@ class _Finalize:
         torch.distributed.barrier()
 
 
+def _optimizer_format(optimizer: Any) -> dict[str, Any]:
+    """The distributed optimizer's ``dp_reshardable`` format (its default fails on 0.16); others take none."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    return {"sharding_type": "dp_reshardable"} if any(isinstance(o, DistributedOptimizer) for o in inner) else {}
+
+
 def check_reload_layout(directory: str | Path, layout: Layout) -> int:
     """The saved padded vocabulary, after checking it splits evenly over ``layout.tensor``."""
     padded = int(read_marker(directory)["padded_vocab_size"])
@@ -113,7 +121,7 @@ def load_mcore(models: list[Any], directory: str | Path, optimizer: Any = None) 
 
     state = model_sharded_state_dict(models)
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, sharding_type="dp_reshardable")
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, **_optimizer_format(optimizer))
     with cpu_compat(), torch.no_grad():
         loaded = dist_checkpointing.load(state, str(directory))
         for i, model in enumerate(models):
