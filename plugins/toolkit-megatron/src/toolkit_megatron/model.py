@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
+
 from toolkit.errors import LayoutError
 from toolkit_megatron.architectures import architecture_for
 from toolkit_megatron.compat import cpu_compat
@@ -201,5 +203,29 @@ def build_model(hf_config: Any, layout: Layout, dtype: Any = None, attention: At
                 vp_stage=vp_stage,
             )
             model.toolkit_real_vocab = hf_config.vocab_size
+            mark_tensor_parallel(model)
             chunks.append(model)
     return chunks
+
+
+def mark_tensor_parallel(model: Any) -> None:
+    """Tag TP-sharded weights as such: Megatron sets the tag only while initialising weights, which
+    we skip (the bridge loads them), and its grad-norm and checkpoint code rely on the tag."""
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dims = {"weight": 0, "bias": 0}
+        elif isinstance(module, RowParallelLinear):
+            dims = {"weight": 1}
+        else:
+            continue
+        for name, dim in dims.items():
+            param = getattr(module, name, None)
+            if isinstance(param, torch.nn.Parameter) and not getattr(param, "tensor_model_parallel", False):
+                set_tensor_model_parallel_attributes(param, True, dim, 1)
