@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_worker, tiny_config
+
+from conftest import run_worker
 
 pytestmark = pytest.mark.slow
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_config
 
+from conftest import tiny_config
 from toolkit.errors import LayoutError, ModelError
 from toolkit_megatron.model import Layout, check_layout, padded_vocab_size
 

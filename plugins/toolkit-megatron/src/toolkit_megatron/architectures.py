@@ -7,9 +7,9 @@ subclass of :class:`DenseArchitecture` named ``megatron:<model_type>`` with its 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from dataclasses import dataclass
 from toolkit.errors import ModelError
 
 
