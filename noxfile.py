@@ -5,6 +5,7 @@
     nox -s tests-vllm     one plugin's own session (plugins that opt in, see below)
     nox -s lint           ruff over the whole repository
     nox -s demo           the README's main job: train the demo, export, generate, score
+    nox -s bench          every bench script on its small CPU path (--tiny)
 
 A plugin takes part without being listed here. Its ``pyproject.toml`` may carry a table::
 
@@ -12,6 +13,7 @@ A plugin takes part without being listed here. Its ``pyproject.toml`` may carry 
     own-session = true          # test in session tests-<x> with its own venv (default false)
     requires = ["toolkit-peft"] # other plugins of this repository to install with it (own session)
     install = ["vllm==0.11.0"]  # extra requirements for its session
+    uninstall = ["torchvision"] # removed after installing (own session), e.g. broken extras of an engine
     extras = ["test"]           # extras of the plugin to install (default ["test"])
     python = "3.12"             # interpreter for its own session (default: the one running nox)
     pytest-args = ["-x"]        # added to its pytest command
@@ -19,7 +21,8 @@ A plugin takes part without being listed here. Its ``pyproject.toml`` may carry 
     skip = "needs a GPU"        # not tested by nox; the reason is printed
 
 Every install uses ``-c constraints.txt`` (it pins torch). ``TOOLKIT_TEST_FAST=1`` deselects tests
-marked ``slow``; tests marked ``gpu`` never run here.
+marked ``slow``; ``TOOLKIT_TEST_WORKERS=4`` runs each suite on 4 pytest-xdist workers; tests marked
+``gpu`` never run here.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class Plugin:
     own_session: bool = False
     requires: list[str] = dataclasses.field(default_factory=list)
     install: list[str] = dataclasses.field(default_factory=list)
+    uninstall: list[str] = dataclasses.field(default_factory=list)
     extras: list[str] = dataclasses.field(default_factory=lambda: ["test"])
     python: str | None = None
     pytest_args: list[str] = dataclasses.field(default_factory=list)
@@ -90,7 +94,8 @@ BY_NAME = {p.name: p for p in PLUGINS}
 
 def pytest_args(session: nox.Session) -> list[str]:
     markers = "not gpu and not slow" if os.environ.get("TOOLKIT_TEST_FAST") else "not gpu"
-    return ["-m", markers, *session.posargs]
+    workers = os.environ.get("TOOLKIT_TEST_WORKERS")  # pytest-xdist processes per suite, for machines with cores to spare
+    return ["-m", markers, "--durations=5", *(["-n", workers] if workers else []), *session.posargs]
 
 
 def run_suites(session: nox.Session, suites: list[tuple[str, Path, list[str], dict[str, str]]]) -> None:
@@ -109,12 +114,27 @@ def run_suites(session: nox.Session, suites: list[tuple[str, Path, list[str], di
         session.error(f"tests failed in: {', '.join(failed)}")
 
 
+def install(session: nox.Session, *args: str) -> None:
+    """``session.install``, except with ``--no-venv`` (``--force-venv-backend none``): then the
+    current environment is used as it is, for a quick run in a developer's own venv."""
+    if session.venv_backend == "none":
+        session.log("no venv: using the current environment without installing")
+        return
+    session.install(*args)
+
+
+def install_shared(session: nox.Session) -> list[Plugin]:
+    """Install the core and every plugin that shares the main venv; returns those plugins."""
+    shared = [p for p in PLUGINS if not p.own_session and not p.skip]
+    extra = [req for p in shared for req in p.install]
+    install(session, *CONSTRAINTS, "-e", f"{ROOT}[test]", *[arg for p in shared for arg in ("-e", p.requirement)], *extra)
+    return shared
+
+
 @nox.session(tags=["tests"])
 def tests(session: nox.Session) -> None:
     """The core and every plugin that shares the main venv."""
-    shared = [p for p in PLUGINS if not p.own_session and not p.skip]
-    extra = [req for p in shared for req in p.install]
-    session.install(*CONSTRAINTS, "-e", f"{ROOT}[test]", *[arg for p in shared for arg in ("-e", p.requirement)], *extra)
+    shared = install_shared(session)
     for plugin in PLUGINS:
         if plugin.skip:
             session.log(f"{plugin.name}: skipped ({plugin.skip})")
@@ -129,7 +149,9 @@ def _own_session(plugin: Plugin) -> None:
         if missing:
             session.error(f"{plugin.path}/pyproject.toml requires {missing}, which are not under plugins/")
         requires = [arg for name in plugin.requires for arg in ("-e", BY_NAME[name].requirement)]
-        session.install(*CONSTRAINTS, "-e", f"{ROOT}[test]", *requires, "-e", plugin.requirement, *plugin.install)
+        install(session, *CONSTRAINTS, "-e", f"{ROOT}[test]", *requires, "-e", plugin.requirement, *plugin.install)
+        if plugin.uninstall and session.venv_backend != "none":
+            session.run("python", "-m", "pip", "uninstall", "-y", *plugin.uninstall)
         run_suites(session, [(plugin.name, plugin.tests, plugin.pytest_args, plugin.env)])
 
     plugin_tests.__doc__ = f"{plugin.name} in its own venv ([tool.toolkit.nox] own-session)."
@@ -143,16 +165,35 @@ for _plugin in PLUGINS:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff over the core, the plugins, tests, examples and scripts."""
-    session.install("ruff>=0.6")
+    install(session, "ruff>=0.6")
     session.run("ruff", "check", str(ROOT), *session.posargs)
 
 
 @nox.session
 def demo(session: nox.Session) -> None:
     """The README's main job: train the tiny demo model, export it, generate, score it."""
-    session.install(*CONSTRAINTS, "-e", str(ROOT))
+    install(session, *CONSTRAINTS, "-e", str(ROOT))
     run = Path(session.create_tmp()) / "demo"
     env = {"HF_HUB_OFFLINE": "1"}
     session.run("toolkit", "sft", "--config", str(ROOT / "examples" / "demo.yaml"), "--output", str(run), "--overwrite", env=env)
     session.run("toolkit", "infer", str(run), "--prompt", "What is the capital of Lopehes?", env=env)
-    session.run("python", str(ROOT / "examples" / "score_demo.py"), str(run / "export"), env=env)
+    session.run("python", str(ROOT / "examples" / "score_demo.py"), str(run), env=env)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Every benchmark script (bench/*.py, plugins/*/bench/*.py) on its small CPU path (--tiny).
+
+    ``nox -s bench -- bench/local_sft.py`` picks scripts; ``-- --full`` runs the real sizes (a GPU
+    machine). Each script prints its table and writes JSON under $OUT (.nox/bench/tmp/out).
+    """
+    install_shared(session)
+    full = "--full" in session.posargs
+    chosen = [ROOT / a for a in session.posargs if a.endswith(".py")]
+    own = {p.path for p in PLUGINS if p.own_session or p.skip}
+    scripts = chosen or [s for s in sorted(ROOT.glob("bench/*.py")) + sorted(ROOT.glob("plugins/*/bench/*.py"))
+                         if s.parents[1] not in own]
+    out = Path(session.create_tmp()) / "out"
+    out.mkdir(exist_ok=True)
+    for script in scripts:
+        session.run("python", str(script), *([] if full else ["--tiny"]), env={"OUT": str(out), "HF_HUB_OFFLINE": "1"})

@@ -76,16 +76,14 @@ def hf_baseline(model_dir: Path, data: list, warmup: int, compile_model: bool = 
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    result = timed(step, data, warmup)
-    del model, optimizer
-    return result
+    return timed(step, data, warmup)
 
 
 def toolkit_engine(model_dir: Path, data: list, warmup: int, precision: str) -> tuple[float, float]:
+    from toolkit.builtins.loaders import load_hf_directory
     from toolkit.builtins.losses import SFTLoss
     from toolkit.builtins.strategies import LocalConfig, LocalEngine
     from toolkit.builtins.tuners import FullTuner
-    from toolkit.builtins.loaders import load_hf_directory
     from toolkit.contracts import StepContext
     from toolkit.recipe import Recipe
 
@@ -103,9 +101,7 @@ def toolkit_engine(model_dir: Path, data: list, warmup: int, precision: str) -> 
                  "sequence_meta": {}, "num_sequences": b}
         engine.train_step([batch], loss, StepContext(label_tokens=b * (t - 1), sequences=b, examples=b))
 
-    result = timed(step, data, warmup)
-    del engine
-    return result
+    return timed(step, data, warmup)
 
 
 def main() -> None:

@@ -3,6 +3,7 @@
 # plugins/ with their [test] extras (-c constraints.txt) into fresh venvs and runs every
 # package's tests, through the `tests`-tagged nox sessions (noxfile.py discovers the plugins).
 #   TOOLKIT_TEST_FAST=1 bash scripts/test.sh     skip tests marked slow
+#   TOOLKIT_TEST_WORKERS=4 bash scripts/test.sh  4 pytest-xdist workers per suite (many-core CI machines)
 #   bash scripts/test.sh -k focal                extra arguments go to pytest
 set -euo pipefail
 cd "$(dirname "$0")/.."

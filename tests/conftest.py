@@ -75,6 +75,8 @@ class probe_plugin:  # noqa: N801 - a namespace standing in for a plugin module
         register(ProbeTuner)
 
 
+pytest_plugins = ["pytester"]  # tests of toolkit.testing run pytest on generated test files
+
 PROBE_FLAGS = ["--loss", "probe", "--strategy", "probe-strategy", "--tuner", "probe-tuner"]
 PROBE_YAML = "loss: probe\nstrategy: probe-strategy\ntuner: probe-tuner\n"
 

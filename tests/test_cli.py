@@ -39,7 +39,7 @@ def python(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
 # Prints which heavy modules the command imported, at interpreter exit (after sys.exit).
 HEAVY_PROBE = """
 import atexit, sys
-heavy = ("torch", "transformers", "datasets", "numpy")
+heavy = ("torch", "transformers")
 atexit.register(lambda: print("HEAVY:" + ",".join(m for m in heavy if m in sys.modules), file=sys.stderr))
 from toolkit.cli import main
 main(sys.argv[1:])

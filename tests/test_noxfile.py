@@ -58,5 +58,5 @@ def test_nox_lists_the_sessions():
     if "No module named nox" in result.stderr:
         pytest.skip("nox is not installed")
     assert result.returncode == 0, result.stderr
-    for session in ("tests", "lint", "demo"):
+    for session in ("tests", "lint", "demo", "bench"):
         assert f" {session} " in result.stdout + " "

@@ -214,3 +214,22 @@ def test_plugins_json_lists_distributions_versions_and_registered_names(probe_ma
     assert rows["toolkit.commands"]["distribution"] == "toolkit"
     assert rows["toolkit.commands"]["version"] == metadata.version("toolkit")
     assert rows["probe"]["hooks"] == ["toolkit_register_losses", "toolkit_register_strategies", "toolkit_register_tuners"]
+
+
+def test_a_misspelled_allow_or_block_entry_is_reported(site, monkeypatch, capsys):
+    write_plugin_distribution(site, "toolkit-aa", good_plugin("aa-loss", "toolkit-aa"))
+    monkeypatch.setenv("TOOLKIT_PLUGINS", "a")
+    monkeypatch.setenv("TOOLKIT_DISABLE_PLUGINS", "zz")
+    build_plugin_manager()
+    err = capsys.readouterr().err
+    assert "TOOLKIT_PLUGINS names a, which no installed plugin is called" in err and "aa" in err.split("plugins:")[1]
+    assert "TOOLKIT_DISABLE_PLUGINS names zz" in err
+
+
+def test_two_distributions_with_one_plugin_name_load_the_first_and_say_so(site, capsys):
+    write_plugin_distribution(site, "toolkit-aa", good_plugin("aa-loss", "toolkit-aa"), entry_point="same")
+    write_plugin_distribution(site, "toolkit-bb", good_plugin("bb-loss", "toolkit-bb"), entry_point="same")
+    manager = build_plugin_manager()
+    (loaded,) = [p.distribution for p in manager.plugins if p.name == "same"]
+    other = ({"toolkit-aa", "toolkit-bb"} - {loaded}).pop()
+    assert f"plugin name 'same' is provided by {loaded} 0.0.1 and by {other} 0.0.1" in capsys.readouterr().err

@@ -44,6 +44,18 @@ def test_every_problem_is_reported_at_once(probe_manager, tmp_path):
     assert len(problems) == len(expected)
 
 
+def test_option_sections_must_be_mappings_of_registered_things(probe_manager):
+    with pytest.raises(ConfigError) as error:
+        resolve_recipe({**PROBE, "probe": 3, "prob": {"weight": 1}, "options": {"nosuch": {"a": 1}}}, manager=probe_manager)
+    assert error.value.problems == [
+        "probe: expected a mapping of option: value (e.g. probe: {...}), got 3",
+        "unknown key 'prob'; did you mean 'probe'?",
+        "options: 'nosuch' is not a registered strategy, tuner, loss or dataset format with a mapping of options",
+    ]
+    recipe = resolve_recipe({**PROBE, "options": {"probe": {"weight": 5}}}, manager=probe_manager)
+    assert thing_options(recipe, ProbeLoss).weight == 5.0
+
+
 def test_unknown_registered_names_are_problems_with_install_hints(probe_manager):
     with pytest.raises(ConfigError) as error:
         resolve_recipe({**PROBE, "strategy": "megatron", "tuner": "lora", "loss": "nope"}, manager=probe_manager)

@@ -50,6 +50,17 @@ def test_run_distributed_runs_scripts_with_the_torchrun_environment(tmp_path):
     assert ranks[0][2] == ranks[1][2]  # one rendezvous port for both
 
 
+def test_a_failing_script_rank_fails_the_run_without_waiting_for_the_timeout(tmp_path):
+    import time
+
+    script = tmp_path / "one_fails.py"
+    script.write_text("import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit('rank 1 gives up')\ntime.sleep(60)\n")
+    start = time.monotonic()
+    with pytest.raises(DistributedError, match="rank 1 gives up"):
+        run_distributed(script, timeout=120)
+    assert time.monotonic() - start < 40
+
+
 def test_run_distributed_rejects_functions_other_processes_cannot_import():
     def local():
         return 1
@@ -88,3 +99,46 @@ def test_toolkit_manager_installs_a_fresh_process_wide_manager(toolkit_manager):
     before = plugins.get_plugin_manager()
     inner = toolkit_manager(installed=False)
     assert plugins.get_plugin_manager() is inner and inner is not before
+
+
+PLUGIN_AUTHOR_TESTS = '''
+import dataclasses
+from toolkit import hookimpl
+from toolkit.plugins import get_plugin_manager
+
+
+class Mine:
+    """A loss from a third-party plugin."""
+    name = "mine"
+
+    @dataclasses.dataclass(kw_only=True)
+    class Config:
+        pass
+
+    def __init__(self, config):
+        self.config = config
+
+
+class my_plugin:
+    @staticmethod
+    @hookimpl
+    def toolkit_register_losses(register):
+        register(Mine)
+
+
+def test_uses_the_fixtures(toolkit_manager, cli_runner):
+    toolkit_manager(("mine", my_plugin), installed=False)
+    assert "mine" in get_plugin_manager().registry("loss")
+    result = cli_runner.invoke("mine", "--help")
+    assert result.exit_code == 0 and "A loss from a third-party plugin." in result.stdout
+
+
+def test_the_next_test_does_not_see_it():
+    assert "mine" not in get_plugin_manager().registry("loss")
+'''
+
+
+def test_the_fixtures_reach_plugin_authors_through_the_pytest11_entry_point(pytester):
+    pytester.makepyfile(test_author=PLUGIN_AUTHOR_TESTS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)

@@ -69,6 +69,8 @@ class TokenLogps:
     """``[num_sequences]`` scalar scores from a value head (reward modeling)."""
     aux_loss: torch.Tensor | None = None
     """Auxiliary losses the model produced (MoE load balancing), already weighted."""
+    aux_metrics: dict[str, float] = field(default_factory=dict)
+    """Per-forward model metrics (MoE routing: dropped tokens, max load); engines average them."""
 
     def sequence_sums(self, values: torch.Tensor | None = None) -> torch.Tensor:
         """Sum ``values`` (default: masked logps) per sequence: ``[num_sequences]``."""
@@ -132,7 +134,7 @@ class ExportModel:
     tensors: Any
     """Callable returning an iterator of ``(hf_name, tensor)``; called once by the exporter."""
     adapter: Any = None
-    """Optional ``(peft_config_dict, tensors_callable)`` for adapter-only exports."""
+    """Optional callable returning ``(peft_config_dict, iterable of (name, tensor))`` for adapter-only exports."""
     description: str = ""
 
 

@@ -134,6 +134,20 @@ def toolkit_register_commands(cli: click.Group) -> None:
     """
 
 
+@hookspec
+def toolkit_patch_model(model: Any, source: Any, recipe: Any) -> None:
+    """Modify a freshly built HF model in place, before the tuner is applied.
+
+    Called by strategies that run HF modules (``local``, ``fsdp``, ``deepspeed``) right after
+    the model is loaded and placed on its device, and before ``tuner.apply``. ``source`` is the
+    :class:`~toolkit.contracts.ModelSource`, ``recipe`` the resolved :class:`~toolkit.recipe.Recipe`
+    (read your options with ``toolkit.recipe.thing_options``). Return nothing; do nothing unless
+    your options ask for it. Example: toolkit-moe swaps the sparse MoE blocks for its own.
+    A patched model that produces an auxiliary loss exposes ``model.toolkit_pop_aux_loss()``
+    returning ``(loss_or_None, metrics)`` for the last forward; engines add that loss.
+    """
+
+
 @hookspec(firstresult=True)
 def toolkit_resolve_export_source(path: str) -> Any:
     """Claim an export source the core does not understand (e.g. a Megatron checkpoint).

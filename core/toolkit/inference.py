@@ -15,8 +15,11 @@ def model_directory(reference: str, workdir: Path) -> Path:
     from toolkit.export import export_model, resolve_export_source
 
     path = Path(reference)
-    if (path / "recipe.yaml").is_file() and (path / "export" / "config.json").is_file():
-        return path / "export"
+    if (path / "recipe.yaml").is_file():
+        exports = [path / "export", *sorted(path.glob("export-*"))]
+        found = next((e for e in exports if (e / "config.json").is_file()), None)
+        if found is not None:
+            return found
     if (path / "config.json").is_file():
         return path
     if reference in PRESETS:

@@ -207,6 +207,10 @@ class Toolkit:
     def resolve_export_source(self, path: str) -> Any:
         return self.pm.hook.toolkit_resolve_export_source(path=path)
 
+    def patch_model(self, model: Any, source: Any, recipe: Any) -> None:
+        """Let plugins modify a built HF model before the tuner (``toolkit_patch_model``)."""
+        self.pm.hook.toolkit_patch_model(model=model, source=source, recipe=recipe)
+
 
 def _report_broken(name: str, version: str, exc: BaseException) -> None:
     message = f"toolkit: plugin {name} {version} failed and was skipped (core {__version__}): {type(exc).__name__}: {exc}"
@@ -236,12 +240,16 @@ def build_plugin_manager(extra_plugins: list[tuple[str, object]] | None = None) 
         candidates.append((ep.name, dist, version, ep))
     for name, obj in extra_plugins or []:
         candidates.append((name, "(in-process)", __version__, obj))
+    _warn_unknown_names(allow, block, {c[0] for c in candidates})
     for name, dist, version, target in candidates:
         in_process = not isinstance(target, metadata.EntryPoint)
         allowed = allow is None or name in allow or name.startswith("toolkit.") or in_process
         if not allowed or name in block:
             continue
-        if pm.has_plugin(name):
+        if any(info.name == name for info in infos):
+            first = next(info for info in infos if info.name == name)
+            print(f"toolkit: plugin name {name!r} is provided by {first.distribution} {first.version} and by {dist} {version}; "
+                  f"loading the first only. Uninstall one of them.", file=sys.stderr)
             continue
         info = PluginInfo(name=name, distribution=dist, version=version, module=getattr(target, "value", repr(target)))
         infos.append(info)
@@ -258,6 +266,15 @@ def build_plugin_manager(extra_plugins: list[tuple[str, object]] | None = None) 
             continue
         info.hooks = sorted(h.name for h in pm.get_hookcallers(pm.get_plugin(name)) or [])
     return Toolkit(pm, infos)
+
+
+def _warn_unknown_names(allow: set[str] | None, block: set[str], installed: set[str]) -> None:
+    """A typo in TOOLKIT_PLUGINS / TOOLKIT_DISABLE_PLUGINS would otherwise silently do nothing."""
+    for variable, names in (("TOOLKIT_PLUGINS", allow or set()), ("TOOLKIT_DISABLE_PLUGINS", block)):
+        unknown = sorted(names - installed)
+        if unknown:
+            print(f"toolkit: {variable} names {', '.join(unknown)}, which no installed plugin is called; "
+                  f"plugins: {', '.join(sorted(installed))}", file=sys.stderr)
 
 
 HOOK_NAMES = frozenset(n for n in dir(hookspecs) if n.startswith("toolkit_"))

@@ -10,8 +10,9 @@ from toolkit.config import build_dataclass, option, to_dict
 from toolkit.errors import ConfigError
 
 # Kinds whose registered things expose their Config as CLI flags (``--lora-rank``) and as
-# YAML sections (``lora: {rank: 16}``).
-OPTION_KINDS = ("strategy", "tuner", "loss", "dataset_format")
+# YAML sections (``lora: {rank: 16}``); an architecture with Config fields (toolkit-moe's
+# ``moe``) gets a section too.
+OPTION_KINDS = ("strategy", "tuner", "loss", "dataset_format", "architecture")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -129,15 +130,23 @@ def resolve_recipe(values: dict[str, Any], source: str = "recipe", manager: Any 
         name = key.replace("-", "_")
         if name in recipe_fields and name != "options":
             top[name] = value
-        elif isinstance(value, dict) and _option_owner(manager, key) is not None:
-            sections.setdefault(key, {}).update(value)
+        elif _option_owner(manager, key) is not None:
+            if isinstance(value, dict):
+                sections.setdefault(key, {}).update(value)
+            else:
+                problems.append(f"{key}: expected a mapping of option: value (e.g. {key}: {{...}}), got {value!r}")
         elif name == "options" and isinstance(value, dict):
             for section, content in value.items():
+                if _option_owner(manager, section) is None or not isinstance(content or {}, dict):
+                    problems.append(f"options: {section!r} is not a registered strategy, tuner, loss or dataset format "
+                                    "with a mapping of options")
+                    continue
                 sections.setdefault(section, {}).update(content or {})
         else:
             import difflib
 
-            close = difflib.get_close_matches(name, sorted(recipe_fields - {"options"}), n=1)
+            candidates = sorted(recipe_fields - {"options"}) + _option_names(manager)
+            close = difflib.get_close_matches(name, candidates, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             problems.append(f"unknown key {key!r}{hint}")
     recipe = build_dataclass(Recipe, top, source, problems)
@@ -158,6 +167,11 @@ def resolve_recipe(values: dict[str, Any], source: str = "recipe", manager: Any 
     if problems:
         raise ConfigError(problems, source=source)
     return recipe
+
+
+def _option_names(manager: Any) -> list[str]:
+    """Names that may head a YAML option section (registered strategies, tuners, losses, formats)."""
+    return sorted({name for kind in OPTION_KINDS for name in manager.registry(kind).names()})
 
 
 def _option_owner(manager: Any, name: str) -> type | None:

@@ -248,11 +248,11 @@ def _wait_all(procs: list[subprocess.Popen], logs: list[tuple[Path, Path]], time
     deadline = time.monotonic() + timeout
     failed_at: float | None = None
     note = ""
-    while any(p.poll() is None for p in procs):
+    while None in [p.poll() for p in procs]:  # a list, not any(): every process must be polled
         now = time.monotonic()
         if failed_at is None and any(p.returncode not in (None, 0) and not finished(r) for r, p in enumerate(procs)):
             failed_at = now
-        if now > deadline or (failed_at is not None and now - failed_at > 10):
+        if now > deadline or (failed_at is not None and now - failed_at > 5):
             why = f"after a timeout of {timeout:.0f}s" if now > deadline else "after another rank failed"
             note = f"\n[run_distributed: killed {why}]"
             for proc in procs:
@@ -280,7 +280,8 @@ def _raise_failures(failures: list[tuple[int, int, str, str]]) -> None:
 
 
 def run_distributed(target: Callable[..., Any] | str | Path | Sequence[str], nproc: int = 2, args: Sequence[Any] = (),
-                    kwargs: dict[str, Any] | None = None, timeout: float = 300.0, env: dict[str, str] | None = None) -> list[Any]:
+                    kwargs: dict[str, Any] | None = None, timeout: float = 300.0, env: dict[str, str] | None = None,
+                    cwd: str | Path | None = None) -> list[Any]:
     """Run ``target`` on ``nproc`` processes joined by ``torch.distributed`` (gloo) on this machine.
 
     - a function (module-level, importable by a fresh interpreter): each rank runs
@@ -289,6 +290,8 @@ def run_distributed(target: Callable[..., Any] | str | Path | Sequence[str], npr
     - a script path (``"train.py"``) or an argv list (``["-m", "toolkit", "sft", ...]``): run
       with ``python`` and the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT,
       LOCAL_RANK); ``args`` are appended; returns a :class:`RankResult` per rank.
+
+    ``env`` adds environment variables for every rank; ``cwd`` is their working directory.
 
     A rank that exits non-zero raises :class:`DistributedError` with each failing rank's output,
     except the known harmless abort at interpreter exit after the rank reported it was done.
@@ -312,16 +315,17 @@ def run_distributed(target: Callable[..., Any] | str | Path | Sequence[str], npr
             out, err = job / f"rank-{rank}.out", job / f"rank-{rank}.err"
             logs.append((out, err))
             with out.open("w") as stdout, err.open("w") as stderr:  # files, not pipes: no blocking on full buffers
-                procs.append(subprocess.Popen([sys.executable, *argv], env=rank_env, stdout=stdout, stderr=stderr))
+                procs.append(subprocess.Popen([sys.executable, *argv], env=rank_env, stdout=stdout, stderr=stderr, cwd=cwd))
 
         def finished(rank: int) -> bool:
-            return not callable(target) or job.joinpath(f"rank-{rank}.{_DONE}").exists()
+            """A function's rank wrote its result and tore down cleanly (scripts have no marker)."""
+            return callable(target) and job.joinpath(f"rank-{rank}.{_DONE}").exists()
 
         outcomes = _wait_all(procs, logs, timeout, finished)
         failures = []
         for rank, (code, out, err) in enumerate(outcomes):
-            harmless = callable(target) and code != 0 and finished(rank) and _EXIT_ABORT in err
-            if (code != 0 and not harmless) or not finished(rank):
+            harmless = code != 0 and finished(rank) and _EXIT_ABORT in err
+            if (code != 0 and not harmless) or (callable(target) and not finished(rank)):
                 failures.append((rank, code, out, err))
         _raise_failures(failures)
         if callable(target):

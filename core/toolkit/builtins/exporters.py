@@ -77,10 +77,10 @@ def write_model_metadata(model: ExportModel, directory: Path, dtype: str = "auto
     if not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = CHATML
     tokenizer.save_pretrained(directory)
-    eos = {i for i in (tokenizer.eos_token_id, getattr(config, "eos_token_id", None)) if isinstance(i, int)}
-    if isinstance(getattr(config, "eos_token_id", None), list):
-        eos.update(config.eos_token_id)
-    generation = GenerationConfig(eos_token_id=sorted(eos) if len(eos) > 1 else next(iter(eos), None),
+    from toolkit.hfdir import eos_token_ids
+
+    eos = eos_token_ids(config, tokenizer)
+    generation = GenerationConfig(eos_token_id=eos if len(eos) > 1 else next(iter(eos), None),
                                   pad_token_id=tokenizer.pad_token_id, bos_token_id=getattr(config, "bos_token_id", None), do_sample=False)
     generation.save_pretrained(directory)
 

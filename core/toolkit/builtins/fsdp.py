@@ -73,33 +73,11 @@ class FSDPEngine(LocalEngine):
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", rank=0, world_size=1)
 
-    def train_step(self, micro_batches: list[dict], loss: Any, ctx: Any) -> Any:
-        import torch
+    def _gradient_sync(self, last: bool) -> Any:
+        import contextlib
 
-        from toolkit.contracts import StepResult
-
-        self.module.train()
-        total, metrics = 0.0, {}
-        for index, micro_batch in enumerate(micro_batches):
-            self.module.set_requires_gradient_sync(index == len(micro_batches) - 1)
-            out, result = self._forward_loss(micro_batch, loss, ctx)
-            objective = result.loss
-            if out.aux_loss is not None:
-                objective = objective + out.aux_loss / (len(micro_batches) * self.dp_world_size)
-            (objective * self.dp_world_size).backward()  # FSDP averages over ranks; the contract sums
-            total += float(result.loss.detach())
-            for key, value in result.metrics.items():
-                metrics[key] = metrics.get(key, 0.0) + float(value)
-        max_norm = self.recipe.max_grad_norm if self.recipe.max_grad_norm > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
-        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        keys = sorted(metrics)
-        reduced = self.all_reduce_sum([total, *(metrics[k] for k in keys)])
-        return StepResult(loss=reduced[0], grad_norm=grad_norm, metrics=dict(zip(keys, reduced[1:])))
+        self.module.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
 
     def _trainable_names(self) -> set[str]:
         return {name for name, p in self.model.named_parameters() if p.requires_grad}

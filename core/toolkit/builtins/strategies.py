@@ -33,6 +33,9 @@ def load_hf_model(source: Any, tuner: Any, recipe: Any, device: Any) -> Any:
     if recipe.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
+    from toolkit.plugins import get_plugin_manager
+
+    get_plugin_manager().patch_model(model, source, recipe)
     torch.manual_seed(recipe.seed)
     return tuner.apply(model, source)
 
@@ -109,27 +112,34 @@ class LocalEngine:
             out.reference_logps = self.reference_logps(micro_batch)
         return out, loss(out, ctx)
 
-    def train_step(self, micro_batches: list[dict], loss: Any, ctx: StepContext) -> StepResult:
+    def _gradient_sync(self, last: bool) -> Any:
+        """Skip DDP's all-reduce on all but the last micro-batch of a step."""
+        return contextlib.nullcontext() if last or not self.world.distributed else self.module.no_sync()
+
+    def _clip_gradients(self) -> float:
         import torch
 
+        max_norm = self.recipe.max_grad_norm if self.recipe.max_grad_norm > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def train_step(self, micro_batches: list[dict], loss: Any, ctx: StepContext) -> StepResult:
         self.module.train()
         total, metrics = 0.0, {}
+        share = 1.0 / (len(micro_batches) * self.dp_world_size)  # averages per-forward values over the step
         for index, micro_batch in enumerate(micro_batches):
-            last = index == len(micro_batches) - 1
-            sync = contextlib.nullcontext() if last or not self.world.distributed else self.module.no_sync()
-            with sync:
+            with self._gradient_sync(index == len(micro_batches) - 1):
                 out, result = self._forward_loss(micro_batch, loss, ctx)
                 objective = result.loss
                 if out.aux_loss is not None:
-                    objective = objective + out.aux_loss / (len(micro_batches) * self.dp_world_size)
-                    metrics["aux_loss"] = metrics.get("aux_loss", 0.0) + float(out.aux_loss) / (len(micro_batches) * self.dp_world_size)
-                # DDP averages gradients over ranks; the loss contract wants their sum.
+                    objective = objective + out.aux_loss * share
+                    metrics["aux_loss"] = metrics.get("aux_loss", 0.0) + float(out.aux_loss.detach()) * share
+                # DDP/FSDP average gradients over ranks; the loss contract wants their sum.
                 (objective * self.dp_world_size).backward()
             total += float(result.loss.detach())
-            for key, value in result.metrics.items():
+            for key, value in [*result.metrics.items(), *((k, v * share) for k, v in out.aux_metrics.items())]:
                 metrics[key] = metrics.get(key, 0.0) + float(value)
-        max_norm = self.recipe.max_grad_norm if self.recipe.max_grad_norm > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        grad_norm = self._clip_gradients()
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()

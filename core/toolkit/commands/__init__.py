@@ -16,3 +16,7 @@ def toolkit_register_commands(cli):
     cli.add_command(infer.serve_command)
     cli.add_command(data.data_group)
     cli.add_command(launch.launch_command)
+
+    from toolkit.plan.command import plan_command
+
+    cli.add_command(plan_command)

@@ -68,14 +68,15 @@ class CausalLMLogps(nn.Module):
         self.autocast_dtype = autocast_dtype
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
-                sequence_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+                sequence_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
         inner = unwrap(self.model)
         decoder, head = inner.get_decoder(), inner.get_output_embeddings()
         device_type = input_ids.device.type
         enabled = self.autocast_dtype is not None
         with torch.autocast(device_type=device_type, dtype=self.autocast_dtype or torch.bfloat16, enabled=enabled):
             kwargs: dict[str, Any] = {}
-            if getattr(inner.config, "output_router_logits", None) is not None and hasattr(inner.config, "router_aux_loss_coef"):
+            patched_aux = getattr(inner, "toolkit_pop_aux_loss", None)
+            if patched_aux is None and getattr(inner.config, "output_router_logits", None) is not None and hasattr(inner.config, "router_aux_loss_coef"):
                 kwargs["output_router_logits"] = True
             out = decoder(input_ids=input_ids, position_ids=position_ids,
                           attention_mask=attention_mask_for(sequence_ids), use_cache=False, **kwargs)
@@ -84,31 +85,36 @@ class CausalLMLogps(nn.Module):
             picked = label_logps(head, hidden[mask], labels[mask])
         logps = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
         logps = logps.masked_scatter(mask, picked)
-        aux = router_aux_loss(inner, out, sequence_ids)
-        return logps, aux
+        aux, aux_metrics = router_aux_loss(inner, out, sequence_ids)
+        return logps, aux, aux_metrics
 
 
-def router_aux_loss(inner: nn.Module, out: Any, sequence_ids: torch.Tensor) -> torch.Tensor | None:
+def router_aux_loss(inner: nn.Module, out: Any, sequence_ids: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """The weighted MoE auxiliary loss of this forward and routing metrics (both empty for dense models)."""
+    patched_aux = getattr(inner, "toolkit_pop_aux_loss", None)
+    if patched_aux is not None:  # a plugin replaced the MoE blocks (toolkit_patch_model) and owns the aux loss
+        loss, metrics = patched_aux()
+        return loss, {k: float(v) for k, v in (metrics or {}).items()}
     router_logits = getattr(out, "router_logits", None)
     coef = getattr(inner.config, "router_aux_loss_coef", 0.0)
     if not router_logits or not coef:
-        return None
+        return None, {}
     try:
         from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
     except ImportError:  # pragma: no cover - transformers without mixtral
-        return None
+        return None, {}
     experts = getattr(inner.config, "num_local_experts", None) or inner.config.num_experts
     top_k = inner.config.num_experts_per_tok
     attention = (sequence_ids >= 0).long()
-    return coef * load_balancing_loss_func(router_logits, experts, top_k, attention)
+    return coef * load_balancing_loss_func(router_logits, experts, top_k, attention), {}
 
 
 def token_logps(module: nn.Module, batch: dict[str, Any], device: torch.device) -> TokenLogps:
     """Run a :class:`CausalLMLogps` (possibly DDP-wrapped) on a micro-batch and build :class:`TokenLogps`."""
     ids = batch["input_ids"].to(device)
     labels = batch["labels"].to(device)
-    logps, aux = module(ids, labels, batch["position_ids"].to(device), batch["sequence_ids"].to(device))
+    logps, aux, aux_metrics = module(ids, labels, batch["position_ids"].to(device), batch["sequence_ids"].to(device))
     meta = {k: v.to(device) for k, v in batch["sequence_meta"].items()}
     return TokenLogps(logps=logps, mask=labels != IGNORE_INDEX, sequence_ids=batch["sequence_ids"].to(device),
                       num_sequences=batch["num_sequences"], sequence_meta=meta,
-                      reference_logps=meta.get("reference_logps"), aux_loss=aux)
+                      reference_logps=meta.get("reference_logps"), aux_loss=aux, aux_metrics=aux_metrics)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from toolkit.contracts import StepContext, TokenLogps
 from toolkit.errors import ConfigError
 from toolkit.recipe import resolve_recipe, thing_options
+from toolkit.testing import run_distributed
 from toolkit_example.losses import FocalConfig, FocalLoss
 
 
@@ -123,18 +124,30 @@ def test_the_command(toolkit_manager, cli_runner):
     assert rows == [["0.5", "0.6931", "0.1733", "0.2500"], ["0.9", "0.1054", "0.0011", "0.0100"]]
 
 
+def train(tmp_path, name: str, *args: str, nproc: int = 1) -> list[dict]:
+    """Run ``toolkit <args>`` (on ``nproc`` gloo processes) and return its metrics.jsonl rows."""
+    output = tmp_path / name
+    argv = ["-m", "toolkit", *args, "--model", "tiny-llama", "--dataset", "demo", "--seq-len", "64", "--lr", "1e-3",
+            "--output", str(output)]
+    env = {"HF_HUB_OFFLINE": "1", "TOOLKIT_PLUGINS": "example"}
+    if nproc > 1:
+        run_distributed(argv, nproc=nproc, env=env, cwd=tmp_path)
+    else:
+        environment = {**{k: v for k, v in os.environ.items() if not k.startswith("TOOLKIT_")}, **env}
+        result = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=environment, timeout=300, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+    return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.slow
 def test_training_with_the_focal_loss_through_the_core_engine(tmp_path):
-    """End to end: at the same initial weights, focal's nll metric is sft's loss and focal's loss is below it."""
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TOOLKIT_")}, "HF_HUB_OFFLINE": "1"}
-    first_step = {}
-    for loss in ("focal", "sft"):
-        args = [loss, "--model", "tiny-llama", "--dataset", "demo", "--max-steps", "1", "--micro-batch-size", "4",
-                "--seq-len", "64", "--output", str(tmp_path / loss)]
-        result = subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, env=env, timeout=300)
-        assert result.returncode == 0, result.stderr
-        first_step[loss] = json.loads((tmp_path / loss / "metrics.jsonl").read_text().splitlines()[0])
-    focal, sft = first_step["focal"], first_step["sft"]
-    assert focal["nll"] == pytest.approx(sft["loss"], rel=1e-5)
-    assert 0 < focal["loss"] < focal["nll"]
-    assert 0 < focal["focal_weight"] < 1
+    """End to end: 2-process DDP gives the same steps as 1 process accumulating the same global
+    batch (the loss contract), and at the same initial weights focal's nll metric is sft's loss."""
+    accumulated = train(tmp_path, "one", "focal", "--max-steps", "2", "--micro-batch-size", "2", "--global-batch-size", "4")
+    ddp = train(tmp_path, "ddp", "focal", "--max-steps", "2", "--micro-batch-size", "2", nproc=2)
+    (sft,) = train(tmp_path, "sft", "sft", "--max-steps", "1", "--micro-batch-size", "2", "--global-batch-size", "4")
+    for one, two in zip(accumulated, ddp, strict=True):
+        assert (one["step"], one["loss"], one["grad_norm"]) == pytest.approx((two["step"], two["loss"], two["grad_norm"]), rel=1e-5)
+    first = accumulated[0]
+    assert first["nll"] == pytest.approx(sft["loss"], rel=1e-5)
+    assert 0 < first["loss"] < first["nll"] and 0 < first["focal_weight"] < 1

@@ -1,0 +1,214 @@
+"""Check ``toolkit plan``'s memory and speed estimates against HF-transformers training on this GPU.
+
+For each configuration (full fine-tune at two sequence lengths, with recompute, LoRA r=16) it
+trains a Llama of the 1.24B shape (hidden 2048, 16 layers, 32 heads, 8 KV, FFN 8192, vocab 128256)
+for a few steps, measures peak allocated memory (torch.cuda.max_memory_allocated after the
+optimizer states exist) and tokens/s, and prints the planner's estimate beside each, plus whether
+the planner orders the configurations by speed as measured. Target: memory within 15%.
+
+The training path is the core ``local`` strategy's, which the planner models: fp32 parameters,
+bf16 autocast through toolkit.train.logps.CausalLMLogps (chunked label log-probs), torch AdamW
+(default foreach) with fp32 states, gradient clipping, token-mean NLL; LoRA: bf16 base weights,
+fp32 PEFT adapters on all attention and MLP linears (an assumption until the peft plugin lands).
+
+    python bench/plan_check.py            # on a GPU (the lead's H200 run)
+    python bench/plan_check.py --tiny     # CPU: a tiny model, peak from the CPU allocator trace
+Writes plan_check.json to $OUT when it is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+from dataclasses import dataclass
+
+SHAPE_1B = dict(model_type="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                head_dim=64, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)
+SHAPE_TINY = dict(model_type="llama", hidden_size=320, num_hidden_layers=4, num_attention_heads=10, num_key_value_heads=2,
+                  intermediate_size=1024, vocab_size=2048, tie_word_embeddings=True)
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class Case:
+    name: str
+    tuner: str
+    seq_len: int
+    micro_batch_size: int = 1
+    recompute: bool = False
+
+
+GPU_CASES = [Case("full seq 1024", "full", 1024), Case("full seq 4096", "full", 4096),
+             Case("full seq 4096 recompute", "full", 4096, recompute=True), Case("lora seq 4096", "lora", 4096),
+             Case("lora seq 8192", "lora", 8192)]
+TINY_CASES = [Case("full seq 64", "full", 64), Case("full seq 256", "full", 256),
+              Case("full seq 256 recompute", "full", 256, recompute=True), Case("lora seq 256", "lora", 256)]
+
+
+def build_model(config_dict: dict, case: Case, device: str):
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**config_dict)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    if case.tuner == "lora":
+        import peft
+
+        model = model.to(torch.bfloat16)
+        model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS, lora_dropout=0.0))
+    if case.recompute:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if case.tuner == "lora":
+            model.enable_input_require_grads()
+    return model.to(device).train()
+
+
+def make_batch(vocab: int, case: Case, device: str) -> dict:
+    """A micro-batch in the core's contract: labels already shifted, one sequence per row."""
+    import torch
+
+    ids = torch.randint(0, vocab, (case.micro_batch_size, case.seq_len + 1), device=device)
+    rows = torch.arange(case.micro_batch_size, device=device)[:, None].expand(-1, case.seq_len)
+    return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous(),
+            "position_ids": torch.arange(case.seq_len, device=device).expand(case.micro_batch_size, -1),
+            "sequence_ids": torch.zeros_like(rows)}
+
+
+def measure(config_dict: dict, case: Case, device: str, steps: int, warmup: int) -> dict:
+    import torch
+
+    from toolkit.plan.measure import allocated_bytes, cpu_peak_bytes, saved_activation_bytes
+    from toolkit.train.logps import CausalLMLogps
+
+    model = build_model(config_dict, case, device)
+    module = CausalLMLogps(model, torch.bfloat16)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-5)
+    vocab = config_dict["vocab_size"]
+    batch = make_batch(vocab, case, device)
+
+    def loss_fn():
+        logps = module(batch["input_ids"], batch["labels"], batch["position_ids"], batch["sequence_ids"])[0]
+        return -logps.sum() / logps.numel()
+
+    activations = None if case.recompute else saved_activation_bytes(model, loss_fn, vocab)
+    gc.collect()
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn().backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+
+    for _ in range(warmup):
+        step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    if device == "cuda":
+        peak = torch.cuda.max_memory_allocated()
+    else:  # CPU: the allocator trace of one more step, on top of weights and optimizer states
+        optimizer.zero_grad(set_to_none=True)
+        peak = cpu_peak_bytes(step, allocated_bytes(model, optimizer))
+    return {"peak_bytes": peak, "tokens_per_s": steps * case.micro_batch_size * case.seq_len / elapsed,
+            "activation_bytes": activations}
+
+
+def estimate(config_dict: dict, case: Case, gpu_kind: str) -> dict:
+    """The planner's numbers; on CPU without the CUDA workspace and the foreach-AdamW temporary
+    (CPU AdamW runs tensor by tensor)."""
+    from toolkit.plan import Layout, Workload, layout_memory, make_cluster, shape_from_config, step_time
+    from toolkit.plan.memory import activation_bytes_per_token_layer
+
+    shape = shape_from_config(config_dict, name="bench")
+    workload = Workload(seq_len=case.seq_len, micro_batch_size=case.micro_batch_size,
+                        global_batch_size=case.micro_batch_size, tuner=case.tuner, lora_rank=16)
+    layout = Layout("local", recompute=case.recompute)
+    memory = layout_memory(shape, layout, workload, micro_batches=1)
+    if gpu_kind == "cpu":
+        memory.buffers = memory.optimizer_step_temp = 0.0
+    timing = step_time(shape, layout, workload, make_cluster(1, 1, None, gpu_kind), case.micro_batch_size)
+    activations = activation_bytes_per_token_layer(shape, layout, workload) * shape.layers * workload.micro_batch_tokens
+    return {"peak_bytes": memory.total, "tokens_per_s": timing.tokens_per_second, "activation_bytes": activations,
+            "breakdown_gib": {name: round(value / 2**30, 3) for name, value in memory.rows()}}
+
+
+def order(values: list[float]) -> list[int]:
+    return sorted(range(len(values)), key=lambda i: -values[i])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke test with a tiny model")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+
+    import torch
+
+    from toolkit.plan.hardware import detect_gpu_kind
+
+    device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
+    config, cases = (SHAPE_TINY, TINY_CASES) if args.tiny else (SHAPE_1B, GPU_CASES)
+    steps = args.steps or (3 if args.tiny else 10)
+    gpu_kind = detect_gpu_kind(torch.cuda.get_device_name(0)) if device == "cuda" else "cpu"
+    rows = []
+    for case in cases:
+        measured = measure(config, case, device, steps, args.warmup)
+        gc.collect()  # the previous case's model and optimizer go before the next peak is measured
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        predicted = estimate(config, case, gpu_kind)
+        rows.append({"case": case.name, "measured": measured, "estimate": predicted})
+
+    unit = 2**20 if device == "cpu" else 2**30
+
+    def gib(value):
+        return f"{value / unit:8.2f}" if value is not None else "     n/a"
+
+    def error(est, meas):
+        return f"{(est - meas) / meas:+7.1%}" if meas else "    n/a"
+
+    header = (f"{'configuration':26} {'mem est':>8} {'mem meas':>8} {'err':>7} {'act est':>8} {'act meas':>8} {'err':>7} "
+              f"{'tok/s est':>10} {'tok/s meas':>10} {'err':>7}")
+    print(f"device: {torch.cuda.get_device_name(0) if device == 'cuda' else 'cpu'} (planner GPU kind {gpu_kind}); {'MiB' if device == 'cpu' else 'GiB'}")
+    print(header)
+    for row in rows:
+        m, e = row["measured"], row["estimate"]
+        print(f"{row['case']:26} {gib(e['peak_bytes'])} {gib(m['peak_bytes'])} {error(e['peak_bytes'], m['peak_bytes'])} "
+              f"{gib(e['activation_bytes'])} {gib(m['activation_bytes'])} {error(e['activation_bytes'], m['activation_bytes'])} "
+              f"{e['tokens_per_s']:10.0f} {m['tokens_per_s']:10.0f} {error(e['tokens_per_s'], m['tokens_per_s'])}")
+    est_order = order([r["estimate"]["tokens_per_s"] for r in rows])
+    meas_order = order([r["measured"]["tokens_per_s"] for r in rows])
+    within = [abs(r["estimate"]["peak_bytes"] - r["measured"]["peak_bytes"]) / r["measured"]["peak_bytes"] <= 0.15
+              for r in rows if r["measured"]["peak_bytes"]]
+    print("speed order, planner :", " > ".join(rows[i]["case"] for i in est_order))
+    print("speed order, measured:", " > ".join(rows[i]["case"] for i in meas_order))
+    est_speed = [r["estimate"]["tokens_per_s"] for r in rows]
+    meas_speed = [r["measured"]["tokens_per_s"] for r in rows]
+    pairs = [(i, j) for i in range(len(rows)) for j in range(i + 1, len(rows))]
+    concordant = sum((est_speed[i] - est_speed[j]) * (meas_speed[i] - meas_speed[j]) > 0 for i, j in pairs)
+    print(f"ranking agrees: {est_order == meas_order} ({concordant}/{len(pairs)} pairs ordered alike); "
+          f"memory within 15%: {sum(within)}/{len(within)}")
+    summary = {"device": device, "gpu_kind": gpu_kind, "steps": steps, "rows": rows,
+               "ranking_agrees": est_order == meas_order, "pairs_ordered_alike": [concordant, len(pairs)],
+               "memory_within_15pct": within}
+    if os.environ.get("OUT"):
+        path = os.path.join(os.environ["OUT"], "plan_check.json")
+        with open(path, "w") as handle:
+            json.dump(summary, handle, indent=2)
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""``--strategy auto``: plan for the machine the run is on and turn the best layout into recipe overrides."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from toolkit.errors import LayoutError
+from toolkit.plan.hardware import detect_gpu_kind, make_cluster
+from toolkit.plan.memory import STRATEGIES, Workload
+from toolkit.plan.model import ModelShape, load_shape, shape_from_config
+
+LOCAL = {"strategy": "local", "tensor_parallel": 1, "pipeline_parallel": 1, "virtual_pipeline": 1, "context_parallel": 1,
+         "expert_parallel": 1, "sequence_parallel": False}
+TUNER_FAMILY = {"full": "full", "freeze": "full", "lora": "lora", "dora": "lora", "qlora": "qlora"}
+
+
+def shape_of(source: Any) -> ModelShape:
+    """A ModelShape from a ModelSource, an HF config object, a config dict, or a path."""
+    config = getattr(source, "config", source)
+    if hasattr(config, "to_dict"):
+        name = str(getattr(source, "reference", getattr(config, "name_or_path", "model")) or "model")
+        return shape_from_config(config.to_dict(), name=name)
+    if isinstance(config, dict):
+        return shape_from_config(config)
+    return load_shape(config)
+
+
+def _model_config(recipe: Any) -> Any:
+    """The model's config without loading weights: config.json of a directory, else the loader's."""
+    from pathlib import Path
+
+    if Path(recipe.model).is_dir() or Path(recipe.model).is_file():
+        return Path(recipe.model)
+    from toolkit.builtins.loaders import resolve_model
+
+    return resolve_model(recipe.model, trust_remote_code=getattr(recipe, "trust_remote_code", False))
+
+
+def installed_strategies() -> tuple[str, ...]:
+    try:
+        from toolkit.plugins import get_plugin_manager
+
+        registered = set(get_plugin_manager().registry("strategy"))
+    except Exception:  # a broken plugin must not stop --strategy auto from choosing 'local'
+        registered = {"local"}
+    return tuple(s for s in STRATEGIES if s in registered) or ("local",)
+
+
+def _gpu_memory_and_kind(gpu_memory: Any) -> tuple[Any, str | None]:
+    """(memory, kind) of this machine's GPU, or (None, None) without CUDA."""
+    try:
+        import torch
+    except ImportError:
+        return gpu_memory, None
+    if not torch.cuda.is_available():
+        return gpu_memory, None
+    kind = detect_gpu_kind(torch.cuda.get_device_name(0))
+    if gpu_memory is None:
+        gpu_memory = torch.cuda.get_device_properties(0).total_memory
+    return gpu_memory, kind
+
+
+def choose_strategy(recipe: Any, source: Any = None, world_size: int | None = None, gpu_memory: Any = None) -> dict[str, Any]:
+    """Recipe overrides for the fastest layout that fits ``world_size`` GPUs of this machine.
+
+    ``source``: a ModelSource, HF config, config dict or path; None (or an int, read as
+    ``world_size``, for ``choose_strategy(recipe, world_size)``) plans ``recipe.model``.
+    ``gpu_memory``: bytes or a string such as "80GiB"; None asks CUDA. Without CUDA the answer
+    is the ``local`` strategy (one process or DDP over gloo), whatever the model.
+    """
+    from toolkit.plan.search import plan
+
+    if isinstance(source, int) and not isinstance(source, bool):
+        source, world_size = None, source
+    world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    gpu_memory, kind = _gpu_memory_and_kind(gpu_memory)
+    if kind is None:
+        return dict(LOCAL)
+    if source is None:
+        source = _model_config(recipe)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
+    nodes = max(1, world_size // max(1, local_world))
+    section = recipe.section("lora") if hasattr(recipe, "section") else {}
+    workload = Workload(seq_len=recipe.seq_len, micro_batch_size=recipe.micro_batch_size,
+                        global_batch_size=recipe.global_batch_size, tuner=TUNER_FAMILY.get(recipe.tuner, "lora"),
+                        lora_rank=int(section.get("rank", 16) or 16))
+    cluster = make_cluster(world_size, nodes, gpu_memory, kind)
+    result = plan(shape_of(source), cluster, workload, installed_strategies())
+    if result.best is None:
+        from toolkit.plan.report import render
+
+        raise LayoutError(f"--strategy auto: no installed strategy fits {world_size} GPU(s) for this run.\n"
+                          + render(result, top=0))
+    return result.best.layout.recipe_overrides()

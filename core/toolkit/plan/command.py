@@ -1,0 +1,44 @@
+"""The ``toolkit plan`` command: flags -> model shape, cluster and workload -> ranked report."""
+
+from __future__ import annotations
+
+import click
+
+from toolkit.plan.memory import STRATEGIES, TUNERS
+
+
+@click.command("plan")
+@click.option("--model", "model", required=True, help="HF model directory or a config.json (no weights needed).")
+@click.option("--gpus", type=int, required=True, help="GPUs in total (over all nodes).")
+@click.option("--nodes", type=int, default=1, show_default=True, help="Nodes the GPUs are spread over.")
+@click.option("--gpu", "gpu_kind", default="h100", show_default=True, help="GPU kind for speeds: h100, h200, a100, a100-40, l40s.")
+@click.option("--gpu-memory", default=None, help="Memory per GPU, e.g. 80GiB (default: the GPU kind's).")
+@click.option("--seq-len", type=int, default=4096, show_default=True, help="Tokens per row.")
+@click.option("--micro-batch-size", type=int, default=1, show_default=True, help="Rows per micro-batch per DP rank.")
+@click.option("--global-batch-size", type=int, default=0, help="Rows per optimizer step (0: 8 x GPUs x micro-batch).")
+@click.option("--tuner", type=click.Choice(TUNERS), default="full", show_default=True)
+@click.option("--lora-rank", type=int, default=16, show_default=True)
+@click.option("--strategies", default=",".join(STRATEGIES), show_default=True, help="Strategies to consider, comma-separated.")
+@click.option("--top", type=int, default=3, show_default=True, help="Layouts to print.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the report.")
+def plan_command(model: str, gpus: int, nodes: int, gpu_kind: str, gpu_memory: str | None, seq_len: int,
+                 micro_batch_size: int, global_batch_size: int, tuner: str, lora_rank: int, strategies: str, top: int,
+                 as_json: bool) -> None:
+    """Recommend parallel layouts: per-GPU memory, estimated step time and the reasons.
+
+    Example: toolkit plan --model examples/configs/qwen2-72b.json --gpus 32 --nodes 4 --gpu-memory 80GiB
+    """
+    import json
+
+    from toolkit.plan.hardware import make_cluster
+    from toolkit.plan.memory import Workload
+    from toolkit.plan.model import load_shape
+    from toolkit.plan.report import render, to_json
+    from toolkit.plan.search import plan
+
+    cluster = make_cluster(gpus, nodes, gpu_memory, gpu_kind)
+    workload = Workload(seq_len=seq_len, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
+                        tuner=tuner, lora_rank=lora_rank)
+    chosen = tuple(s.strip() for s in strategies.split(",") if s.strip())
+    result = plan(load_shape(model), cluster, workload, chosen)
+    click.echo(json.dumps(to_json(result, top), indent=2) if as_json else render(result, top))

@@ -1,0 +1,206 @@
+"""The shape of a decoder-only transformer as the planner sees it, read from an HF ``config.json``.
+
+Only the numbers that decide memory and FLOPs are kept (hidden size, layers, heads, FFN, vocab,
+experts); no weights are read, so a hand-written config of a 70B model plans as well as a real one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from toolkit.errors import ModelError
+
+# model_type -> how its MoE fields are spelled; dense families need nothing special.
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo", "olmo2", "granite")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Sizes of one model. ``experts == 0`` means dense; MoE layers replace the dense MLP."""
+
+    name: str
+    model_type: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    tied_embeddings: bool = False
+    qkv_bias: bool = False
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_ffn: int = 0
+    shared_expert_ffn: int = 0
+    moe_layers: int = 0
+
+    # ------------------------------------------------------------------ parameter counts
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def dense_layers(self) -> int:
+        return self.layers - self.moe_layers
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def attention_params(self) -> int:
+        """Q, K, V, O projections (+ biases) and the two norms of one layer."""
+        h = self.hidden
+        weights = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
+        bias = (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
+        qk_norm = 2 * self.head_dim if self.model_type in ("qwen3", "qwen3_moe") else 0
+        return weights + bias + qk_norm + 2 * h
+
+    @property
+    def dense_mlp_params(self) -> int:
+        return 3 * self.hidden * self.ffn
+
+    @property
+    def expert_params_per_layer(self) -> int:
+        """Routed experts of one MoE layer (these are what expert parallelism splits)."""
+        return self.experts * 3 * self.hidden * self.expert_ffn
+
+    @property
+    def moe_shared_params_per_layer(self) -> int:
+        """Router, shared expert and its gate: replicated over expert-parallel ranks."""
+        shared = 3 * self.hidden * self.shared_expert_ffn + (self.hidden if self.shared_expert_ffn else 0)
+        return self.hidden * self.experts + shared
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def output_params(self) -> int:
+        """The LM head; zero extra parameters when tied to the embedding."""
+        return 0 if self.tied_embeddings else self.vocab * self.hidden
+
+    @property
+    def layer_params_nonexpert(self) -> int:
+        """All parameters of the decoder layers except routed experts."""
+        moe = self.moe_layers * self.moe_shared_params_per_layer
+        return self.layers * self.attention_params + self.dense_layers * self.dense_mlp_params + moe
+
+    @property
+    def expert_params(self) -> int:
+        return self.moe_layers * self.expert_params_per_layer
+
+    @property
+    def total_params(self) -> int:
+        return (self.embedding_params + self.output_params + self.hidden
+                + self.layer_params_nonexpert + self.expert_params)
+
+    @property
+    def active_matmul_params(self) -> int:
+        """Weights one token multiplies by (top-k experts only, LM head included once)."""
+        attention = self.layers * (self.hidden * self.q_dim * 2 + 2 * self.hidden * self.kv_dim)
+        dense = self.dense_layers * self.dense_mlp_params
+        moe = self.moe_layers * (self.experts_per_token * 3 * self.hidden * self.expert_ffn
+                                 + 3 * self.hidden * self.shared_expert_ffn + self.hidden * self.experts)
+        return attention + dense + moe + self.vocab * self.hidden
+
+    def linear_params_per_layer(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of the linears LoRA adapts in one dense layer (MoE: per expert)."""
+        ffn = self.expert_ffn if self.is_moe else self.ffn
+        return {"q_proj": (self.hidden, self.q_dim), "k_proj": (self.hidden, self.kv_dim),
+                "v_proj": (self.hidden, self.kv_dim), "o_proj": (self.q_dim, self.hidden),
+                "gate_proj": (self.hidden, ffn), "up_proj": (self.hidden, ffn), "down_proj": (ffn, self.hidden)}
+
+    def lora_params(self, rank: int) -> int:
+        """Adapter parameters for LoRA on every attention and MLP linear (experts included)."""
+        per_layer = 0
+        for name, (fan_in, fan_out) in self.linear_params_per_layer().items():
+            copies = self.experts if (self.is_moe and name.endswith(("gate_proj", "up_proj", "down_proj"))) else 1
+            per_layer += copies * rank * (fan_in + fan_out)
+        return self.layers * per_layer
+
+    def describe(self) -> str:
+        kind = (f"MoE {self.experts} experts top-{self.experts_per_token}, expert FFN {self.expert_ffn}"
+                if self.is_moe else f"dense, FFN {self.ffn}")
+        return (f"{self.name}: {self.total_params / 1e9:.2f}B parameters ({self.active_matmul_params / 1e9:.2f}B active "
+                f"per token), {self.layers} layers, hidden {self.hidden}, {self.heads} heads / {self.kv_heads} KV, "
+                f"vocab {self.vocab}, {kind}")
+
+
+def _need(config: dict[str, Any], key: str, where: str) -> int:
+    value = config.get(key)
+    if value is None:
+        raise ModelError(f"{where}: the config has no {key!r}; the planner needs it to size the model "
+                         "(write it into config.json, as in examples/configs/llama-70b.json)")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ModelError(f"{where}: {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def shape_from_config(config: dict[str, Any], name: str = "model", where: str | None = None) -> ModelShape:
+    """Build a :class:`ModelShape` from the dict of an HF ``config.json``; clear errors for gaps."""
+    where = where or name
+    if not isinstance(config, dict):
+        raise ModelError(f"{where}: expected a JSON object of model settings, got {type(config).__name__}")
+    if "text_config" in config and "hidden_size" not in config:
+        config = {**config["text_config"], "model_type": config["text_config"].get("model_type", config.get("model_type"))}
+    model_type = str(config.get("model_type", ""))
+    if not model_type:
+        raise ModelError(f"{where}: the config has no 'model_type' (e.g. \"llama\", \"qwen2\", \"mixtral\")")
+    hidden = _need(config, "hidden_size", where)
+    layers = _need(config, "num_hidden_layers", where)
+    heads = _need(config, "num_attention_heads", where)
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    vocab = _need(config, "vocab_size", where)
+    if heads % kv_heads:
+        raise ModelError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    common = dict(name=name, model_type=model_type, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                  head_dim=head_dim, vocab=vocab, tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+                  qkv_bias=model_type in ("qwen2", "qwen2_moe") or bool(config.get("attention_bias", False)))
+    if model_type == "mixtral":
+        experts = _need(config, "num_local_experts", where)
+        ffn = _need(config, "intermediate_size", where)
+        return ModelShape(**common, ffn=ffn, experts=experts, experts_per_token=_need(config, "num_experts_per_tok", where),
+                          expert_ffn=ffn, moe_layers=layers)
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        key = "num_experts" if "num_experts" in config else "num_local_experts"  # transformers 5 renames it
+        experts = _need(config, key, where)
+        step = config.get("decoder_sparse_step", 1) or 1
+        dense_only = set(config.get("mlp_only_layers") or [])
+        moe_layers = sum(1 for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
+        return ModelShape(**common, ffn=config.get("intermediate_size") or _need(config, "moe_intermediate_size", where),
+                          experts=experts, experts_per_token=_need(config, "num_experts_per_tok", where),
+                          expert_ffn=_need(config, "moe_intermediate_size", where),
+                          shared_expert_ffn=config.get("shared_expert_intermediate_size", 0) or 0, moe_layers=moe_layers)
+    if model_type not in DENSE_FAMILIES and "num_experts" in config:
+        raise ModelError(f"{where}: MoE model_type {model_type!r} is not known to the planner; known MoE families: "
+                         f"{', '.join(MOE_FAMILIES)}")
+    return ModelShape(**common, ffn=_need(config, "intermediate_size", where))
+
+
+def load_shape(reference: str | Path) -> ModelShape:
+    """A model directory (its ``config.json``) or a JSON config file -> :class:`ModelShape`."""
+    path = Path(reference)
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise ModelError(f"{reference}: the directory has no config.json; give an HF model directory or a config file")
+    elif not path.is_file():
+        raise ModelError(f"{reference}: no such model directory or config file (the planner reads config.json only, "
+                         "no weights; see examples/configs/)")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}") from None
+    name = path.parent.name if path.name == "config.json" else path.stem
+    return shape_from_config(config, name=name, where=str(path))

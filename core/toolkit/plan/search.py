@@ -1,0 +1,214 @@
+"""Enumerate candidate layouts for a model on a cluster, drop the impossible ones with reasons,
+and rank the rest by estimated step time."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from toolkit.errors import ConfigError
+from toolkit.plan.hardware import GIB, Cluster
+from toolkit.plan.memory import STRATEGIES, TUNERS, Layout, MemoryBreakdown, Workload, layout_memory, usable_memory
+from toolkit.plan.model import ModelShape
+from toolkit.plan.timing import TimeBreakdown, step_time
+
+
+@dataclass
+class Candidate:
+    """One layout with its memory and time estimates; ``rejected`` says why it cannot run."""
+
+    layout: Layout
+    memory: MemoryBreakdown | None = None
+    time: TimeBreakdown | None = None
+    rejected: str | None = None
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.rejected is None
+
+    @property
+    def tokens_per_second_per_gpu(self) -> float:
+        return self.time.tokens_per_second / self.layout.world_size if self.time else 0.0
+
+
+@dataclass
+class PlanResult:
+    shape: ModelShape
+    cluster: Cluster
+    workload: Workload
+    global_rows: int
+    ranked: list[Candidate]
+    rejected: list[Candidate]
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.ranked[0] if self.ranked else None
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    values, value = [], 1
+    while value <= limit:
+        values.append(value)
+        value *= 2
+    return values
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(shape: ModelShape, cluster: Cluster, workload: Workload, strategies: tuple[str, ...]) -> list[Layout]:
+    """Every combination worth judging (divisibility is checked later, to report reasons)."""
+    world = cluster.world_size
+    layouts: list[Layout] = []
+    for recompute in (False, True):
+        if "local" in strategies:
+            layouts.append(Layout("local", dp=world, recompute=recompute))
+        if "fsdp" in strategies and world > 1:
+            layouts.append(Layout("fsdp", dp=world, zero=3, recompute=recompute))
+        if "deepspeed" in strategies:
+            for zero in (1, 2, 3):
+                for offload in (False, True):
+                    if world > 1 or zero == 1:
+                        layouts.append(Layout("deepspeed", dp=world, zero=zero, offload=offload, recompute=recompute))
+        if "megatron" in strategies:
+            layouts.extend(_megatron_layouts(shape, cluster, workload, recompute))
+    return layouts
+
+
+def _megatron_layouts(shape: ModelShape, cluster: Cluster, workload: Workload, recompute: bool) -> list[Layout]:
+    world = cluster.world_size
+    cps = [c for c in _powers_of_two(8) if c == 1 or workload.seq_len >= 8192]
+    eps = [e for e in _divisors(shape.experts) if e <= world] if shape.is_moe else [1]
+    out = []
+    for tp in [t for t in _powers_of_two(world) if t <= 2 * cluster.gpus_per_node]:
+        for pp in _divisors(world // tp):
+            for cp in cps:
+                if world % (tp * pp * cp):
+                    continue
+                dp = world // (tp * pp * cp)
+                for vpp in ((1, 2, 4) if pp > 1 else (1,)):
+                    for ep in eps:
+                        for zero in ((0, 1) if dp > 1 or (shape.is_moe and ep < dp * tp * cp) else (0,)):
+                            out.append(Layout("megatron", tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp, zero=zero,
+                                              recompute=recompute))
+    return out
+
+
+def structural_problem(shape: ModelShape, layout: Layout, workload: Workload, global_rows: int) -> str | None:
+    """Why ``layout`` cannot be built for this model at all (None when it can)."""
+    if layout.tp > 1:
+        if shape.heads % layout.tp or shape.kv_heads % layout.tp:
+            return (f"TP{layout.tp} does not divide {shape.heads} attention heads / {shape.kv_heads} KV heads "
+                    "(Megatron splits whole query groups)")
+        if not shape.is_moe and shape.ffn % layout.tp:
+            return f"TP{layout.tp} does not divide the FFN size {shape.ffn}"
+    if shape.layers % (layout.pp * layout.vpp):
+        return f"{shape.layers} layers do not split into PP{layout.pp} x VPP{layout.vpp} = {layout.pp * layout.vpp} equal chunks"
+    if layout.cp > 1 and workload.seq_len % (2 * layout.cp):
+        return f"sequence length {workload.seq_len} is not a multiple of 2 x CP{layout.cp}"
+    if layout.ep > 1:
+        if shape.experts % layout.ep:
+            return f"EP{layout.ep} does not divide {shape.experts} experts"
+        if (layout.world_size // layout.pp) % layout.ep:
+            return f"EP{layout.ep} does not divide the {layout.world_size // layout.pp} GPUs of a pipeline stage"
+    if global_rows % (layout.dp * workload.micro_batch_size):
+        return (f"global batch {global_rows} rows is not a multiple of DP{layout.dp} x micro-batch "
+                f"{workload.micro_batch_size}")
+    if workload.tuner == "qlora" and (layout.strategy == "megatron" or layout.zero >= 3):
+        return "QLoRA's 4-bit base weights cannot be sharded by Megatron TP/PP or ZeRO-3 here"
+    if workload.tuner != "full" and (layout.zero >= 1 and layout.strategy != "megatron" and layout.dp == 1):
+        return "ZeRO with one data-parallel rank shards nothing"
+    return None
+
+
+def _reasons(shape: ModelShape, candidate: Candidate, cluster: Cluster, usable: float) -> list[str]:
+    layout, memory, time = candidate.layout, candidate.memory, candidate.time
+    gpn = cluster.gpus_per_node
+    reasons = [f"fits: {memory.total / GIB:.1f} of {usable / GIB:.1f} GiB usable per GPU ({memory.stage}); "
+               + ", ".join(f"{name} {value / GIB:.1f}" for name, value in memory.rows() if value > 0.05 * GIB)]
+    if layout.tp > 1:
+        where = "inside one node (NVLink)" if layout.tp <= gpn else "across nodes (network): slow"
+        reasons.append(f"TP{layout.tp} {where}: splits each layer's weights {layout.tp} ways; "
+                       f"TP traffic {time.tensor_parallel:.2f} s/step")
+    if layout.pp > 1:
+        bubble = (layout.pp - 1) / (layout.vpp * time.micro_batches)
+        reasons.append(f"PP{layout.pp}{f' x VPP{layout.vpp}' if layout.vpp > 1 else ''}: "
+                       f"{shape.layers // layout.pp} layers per stage, {time.micro_batches} micro-batches per step, "
+                       f"bubble {bubble:.1%} of compute")
+    if layout.ep > 1:
+        reasons.append(f"EP{layout.ep}: {shape.experts // layout.ep} experts per GPU; all-to-all "
+                       f"{time.expert_parallel:.2f} s/step")
+    if layout.zero and layout.dp > 1:
+        what = {1: "optimizer states", 2: "optimizer states and gradients", 3: "optimizer states, gradients and weights"}
+        reasons.append(f"{'distributed optimizer' if layout.strategy == 'megatron' else f'ZeRO-{layout.zero}'} "
+                       f"shards {what[layout.zero]} over DP{layout.dp}")
+    if layout.recompute:
+        reasons.append(f"recompute: activations {memory.activations / GIB:.1f} GiB instead of "
+                       f"{memory.activations_without_recompute / GIB:.1f} GiB, one extra forward pass")
+    if time.data_parallel > 0.01 * time.total:
+        reasons.append(f"DP{layout.dp} gradient sync {time.data_parallel:.2f} s/step exposed")
+    top = max(time.rows(), key=lambda row: row[1])
+    reasons.append(f"step {time.total:.2f} s ({time.tokens_per_step} tokens), {top[0]} dominates; "
+                   f"matmul efficiency {time.efficiency:.0%}")
+    return reasons
+
+
+def evaluate(shape: ModelShape, layout: Layout, workload: Workload, cluster: Cluster, global_rows: int) -> Candidate:
+    """Memory and time of one layout, or the reason it is impossible."""
+    candidate = Candidate(layout)
+    problem = structural_problem(shape, layout, workload, global_rows)
+    if problem:
+        candidate.rejected = problem
+        return candidate
+    micro_batches = global_rows // (layout.dp * workload.micro_batch_size)
+    candidate.memory = layout_memory(shape, layout, workload, micro_batches)
+    candidate.time = step_time(shape, layout, workload, cluster, global_rows)
+    usable = usable_memory(cluster)
+    if candidate.memory.total > usable:
+        largest = max(candidate.memory.rows(), key=lambda row: row[1])
+        candidate.rejected = (f"needs {candidate.memory.total / GIB:.1f} GiB per GPU, {usable / GIB:.1f} GiB usable "
+                              f"(largest: {largest[0]} {largest[1] / GIB:.1f} GiB)")
+        return candidate
+    candidate.reasons = _reasons(shape, candidate, cluster, usable)
+    return candidate
+
+
+def check_inputs(cluster: Cluster, workload: Workload, strategies: tuple[str, ...]) -> None:
+    problems = []
+    if workload.seq_len < 1:
+        problems.append(f"--seq-len must be at least 1, got {workload.seq_len}")
+    if workload.micro_batch_size < 1:
+        problems.append(f"--micro-batch-size must be at least 1, got {workload.micro_batch_size}")
+    if workload.global_batch_size < 0:
+        problems.append(f"--global-batch-size must be 0 (automatic) or more, got {workload.global_batch_size}")
+    if workload.tuner not in TUNERS:
+        problems.append(f"--tuner {workload.tuner!r} is not planned; choose one of {', '.join(TUNERS)}")
+    if workload.lora_rank < 1:
+        problems.append(f"--lora-rank must be at least 1, got {workload.lora_rank}")
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown or not strategies:
+        problems.append(f"--strategies {','.join(unknown) or '(none)'}: choose from {', '.join(STRATEGIES)}")
+    if problems:
+        raise ConfigError(problems)
+
+
+def plan(shape: ModelShape, cluster: Cluster, workload: Workload, strategies: tuple[str, ...] = STRATEGIES) -> PlanResult:
+    """Judge every candidate layout; feasible ones ranked fastest first."""
+    check_inputs(cluster, workload, strategies)
+    global_rows = workload.global_batch_size or 8 * cluster.world_size * workload.micro_batch_size
+    seen: set[Layout] = set()
+    ranked, rejected = [], []
+    for layout in enumerate_layouts(shape, cluster, workload, strategies):
+        if layout in seen:
+            continue
+        seen.add(layout)
+        candidate = evaluate(shape, layout, workload, cluster, global_rows)
+        (ranked if candidate.fits else rejected).append(candidate)
+    # Fastest first; step times within 0.5% tie (the model is not more precise than that),
+    # then less memory, then fewer model-parallel splits.
+    ranked.sort(key=lambda c: (round(math.log(c.time.total) / math.log(1.005)), c.memory.total,
+                               c.layout.tp * c.layout.pp * c.layout.cp))
+    return PlanResult(shape, cluster, workload, global_rows, ranked, rejected)
+

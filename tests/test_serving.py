@@ -1,0 +1,117 @@
+"""toolkit.serving against a fake engine server: waits until it answers, prints the URL, ends the
+whole process tree on SIGTERM, and reports an early exit or a server that never answers."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+FAKE_SERVER = textwrap.dedent("""
+    import http.server, json, os, subprocess, sys, time
+    report, delay, port, code = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    with open(report, "w") as f:
+        json.dump({"pid": os.getpid(), "child": child.pid, "env": os.environ.get("FAKE_ENV")}, f)
+    time.sleep(delay)
+    if code:
+        print("fake engine: out of memory", flush=True)
+        sys.exit(code)
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+        def log_message(self, *args):
+            pass
+    http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+""")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def command(tmp_path: Path, port: int, delay: float = 0.5, code: int = 0):
+    from toolkit.serving import ServerCommand
+
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE_SERVER)
+    argv = [sys.executable, str(script), str(tmp_path / "report.json"), str(delay), str(port), str(code)]
+    return ServerCommand(argv=argv, host="127.0.0.1", port=port, env={"FAKE_ENV": "set"}, name="fake engine")
+
+
+def test_serve_forever_prints_url_and_ends_the_tree_on_sigterm(tmp_path):
+    port = free_port()
+    cmd = command(tmp_path, port, delay=1.0)
+    code = ("import json, sys; from toolkit.serving import ServerCommand, serve_forever; "
+            "c = ServerCommand(**json.loads(sys.argv[1])); sys.exit(serve_forever(c, startup_timeout_s=60))")
+    spec = json.dumps({"argv": cmd.argv, "host": cmd.host, "port": cmd.port, "env": cmd.env, "name": cmd.name})
+    runner = subprocess.Popen([sys.executable, "-c", code, spec], stdout=subprocess.PIPE, text=True)
+    lines = []
+    try:
+        for line in runner.stdout:
+            lines.append(line)
+            if "is ready" in line:
+                break
+        assert f"fake engine is ready: http://127.0.0.1:{port}/v1" in lines[-1], lines
+        report = json.loads((tmp_path / "report.json").read_text())
+        assert report["env"] == "set" and alive(report["pid"]) and alive(report["child"])
+        runner.send_signal(signal.SIGTERM)
+        assert runner.wait(timeout=30) == 0
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (alive(report["pid"]) or alive(report["child"])):
+        time.sleep(0.1)
+    assert not alive(report["pid"]) and not alive(report["child"])
+
+
+def test_early_exit_names_code_and_log(tmp_path):
+    from toolkit.serving import RunningServer, ServeError
+
+    with RunningServer(command(tmp_path, free_port(), delay=0.2, code=3)) as server, \
+            pytest.raises(ServeError, match=r"(?s)exited with code 3 before answering.*out of memory"):
+        server.wait_ready(timeout_s=30, poll_s=0.1)
+
+
+def test_server_that_never_answers_times_out_and_is_stopped(tmp_path):
+    from toolkit.serving import RunningServer, ServeError
+
+    server = RunningServer(command(tmp_path, free_port(), delay=600))
+    with pytest.raises(ServeError, match="did not answer"):
+        server.wait_ready(timeout_s=1.5, poll_s=0.2)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert server.process.poll() is not None and not alive(report["child"])
+
+
+def test_split_extra_applies_known_fields_and_passes_the_rest():
+    from dataclasses import dataclass
+
+    from toolkit.serving import engine_flags, split_extra
+
+    @dataclass(kw_only=True)
+    class Config:
+        tp: int = 1
+        name: str = ""
+
+    config, rest = split_extra(Config(), ["tp=4", "max-model-len=512", "enable-prefix-caching=true", "skip=false"])
+    assert config.tp == 4 and rest == {"max-model-len": "512", "enable-prefix-caching": "true", "skip": "false"}
+    assert engine_flags(rest) == ["--max-model-len", "512", "--enable-prefix-caching"]
