@@ -163,10 +163,11 @@ def _named_params(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     inner = model
     while hasattr(inner, "module") and not hasattr(inner, "decoder"):
         inner = inner.module
+    merged = getattr(inner, "toolkit_merged", {})
     for name, param in inner.named_parameters():
-        if ".lora_" in name or name.endswith((".lora_a", ".lora_b", ".magnitude")):
+        if ".lora_" in name:
             continue
-        yield name.replace(".base_layer.", "."), param
+        yield name.replace(".base.", "."), merged.get(name, param)
 
 
 def _unwrap(model: Any) -> Any:

@@ -105,6 +105,23 @@ def _optimizer_format(optimizer: Any) -> dict[str, Any]:
     return {"sharding_type": "dp_reshardable"} if any(isinstance(o, DistributedOptimizer) for o in inner) else {}
 
 
+def stop_checkpoint_workers() -> None:
+    """End the multiprocessing manager Megatron's async file writer starts for its results queue.
+
+    It is a child of this process; runs that leave through ``os._exit`` (the clean gloo exit)
+    would otherwise orphan it, and it keeps the parent's stdout/stderr open.
+    """
+    import multiprocessing
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async._results_queue = None
+    for child in multiprocessing.active_children():
+        if child.name.startswith("SyncManager"):
+            child.terminate()
+            child.join(timeout=10)
+
+
 def check_reload_layout(directory: str | Path, layout: Layout) -> int:
     """The saved padded vocabulary, after checking it splits evenly over ``layout.tensor``."""
     padded = int(read_marker(directory)["padded_vocab_size"])
@@ -125,7 +142,10 @@ def load_mcore(models: list[Any], directory: str | Path, optimizer: Any = None) 
     with cpu_compat(), torch.no_grad():
         loaded = dist_checkpointing.load(state, str(directory))
         for i, model in enumerate(models):
-            _unwrap(model).load_state_dict(loaded[f"model{i}"], strict=False)
+            missing, _ = _unwrap(model).load_state_dict(loaded[f"model{i}"], strict=False)
+            missing = [k for k in missing if not k.endswith("_extra_state")]
+            if missing:
+                raise ModelError(f"{directory} lacks {len(missing)} weights of this model, e.g. {missing[:3]}")
         if optimizer is not None:
             optimizer.load_state_dict(loaded["optimizer"])
     return read_marker(directory)

@@ -97,7 +97,7 @@ def _export_worker(hf_dir: str, output: str, layout: Any, dtype: str, tokenizer_
     from transformers import AutoConfig
 
     from toolkit_megatron.bridge import SafetensorsReader, load_hf_weights
-    from toolkit_megatron.checkpoint import save_mcore
+    from toolkit_megatron.checkpoint import save_mcore, stop_checkpoint_workers
     from toolkit_megatron.model import build_model, initialize_parallel
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
@@ -105,6 +105,7 @@ def _export_worker(hf_dir: str, output: str, layout: Any, dtype: str, tokenizer_
     models = build_model(hf_config, layout, dtype=getattr(torch, dtype))
     load_hf_weights(models, hf_config, SafetensorsReader.from_directory(Path(hf_dir)))
     save_mcore(models, output, hf_config, layout, extra={"dtype": dtype}, tokenizer_source=Path(tokenizer_source))
+    stop_checkpoint_workers()
 
 
 def resolve_mcore_source(path: str) -> Any:

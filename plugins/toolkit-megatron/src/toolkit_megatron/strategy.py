@@ -42,8 +42,8 @@ class MegatronStrategy:
             problems.append(f"world size {world_size} is not divisible by tp*pp*cp = {layout.tensor}*{layout.pipeline}*{layout.context}")
         if recipe.expert_parallel > 1 or recipe.expert_tensor_parallel > 1:
             problems.append("--ep/--etp: MoE models are not supported by the megatron strategy yet")
-        if recipe.tuner not in ("full",):
-            problems.append(f"--tuner {recipe.tuner}: the megatron strategy trains with --tuner full only for now")
+        if recipe.tuner not in ("full", "lora"):
+            problems.append(f"--tuner {recipe.tuner}: the megatron strategy trains with --tuner full or lora")
         if recipe.precision == "fp16":
             problems.append("--precision fp16: use bf16 or fp32 with the megatron strategy")
         return problems
@@ -94,6 +94,11 @@ class MegatronEngine:
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         chunks = build_model(source.config, self.layout, dtype=self.dtype, attention=config.attention, **overrides)
         load_hf_weights(chunks, source.config, SafetensorsReader.from_directory(source.directory))
+        if tuner is not None and tuner.name == "lora":
+            from toolkit_megatron.lora import apply_lora, hf_adapters
+
+            adapters, scale = hf_adapters(source, tuner, recipe)
+            apply_lora(chunks, adapters, scale, getattr(tuner.config, "dropout", 0.0), source.config, chunks[0].vocab_size)
         self.chunks = chunks
         self.models, self.optimizer = self._wrap(chunks)
         self.dp_rank = ps.get_data_parallel_rank()
@@ -234,9 +239,18 @@ class MegatronEngine:
             self.optimizer.step()
 
     def export_tensors(self) -> Iterator[tuple[str, Any]]:
+        """HF tensors on rank 0 (every rank iterates); LoRA adapters are merged into the base weights."""
         from toolkit_megatron.bridge import export_hf_tensors
+        from toolkit_megatron.lora import LoRALinear
 
-        yield from export_hf_tensors(self.models, self.source.config)
+        for chunk in self.chunks:
+            chunk.toolkit_merged = {f"{path}.base.weight": module.merged_weight()
+                                    for path, module in chunk.named_modules() if isinstance(module, LoRALinear)}
+        try:
+            yield from export_hf_tensors(self.chunks, self.source.config)
+        finally:
+            for chunk in self.chunks:
+                chunk.toolkit_merged = {}
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         from toolkit.train.distributed import all_reduce_sum
@@ -249,4 +263,7 @@ class MegatronEngine:
         torch.distributed.barrier()
 
     def close(self) -> None:
+        from toolkit_megatron.checkpoint import stop_checkpoint_workers
+
         self.finish_pending_save()
+        stop_checkpoint_workers()
