@@ -137,7 +137,8 @@ def _install() -> None:
     _patch(cuda.random, "get_rng_state", lambda device="cuda": torch.get_rng_state())
     _patch(cuda, "set_rng_state", lambda state, device="cuda": torch.set_rng_state(state))
     _patch(cuda, "manual_seed", lambda seed: torch.manual_seed(seed))
-    _patch(cuda, "current_device", lambda: 0)
+    # A device, not an index: backward passes run outside the function mode, so an int would mean cuda:N.
+    _patch(cuda, "current_device", lambda: torch.device("cpu"))
     _patch(cuda, "synchronize", lambda device=None: None)
     _patch(cuda, "empty_cache", lambda: None)
     _patch(cuda, "Stream", _NullStream)

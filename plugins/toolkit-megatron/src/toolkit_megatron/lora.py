@@ -47,6 +47,33 @@ def hf_adapters(source: Any, tuner: Any, recipe: Any) -> tuple[dict, float]:
     return adapters, scale
 
 
+class _ReplicatedA(torch.autograd.Function):
+    """``x @ A.T`` for a column-parallel layer's replicated ``A``.
+
+    Each TP rank only sees the gradient of its own output rows, so the gradient reaching ``A``
+    is summed over the TP group (every rank then holds ``A``'s full gradient). The input's
+    gradient stays partial under sequence parallelism, where the gather's backward sums it.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.sequence_parallel = sequence_parallel
+        return torch.nn.functional.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        from megatron.core import parallel_state as ps
+
+        x, weight = ctx.saved_tensors
+        full = grad.contiguous().clone()
+        if ps.get_tensor_model_parallel_world_size() > 1:
+            torch.distributed.all_reduce(full, group=ps.get_tensor_model_parallel_group())
+        grad_weight = full.reshape(-1, full.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        grad_x = (grad if ctx.sequence_parallel else full) @ weight
+        return grad_x, grad_weight.to(weight.dtype), None
+
+
 class LoRALinear(torch.nn.Module):
     """A Megatron Column/RowParallelLinear plus LoRA adapters for the HF projections fused into it."""
 
@@ -76,6 +103,8 @@ class LoRALinear(torch.nn.Module):
             if kind in ("linear_proj", "linear_fc2"):
                 getattr(self, f"lora_a_{part}").tensor_model_parallel = True
                 getattr(self, f"lora_a_{part}").partition_dim = 1
+                # B sees one sequence chunk per rank under SP: finalize_model_grads sums it over TP.
+                getattr(self, f"lora_b_{part}").sequence_parallel = self.sequence_parallel
             else:
                 getattr(self, f"lora_b_{part}").tensor_model_parallel = True
                 getattr(self, f"lora_b_{part}").partition_dim = 0
@@ -102,7 +131,10 @@ class LoRALinear(torch.nn.Module):
         if not row and self.sequence_parallel:
             x = mappings.gather_from_sequence_parallel_region(x)
         x = self.dropout(x)
-        pieces = [torch.nn.functional.linear(x, getattr(self, f"lora_a_{p}")) for p in self.order]
+        if row:
+            pieces = [torch.nn.functional.linear(x, getattr(self, f"lora_a_{p}")) for p in self.order]
+        else:
+            pieces = [_ReplicatedA.apply(x, getattr(self, f"lora_a_{p}"), self.sequence_parallel) for p in self.order]
         if row:
             a = mappings.reduce_from_tensor_model_parallel_region(pieces[0])
             delta = torch.nn.functional.linear(a, getattr(self, f"lora_b_{self.order[0]}"))
