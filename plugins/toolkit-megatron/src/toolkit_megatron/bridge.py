@@ -271,21 +271,22 @@ def export_hf_tensors(models: list[Any], hf_config: Any) -> Iterator[tuple[str, 
                     for hf_name, tensor in hf_pieces(arch, name, layer, full, geo, tied):
                         tensor = tensor.contiguous()
                         if rank == 0:
-                            yield hf_name, tensor
+                            yield hf_name, tensor.cpu()
                         else:
-                            meta = torch.tensor(list(tensor.shape) + [-1] * (4 - tensor.dim()), dtype=torch.long)
+                            meta = torch.tensor(list(tensor.shape) + [-1] * (4 - tensor.dim()), dtype=torch.long, device=tensor.device)
                             torch.distributed.send(meta, dst=0)
                             torch.distributed.send(tensor, dst=0)
         if rank == 0:
-            dtype = next(iter(params.values())).dtype
+            first = next(iter(params.values()))
+            dtype, device = first.dtype, first.device
             for source, hf_name in order:
                 if source == 0:
                     continue
-                meta = torch.empty(4, dtype=torch.long)
+                meta = torch.empty(4, dtype=torch.long, device=device)
                 torch.distributed.recv(meta, src=source)
-                tensor = torch.empty([int(d) for d in meta if d >= 0], dtype=dtype)
+                tensor = torch.empty([int(d) for d in meta.tolist() if d >= 0], dtype=dtype, device=device)
                 torch.distributed.recv(tensor, src=source)
-                yield hf_name, tensor
+                yield hf_name, tensor.cpu()
 
 
 def _fake_shape(name: str, geo: Geometry) -> tuple[int, ...]:

@@ -79,7 +79,7 @@ def make_loss_func(loss: Any, ctx: StepContext) -> Any:
                          sequence_meta=meta, reference_logps=meta.get("reference_logps"))
         result = loss(out, ctx)
         reported = {"loss": result.loss.detach(), **{k: v.detach() for k, v in result.metrics.items()}}
-        return result.loss, torch.tensor(1, dtype=torch.int), reported
+        return result.loss, torch.tensor(1, dtype=torch.int, device=logits.device), reported
 
     return loss_func
 
@@ -93,7 +93,7 @@ def _plain_causal(position_ids: torch.Tensor, sequence_ids: torch.Tensor) -> boo
     return trailing_pad and one_sequence and bool(((position_ids == arange) | ~valid).all())
 
 
-def prepare_micro_batches(micro_batches: list[dict], layout: Any, real_vocab: int) -> list[dict]:
+def prepare_micro_batches(micro_batches: list[dict], layout: Any, real_vocab: int, device: torch.device) -> list[dict]:
     """Pad every micro-batch to one length that splits over CP/SP, and attach the attention meta."""
     multiple = (2 * layout.context if layout.context > 1 else 1) * (layout.tensor if layout.sequence_parallel else 1)
     longest = max(mb["input_ids"].shape[1] for mb in micro_batches)
@@ -103,7 +103,15 @@ def prepare_micro_batches(micro_batches: list[dict], layout: Any, real_vocab: in
         pad = length - mb["input_ids"].shape[1]
         padded = {k: torch.nn.functional.pad(mb[k], (0, pad), value=v)
                   for k, v in (("input_ids", 0), ("labels", IGNORE_INDEX), ("position_ids", 0), ("sequence_ids", -1))}
-        plain = _plain_causal(padded["position_ids"], padded["sequence_ids"])
-        prepared.append({**mb, **padded, "meta": None if plain else torch.stack([padded["position_ids"], padded["sequence_ids"]]),
-                         "real_vocab": real_vocab})
+        plain = _plain_causal(padded["position_ids"].cpu(), padded["sequence_ids"].cpu())
+        micro = {**mb, **padded, "meta": None if plain else torch.stack([padded["position_ids"], padded["sequence_ids"]])}
+        prepared.append({**_to(micro, device), "real_vocab": real_vocab})
     return prepared
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    return value

@@ -204,6 +204,8 @@ def build_model(hf_config: Any, layout: Layout, dtype: Any = None, attention: At
             )
             model.toolkit_real_vocab = hf_config.vocab_size
             mark_tensor_parallel(model)
+            if torch.cuda.is_available():
+                model.cuda(torch.cuda.current_device())
             chunks.append(model)
     return chunks
 

@@ -76,6 +76,7 @@ class MegatronEngine:
         from toolkit_megatron.model import build_model, check_layout, initialize_parallel
 
         self.world = init_world()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         if not torch.distributed.is_initialized():
             from toolkit_megatron.checkpoint import _ensure_process_group
 
@@ -151,7 +152,7 @@ class MegatronEngine:
         from toolkit_megatron.logps import make_loss_func, prepare_micro_batches
         from toolkit_megatron.schedule import run_schedule
 
-        batches = prepare_micro_batches(micro_batches, self.layout, self.source.config.vocab_size)
+        batches = prepare_micro_batches(micro_batches, self.layout, self.source.config.vocab_size, self.device)
         collected = run_schedule(self.models, batches, make_loss_func(loss, ctx), forward_only=forward_only)
         counted = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0 \
             and ps.get_context_parallel_rank() == 0
@@ -255,7 +256,7 @@ class MegatronEngine:
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         from toolkit.train.distributed import all_reduce_sum
 
-        return all_reduce_sum(values)
+        return all_reduce_sum(values, self.device if self.device.type == "cuda" else None)
 
     def barrier(self) -> None:
         import torch
