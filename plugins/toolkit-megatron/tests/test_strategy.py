@@ -67,9 +67,20 @@ def test_resume_after_step_3_and_export(local_run, tmp_path):
     torch.testing.assert_close(exported, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_lora_tp2_equals_local_lora(tmp_path):
+def test_lora_tp2_equals_local_lora_and_exports_merged(tmp_path):
     pytest.importorskip("toolkit_peft", reason="LoRA comes from toolkit-peft")
-    lora = ["--tuner", "lora", "--lora-rank", "4", "--lora-alpha", "8"]
-    toolkit("sft", *COMMON, *lora, "--output", str(tmp_path / "local"))
-    toolkit("sft", *COMMON, *lora, "--output", str(tmp_path / "tp2"), "--strategy", "megatron", "--tp", "2", nproc=2)
+    from transformers import AutoModelForCausalLM
+
+    lora = ["--tuner", "lora", "--lora-rank", "4", "--lora-alpha", "8", "--max-steps", "3"]
+    toolkit("sft", *COMMON, *lora, "--output", str(tmp_path / "local"), "--export", "hf")
+    toolkit("sft", *COMMON, *lora, "--output", str(tmp_path / "tp2"), "--strategy", "megatron", "--tp", "2",
+            "--export", "hf", nproc=2)
     assert_same_steps(metrics(tmp_path / "local"), metrics(tmp_path / "tp2"))
+    toolkit("export", str(tmp_path / "tp2"), "--to", "hf", "--output", str(tmp_path / "from-checkpoint"))
+    ids = torch.arange(5, 40)[None]
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(tmp_path / "local/export")(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "tp2/export")(ids).logits
+        again = AutoModelForCausalLM.from_pretrained(tmp_path / "from-checkpoint")(ids).logits
+    torch.testing.assert_close(merged, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(again, merged, rtol=0, atol=1e-6)

@@ -151,10 +151,12 @@ def load_mcore(models: list[Any], directory: str | Path, optimizer: Any = None) 
     return read_marker(directory)
 
 
-def mcore_to_hf_tensors(directory: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def mcore_to_hf_tensors(directory: str | Path, lora: tuple | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """HF tensors from a toolkit mcore directory, loaded in this process (TP1/PP1).
 
-    Starts a one-process gloo group when torch.distributed is not initialised yet.
+    ``lora``: ``(adapters, scale, dropout)`` when the checkpoint holds LoRA adapters (a LoRA
+    run's checkpoint); they are merged into the exported weights. Starts a one-process gloo
+    group when torch.distributed is not initialised yet.
     """
     from transformers import AutoConfig
 
@@ -169,8 +171,15 @@ def mcore_to_hf_tensors(directory: str | Path) -> Iterator[tuple[str, torch.Tens
         initialize_parallel(layout)
         dtype = getattr(torch, read_marker(directory).get("dtype", "float32"))
         models = build_model(hf_config, layout, dtype=dtype, vocab_size=padded)
-        load_mcore(models, directory)
-        yield from export_hf_tensors(models, hf_config)
+        if lora is not None:
+            from toolkit_megatron.lora import apply_lora, export_merged
+
+            apply_lora(models, lora[0], lora[1], lora[2], hf_config, padded)
+            load_mcore(models, directory)
+            yield from export_merged(models, hf_config)
+        else:
+            load_mcore(models, directory)
+            yield from export_hf_tensors(models, hf_config)
     finally:
         if own_group:
             from megatron.core import parallel_state

@@ -212,3 +212,17 @@ def apply_lora(models: list[Any], adapters: dict, scale: float, dropout: float, 
             for module_name, parts in grouped.items():
                 owner = layer.self_attention if module_name in ("linear_qkv", "linear_proj") else layer.mlp
                 setattr(owner, module_name, LoRALinear(getattr(owner, module_name), module_name, parts, geo, scale, dropout))
+
+
+def export_merged(chunks: list[Any], hf_config: Any) -> Any:
+    """HF tensors of ``chunks`` with every LoRA adapter merged into its base weight (rank 0 yields)."""
+    from toolkit_megatron.bridge import export_hf_tensors
+
+    for chunk in chunks:
+        chunk.toolkit_merged = {f"{path}.base.weight": module.merged_weight()
+                                for path, module in chunk.named_modules() if isinstance(module, LoRALinear)}
+    try:
+        yield from export_hf_tensors(chunks, hf_config)
+    finally:
+        for chunk in chunks:
+            chunk.toolkit_merged = {}

@@ -85,8 +85,8 @@ def gather_logits(models: list[Any], input_ids: torch.Tensor, meta: torch.Tensor
     if cp > 1:
         parts = [torch.empty_like(logits) for _ in range(cp)]
         torch.distributed.all_gather(parts, logits.contiguous(), group=ps.get_context_parallel_group())
-        order = torch.cat([load_balanced_indices(input_ids.shape[1], cp, r) for r in range(cp)])
-        full = torch.empty(logits.shape[0], input_ids.shape[1], logits.shape[2], dtype=logits.dtype)
+        order = torch.cat([load_balanced_indices(input_ids.shape[1], cp, r) for r in range(cp)]).to(logits.device)
+        full = logits.new_empty(logits.shape[0], input_ids.shape[1], logits.shape[2])
         full[:, order] = torch.cat(parts, dim=1)
         logits = full
     return logits[..., : models[-1].toolkit_real_vocab]

@@ -54,7 +54,12 @@ class MegatronStrategy:
     def checkpoint_tensors(self, checkpoint: Path, source: Any, tuner: Any, recipe: Any) -> Iterator[tuple[str, Any]]:
         from toolkit_megatron.checkpoint import mcore_to_hf_tensors
 
-        yield from mcore_to_hf_tensors(Path(checkpoint) / "mcore")
+        lora = None
+        if tuner is not None and tuner.name == "lora":
+            from toolkit_megatron.lora import hf_adapters
+
+            lora = (*hf_adapters(source, tuner, recipe), getattr(tuner.config, "dropout", 0.0))
+        yield from mcore_to_hf_tensors(Path(checkpoint) / "mcore", lora=lora)
 
 
 def _layout(recipe: Any) -> Any:
@@ -241,17 +246,9 @@ class MegatronEngine:
 
     def export_tensors(self) -> Iterator[tuple[str, Any]]:
         """HF tensors on rank 0 (every rank iterates); LoRA adapters are merged into the base weights."""
-        from toolkit_megatron.bridge import export_hf_tensors
-        from toolkit_megatron.lora import LoRALinear
+        from toolkit_megatron.lora import export_merged
 
-        for chunk in self.chunks:
-            chunk.toolkit_merged = {f"{path}.base.weight": module.merged_weight()
-                                    for path, module in chunk.named_modules() if isinstance(module, LoRALinear)}
-        try:
-            yield from export_hf_tensors(self.chunks, self.source.config)
-        finally:
-            for chunk in self.chunks:
-                chunk.toolkit_merged = {}
+        yield from export_merged(self.chunks, self.source.config)
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         from toolkit.train.distributed import all_reduce_sum
