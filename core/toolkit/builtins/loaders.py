@@ -83,6 +83,16 @@ def materialize_preset(name: str, directory: Path | None = None, seed: int = 0, 
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.save_pretrained(staging, safe_serialization=True)
+        if not (staging / "model.safetensors").is_file():
+            # transformers writes weights only on rank 0 of an initialised process group; every
+            # rank that materialises a preset must produce a complete directory, or a broken one
+            # could win the rename below and stay in the cache.
+            from safetensors.torch import save_file
+
+            tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+            state = {k: v.contiguous() for k, v in model.state_dict().items() if k not in tied}
+            save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
+            config.save_pretrained(staging)
         tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
         tokenizer.save_pretrained(staging)
         GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, do_sample=False).save_pretrained(staging)

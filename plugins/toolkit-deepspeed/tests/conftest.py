@@ -1,0 +1,52 @@
+"""Shared settings and fixtures for the DeepSpeed plugin's tests: offline, one thread, one extension cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+# DeepSpeed compiles C++ ops on first use; every test process shares one cache of them.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "toolkit" / "torch_extensions"))
+
+HERE = Path(__file__).parent
+
+
+class ScenarioReport(dict):
+    """What ``scenarios.py`` measured, by scenario name."""
+
+    def series(self, name: str, key: str) -> list[float]:
+        return [step[key] for step in self[name]["history"]]
+
+
+def torchrun(script: Path, *args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    from toolkit_deepspeed.runtime import free_port
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+               str(script), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="session")
+def scenarios(tmp_path_factory):
+    """``scenarios(group)``: run one group of two-rank scenarios (once per session) and return its report."""
+    reports: dict[str, ScenarioReport] = {}
+
+    def run(group: str) -> ScenarioReport:
+        if group not in reports:
+            work = tmp_path_factory.mktemp(group)
+            path = work / "report.json"
+            done = torchrun(HERE / "scenarios.py", str(path), str(work), env={"SCENARIOS": group})
+            assert path.is_file(), f"scenarios failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+            data = json.loads(path.read_text())
+            assert not data.get("errors"), data["errors"]
+            reports[group] = ScenarioReport(data)
+        return reports[group]
+
+    return run
