@@ -84,3 +84,19 @@ def test_lora_tp2_equals_local_lora_and_exports_merged(tmp_path):
         again = AutoModelForCausalLM.from_pretrained(tmp_path / "from-checkpoint")(ids).logits
     torch.testing.assert_close(merged, expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(again, merged, rtol=0, atol=1e-6)
+
+
+def test_dora_tp2_sequence_parallel_equals_local_dora(tmp_path):
+    pytest.importorskip("toolkit_peft", reason="DoRA comes from toolkit-peft")
+    from transformers import AutoModelForCausalLM
+
+    dora = ["--tuner", "dora", "--dora-rank", "4", "--dora-alpha", "8", "--max-steps", "3"]
+    toolkit("sft", *COMMON, *dora, "--output", str(tmp_path / "local"), "--export", "hf")
+    toolkit("sft", *COMMON, *dora, "--output", str(tmp_path / "sp"), "--strategy", "megatron", "--tp", "2",
+            "--sequence-parallel", "--export", "hf", nproc=2)
+    assert_same_steps(metrics(tmp_path / "local"), metrics(tmp_path / "sp"))
+    ids = torch.arange(5, 40)[None]
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(tmp_path / "local/export")(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "sp/export")(ids).logits
+    torch.testing.assert_close(merged, expected, rtol=1e-4, atol=1e-4)

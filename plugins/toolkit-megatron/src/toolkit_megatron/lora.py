@@ -20,7 +20,7 @@ from toolkit.errors import ConfigError
 _HF_TO_PARTS = {"q_proj": ("linear_qkv", "q"), "k_proj": ("linear_qkv", "k"), "v_proj": ("linear_qkv", "v"),
                 "gate_proj": ("linear_fc1", "gate"), "up_proj": ("linear_fc1", "up"),
                 "o_proj": ("linear_proj", "o"), "down_proj": ("linear_fc2", "down")}
-_NAME = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.(?:default\.)?weight$")
+_NAME = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_(A|B|magnitude_vector)(?:\.default)?(?:\.weight)?$")
 
 
 def hf_adapters(source: Any, tuner: Any, recipe: Any) -> tuple[dict, float]:
@@ -41,7 +41,7 @@ def hf_adapters(source: Any, tuner: Any, recipe: Any) -> tuple[dict, float]:
         layer, proj, which = int(match.group(1)), match.group(2), match.group(3)
         if proj not in _HF_TO_PARTS:
             raise ConfigError(f"--tuner {tuner.name}: LoRA on {proj} is not supported by the megatron strategy")
-        adapters.setdefault((layer, proj), {})[which] = tensor.detach().float().clone()
+        adapters.setdefault((layer, proj), {})["M" if which == "magnitude_vector" else which] = tensor.detach().float().clone()
     del model
     scale = config.alpha / (config.rank ** 0.5 if getattr(config, "rslora", False) else config.rank)
     return adapters, scale
@@ -88,6 +88,7 @@ class LoRALinear(torch.nn.Module):
         self.sequence_parallel = base.config.sequence_parallel
         self.geo = geometry
         self.order = [p for p in ("q", "k", "v", "gate", "up", "o", "down") if p in parts]
+        self.dora = any("M" in parts[p] for p in self.order)
         tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
         dtype = base.weight.dtype
         for part in self.order:
@@ -100,11 +101,21 @@ class LoRALinear(torch.nn.Module):
                 b = b[rank * rows:(rank + 1) * rows]
             self.register_parameter(f"lora_a_{part}", torch.nn.Parameter(a.to(dtype).contiguous()))
             self.register_parameter(f"lora_b_{part}", torch.nn.Parameter(b.to(dtype).contiguous()))
+            if self.dora:  # DoRA magnitude per output row: split like B's rows
+                magnitude = parts[part]["M"]
+                if kind not in ("linear_proj", "linear_fc2"):
+                    magnitude = magnitude[rank * (magnitude.shape[0] // tp):(rank + 1) * (magnitude.shape[0] // tp)]
+                self.register_parameter(f"lora_m_{part}", torch.nn.Parameter(magnitude.to(dtype).contiguous()))
+                m = getattr(self, f"lora_m_{part}")
+                if kind in ("linear_proj", "linear_fc2"):
+                    m.sequence_parallel = self.sequence_parallel
+                else:
+                    m.tensor_model_parallel, m.partition_dim = True, 0
             if kind in ("linear_proj", "linear_fc2"):
                 getattr(self, f"lora_a_{part}").tensor_model_parallel = True
                 getattr(self, f"lora_a_{part}").partition_dim = 1
-                # B sees one sequence chunk per rank under SP: finalize_model_grads sums it over TP.
-                getattr(self, f"lora_b_{part}").sequence_parallel = self.sequence_parallel
+                # B's update is scattered to the sequence chunk after the product, so its gradient is
+                # already complete on every rank; the DoRA magnitude scales the chunk and is summed.
             else:
                 getattr(self, f"lora_b_{part}").tensor_model_parallel = True
                 getattr(self, f"lora_b_{part}").partition_dim = 0
@@ -143,44 +154,73 @@ class LoRALinear(torch.nn.Module):
         else:
             delta = self._fused_delta([torch.nn.functional.linear(a, getattr(self, f"lora_b_{p}"))
                                        for a, p in zip(pieces, self.order, strict=True)])
+        if self.dora:
+            return self._dora_ratio() * (out + delta * self.scale), bias
         return out + delta * self.scale, bias
 
-    def _fused_delta(self, deltas: list[torch.Tensor]) -> torch.Tensor:
-        """Place each projection's update where Megatron's fused weight keeps its rows."""
+    def _delta_weight(self) -> torch.Tensor:
+        """``scale * B A`` in this rank's fused, sharded layout ``[out_local, in_local]``."""
+        if self.kind in ("linear_proj", "linear_fc2"):
+            p = self.order[0]
+            return (getattr(self, f"lora_b_{p}") @ getattr(self, f"lora_a_{p}")) * self.scale
+        pieces = [(getattr(self, f"lora_b_{p}") @ getattr(self, f"lora_a_{p}")).t() for p in self.order]
+        return self._fused_delta(pieces).t() * self.scale
+
+    def _dora_ratio(self) -> torch.Tensor:
+        """DoRA's ``magnitude / ||W + scale B A||`` per output row (the norm is detached, as in PEFT)."""
+        from megatron.core import parallel_state as ps
+
+        with torch.no_grad():
+            squares = (self.base.weight.float() + self._delta_weight().float()).pow(2).sum(dim=1)
+            if self.kind in ("linear_proj", "linear_fc2") and ps.get_tensor_model_parallel_world_size() > 1:
+                torch.distributed.all_reduce(squares, group=ps.get_tensor_model_parallel_group())
+            norm = squares.sqrt().to(self.base.weight.dtype)
+        if self.kind in ("linear_proj", "linear_fc2"):
+            magnitude = getattr(self, f"lora_m_{self.order[0]}")
+        else:
+            magnitude = self._fused_delta([getattr(self, f"lora_m_{p}")[None] for p in self.order], fill=None)[0]
+        return magnitude / norm
+
+    def _fused_delta(self, deltas: list[torch.Tensor], fill: float | None = 0.0) -> torch.Tensor:
+        """Place each projection's update where Megatron's fused weight keeps its rows.
+
+        A projection without an adapter contributes ``fill`` (``None``: the base weight's row norm,
+        so DoRA leaves those rows unscaled).
+        """
         by_part = dict(zip(self.order, deltas, strict=True))
         lead = deltas[0].shape[:-1]
+
+        def missing(width: int, start: int) -> torch.Tensor:
+            if fill is not None:
+                return deltas[0].new_full((*lead, width), fill)
+            rows = self.base.weight.detach()[start:start + width].float()
+            return rows.pow(2).sum(dim=1).sqrt().to(deltas[0].dtype).expand(*lead, width)
+
         if self.kind == "linear_fc1":
             half = self.base.weight.shape[0] // 2
-            zeros = deltas[0].new_zeros(*lead, half)
-            return torch.cat([by_part.get("gate", zeros), by_part.get("up", zeros)], dim=-1)
+            return torch.cat([by_part["gate"] if "gate" in by_part else missing(half, 0),
+                              by_part["up"] if "up" in by_part else missing(half, half)], dim=-1)
         geo = self.geo
         groups = geo.groups // geo.tp
         per_group = geo.heads // geo.groups
         widths = {"q": per_group * geo.head_dim, "k": geo.head_dim, "v": geo.head_dim}
+        if fill is None and len(by_part) < 3:
+            raise NotImplementedError("DoRA on only some of q/k/v projections is not supported by the megatron strategy")
         blocks = []
         for part in ("q", "k", "v"):
             value = by_part.get(part)
             if value is None:
-                value = deltas[0].new_zeros(*lead, groups * widths[part])
+                value = deltas[0].new_full((*lead, groups * widths[part]), fill)
             blocks.append(value.reshape(*lead, groups, widths[part]))
         return torch.cat(blocks, dim=-1).reshape(*lead, -1)
 
     def merged_weight(self) -> torch.Tensor:
-        """``W + scale * B A`` in this rank's (sharded, fused) layout, for export."""
-        eye = torch.eye(self.base.weight.shape[1], dtype=torch.float32)
+        """``W + scale * B A`` (times DoRA's row ratio) in this rank's sharded, fused layout, for export."""
         with torch.no_grad():
-            saved, self.sequence_parallel = self.sequence_parallel, False
-            try:
-                if self.kind in ("linear_proj", "linear_fc2"):
-                    p = self.order[0]
-                    delta = (getattr(self, f"lora_b_{p}").float() @ getattr(self, f"lora_a_{p}").float()) * self.scale
-                else:
-                    pieces = [eye @ getattr(self, f"lora_a_{p}").float().t() for p in self.order]
-                    delta = self._fused_delta([a @ getattr(self, f"lora_b_{p}").float().t()
-                                               for a, p in zip(pieces, self.order, strict=True)]).t() * self.scale
-            finally:
-                self.sequence_parallel = saved
-        return (self.base.weight.float() + delta).to(self.base.weight.dtype)
+            merged = self.base.weight.float() + self._delta_weight().float()
+            if self.dora:
+                merged = merged * self._dora_ratio().float()[:, None]
+        return merged.to(self.base.weight.dtype)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint

@@ -42,8 +42,8 @@ class MegatronStrategy:
             problems.append(f"world size {world_size} is not divisible by tp*pp*cp = {layout.tensor}*{layout.pipeline}*{layout.context}")
         if recipe.expert_parallel > 1 or recipe.expert_tensor_parallel > 1:
             problems.append("--ep/--etp: MoE models are not supported by the megatron strategy yet")
-        if recipe.tuner not in ("full", "lora"):
-            problems.append(f"--tuner {recipe.tuner}: the megatron strategy trains with --tuner full or lora")
+        if recipe.tuner not in ("full", "lora", "dora"):
+            problems.append(f"--tuner {recipe.tuner}: the megatron strategy trains with --tuner full, lora or dora")
         if recipe.precision == "fp16":
             problems.append("--precision fp16: use bf16 or fp32 with the megatron strategy")
         return problems
@@ -55,7 +55,7 @@ class MegatronStrategy:
         from toolkit_megatron.checkpoint import mcore_to_hf_tensors
 
         lora = None
-        if tuner is not None and tuner.name == "lora":
+        if tuner is not None and tuner.name in ("lora", "dora"):
             from toolkit_megatron.lora import hf_adapters
 
             lora = (*hf_adapters(source, tuner, recipe), getattr(tuner.config, "dropout", 0.0))
@@ -100,7 +100,7 @@ class MegatronEngine:
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         chunks = build_model(source.config, self.layout, dtype=self.dtype, attention=config.attention, **overrides)
         load_hf_weights(chunks, source.config, SafetensorsReader.from_directory(source.directory))
-        if tuner is not None and tuner.name == "lora":
+        if tuner is not None and tuner.name in ("lora", "dora"):
             from toolkit_megatron.lora import apply_lora, hf_adapters
 
             adapters, scale = hf_adapters(source, tuner, recipe)
