@@ -52,13 +52,15 @@ def test_sft_steps_equal_local(layout, local_run, tmp_path):
     assert (run / "checkpoints/step-5/mcore/toolkit_mcore.json").is_file()
 
 
-def test_resume_after_step_3_and_export(local_run, tmp_path):
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--megatron-distributed-optimizer", "--megatron-async-save"]],
+                         ids=["tp2", "dp2-distributed-optimizer-async-save"])
+def test_resume_after_step_3_reproduces_steps_4_5_and_exports(layout, local_run, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    run = tmp_path / "tp2"
-    toolkit("sft", *COMMON, "--output", str(run), "--strategy", "megatron", "--tp", "2", "--stop-after", "3", nproc=2)
+    run = tmp_path / "run"
+    toolkit("sft", *COMMON, "--output", str(run), "--strategy", "megatron", *layout, "--stop-after", "3", nproc=2)
     assert len(metrics(run)) == 3
-    toolkit("sft", *COMMON, "--output", str(run), "--strategy", "megatron", "--tp", "2", "--resume", "auto", "--export", "hf", nproc=2)
+    toolkit("sft", *COMMON, "--output", str(run), "--strategy", "megatron", *layout, "--resume", "auto", "--export", "hf", nproc=2)
     assert_same_steps(metrics(local_run), metrics(run))
     ids = torch.arange(5, 40)[None]
     with torch.no_grad():

@@ -217,21 +217,38 @@ class MegatronEngine:
         if self.pending_save is not None:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-            queue = AsyncCallsQueue()
-            queue.schedule_async_request(self.pending_save)
-            queue.maybe_finalize_async_calls(blocking=True)
+            from toolkit_megatron.compat import cpu_compat
+
+            with cpu_compat():
+                queue = AsyncCallsQueue()
+                queue.schedule_async_request(self.pending_save)
+                queue.maybe_finalize_async_calls(blocking=True)
             self.pending_save = None
 
     def load_checkpoint(self, directory: Path) -> None:
-        import torch
-
         from toolkit_megatron.checkpoint import check_reload_layout, load_mcore
 
         check_reload_layout(Path(directory) / "mcore", self.layout)
         self._materialise_optimizer_state()
         load_mcore(self.models, Path(directory) / "mcore", optimizer=self.optimizer)
         self.steps_done = json.loads((Path(directory) / "engine_state.json").read_text())["steps_done"]
-        torch.distributed.barrier()
+        self._restore_adam_steps()
+        self.barrier()
+
+    def _restore_adam_steps(self) -> None:
+        """Give every Adam state its own step count equal to the steps done.
+
+        megatron-core 0.16's distributed optimizer (without Apex/TE) loads one ``step`` tensor shared
+        by every parameter's state, which torch's Adam then increments once per parameter.
+        """
+        import torch
+
+        for inner in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for state in inner.optimizer.state.values():
+                if "step" in state:
+                    step = state["step"]
+                    state["step"] = torch.tensor(float(self.steps_done), dtype=step.dtype, device=step.device) \
+                        if isinstance(step, torch.Tensor) else self.steps_done
 
     def _materialise_optimizer_state(self) -> None:
         """Megatron loads optimizer state only into existing state: take a zero-lr, zero-grad step."""
