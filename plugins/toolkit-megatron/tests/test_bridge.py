@@ -83,3 +83,23 @@ def test_mcore_export_at_tp2_loads_at_pp2_and_back_to_hf(tiny_models, tmp_path):
     assert sorted(tensors) == sorted(original)
     assert all(torch.equal(tensors[n], t) for n, t in original.items())
     assert get_plugin_manager().resolve_export_source(str(source)) is None  # HF dirs are not claimed
+
+
+def test_cli_export_preset_to_mcore_and_back_is_bit_exact(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+    def toolkit(*args: str) -> None:
+        result = subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, env=env, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    toolkit("export", "tiny-qwen2", "--to", "mcore", "--output", str(tmp_path / "mcore"), "--option", "tp=2")
+    toolkit("export", str(tmp_path / "mcore"), "--to", "hf", "--output", str(tmp_path / "back"))
+    toolkit("export", "tiny-qwen2", "--to", "hf", "--output", str(tmp_path / "direct"))
+    back, direct = _load(tmp_path / "back"), _load(tmp_path / "direct")
+    assert sorted(back) == sorted(direct)
+    assert all(torch.equal(back[name], tensor) for name, tensor in direct.items())
+    assert (tmp_path / "back" / "tokenizer.json").is_file()

@@ -160,9 +160,7 @@ def load_hf_weights(models: list[Any], hf_config: Any, reader: SafetensorsReader
 
 def _named_params(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """Parameters by Megatron name, unwrapped from DDP/Float16Module, including frozen ones."""
-    inner = model
-    while hasattr(inner, "module") and not hasattr(inner, "decoder"):
-        inner = inner.module
+    inner = unwrap(model)
     merged = getattr(inner, "toolkit_merged", {})
     for name, param in inner.named_parameters():
         if ".lora_" in name:
@@ -170,7 +168,8 @@ def _named_params(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
         yield name.replace(".base.", "."), merged.get(name, param)
 
 
-def _unwrap(model: Any) -> Any:
+def unwrap(model: Any) -> Any:
+    """The GPTModel under Megatron's DDP / Float16Module wrappers."""
     while hasattr(model, "module") and not hasattr(model, "decoder"):
         model = model.module
     return model
@@ -178,7 +177,7 @@ def _unwrap(model: Any) -> Any:
 
 def _padded_vocab(models: list[Any]) -> int:
     for model in models:
-        inner = _unwrap(model)
+        inner = unwrap(model)
         return inner.vocab_size
     raise ModelError("no model chunks")
 
@@ -252,7 +251,7 @@ def export_hf_tensors(models: list[Any], hf_config: Any) -> Iterator[tuple[str, 
     owner = replica and geo.tp_rank == 0
     plan = []  # (mcore name, layer, model) in this stage's order
     for model in models:
-        inner = _unwrap(model)
+        inner = unwrap(model)
         for name, _ in _named_params(model):
             plan.append((name, _layer_of(inner, name), inner))
     local_entries = []

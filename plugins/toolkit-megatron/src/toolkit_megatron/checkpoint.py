@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from toolkit.errors import LayoutError, ModelError
+from toolkit_megatron.bridge import unwrap
 from toolkit_megatron.compat import cpu_compat
 from toolkit_megatron.model import Layout
 
@@ -35,14 +36,8 @@ def read_marker(path: str | Path) -> dict[str, Any]:
     return json.loads(marker.read_text())
 
 
-def _unwrap(model: Any) -> Any:
-    while hasattr(model, "module") and not hasattr(model, "decoder"):
-        model = model.module
-    return model
-
-
 def model_sharded_state_dict(models: list[Any]) -> dict[str, Any]:
-    return {f"model{i}": _unwrap(m).sharded_state_dict() for i, m in enumerate(models)}
+    return {f"model{i}": unwrap(m).sharded_state_dict() for i, m in enumerate(models)}
 
 
 def save_mcore(models: list[Any], directory: str | Path, hf_config: Any, layout: Layout, *, extra: dict | None = None,
@@ -66,7 +61,7 @@ def save_mcore(models: list[Any], directory: str | Path, hf_config: Any, layout:
         state["optimizer"] = optimizer.sharded_state_dict(state, **_optimizer_format(optimizer))
     with cpu_compat():
         request = dist_checkpointing.save(state, str(tmp), async_sharded_save=async_save)
-    finalize = _Finalize(final, tmp, hf_config, layout, _unwrap(models[0]).vocab_size, extra or {}, tokenizer_source)
+    finalize = _Finalize(final, tmp, hf_config, layout, unwrap(models[0]).vocab_size, extra or {}, tokenizer_source)
     if async_save:
         request.add_finalize_fn(finalize)
         return request
@@ -142,7 +137,7 @@ def load_mcore(models: list[Any], directory: str | Path, optimizer: Any = None) 
     with cpu_compat(), torch.no_grad():
         loaded = dist_checkpointing.load(state, str(directory))
         for i, model in enumerate(models):
-            missing, _ = _unwrap(model).load_state_dict(loaded[f"model{i}"], strict=False)
+            missing, _ = unwrap(model).load_state_dict(loaded[f"model{i}"], strict=False)
             missing = [k for k in missing if not k.endswith("_extra_state")]
             if missing:
                 raise ModelError(f"{directory} lacks {len(missing)} weights of this model, e.g. {missing[:3]}")
@@ -164,7 +159,7 @@ def mcore_to_hf_tensors(directory: str | Path, lora: tuple | None = None) -> Ite
     from toolkit_megatron.model import build_model, initialize_parallel
 
     hf_config = AutoConfig.from_pretrained(directory)
-    own_group = _ensure_process_group()
+    own_group = ensure_process_group()
     try:
         layout = Layout()
         padded = check_reload_layout(directory, layout)
@@ -188,7 +183,7 @@ def mcore_to_hf_tensors(directory: str | Path, lora: tuple | None = None) -> Ite
             torch.distributed.destroy_process_group()
 
 
-def _ensure_process_group() -> bool:
+def ensure_process_group() -> bool:
     if torch.distributed.is_initialized():
         return False
     store = torch.distributed.HashStore()
