@@ -79,7 +79,7 @@ def hf_baseline(model_dir: Path, data: list, warmup: int, compile_model: bool = 
     return timed(step, data, warmup)
 
 
-def toolkit_engine(model_dir: Path, data: list, warmup: int, precision: str) -> tuple[float, float]:
+def toolkit_engine(model_dir: Path, data: list, warmup: int, precision: str, master_weights: bool = True) -> tuple[float, float]:
     from toolkit.builtins.loaders import load_hf_directory
     from toolkit.builtins.losses import SFTLoss
     from toolkit.builtins.strategies import LocalConfig, LocalEngine
@@ -89,7 +89,7 @@ def toolkit_engine(model_dir: Path, data: list, warmup: int, precision: str) -> 
 
     recipe = Recipe(model=str(model_dir), precision=precision, lr=1e-5, max_grad_norm=1.0)
     source = load_hf_directory(str(model_dir), model_dir)
-    engine = LocalEngine(source, FullTuner(), SFTLoss(), recipe, LocalConfig())
+    engine = LocalEngine(source, FullTuner(), SFTLoss(), recipe, LocalConfig(master_weights=master_weights))
     engine.set_total_steps(len(data))
     loss = SFTLoss()
 
@@ -112,6 +112,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="also time HF + torch.compile")
+    parser.add_argument("--autocast", action="store_true", help="also time fp32 parameters under bf16 autocast")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = SHAPE_TINY if args.tiny else SHAPE_1B
@@ -123,7 +124,10 @@ def main() -> None:
         runs = [("hf transformers (bf16 params, labels= loss)", lambda: hf_baseline(model_dir, data, args.warmup))]
         if args.compile:
             runs.append(("hf transformers + torch.compile", lambda: hf_baseline(model_dir, data, args.warmup, True)))
-        runs.append(("toolkit local (bf16 autocast, fp32 master, chunked logps)", lambda: toolkit_engine(model_dir, data, args.warmup, "bf16")))
+        runs.append(("toolkit local --precision bf16 (bf16 params, fp32 master)", lambda: toolkit_engine(model_dir, data, args.warmup, "bf16")))
+        if args.autocast:
+            runs.append(("toolkit local, fp32 params under bf16 autocast",
+                         lambda: toolkit_engine(model_dir, data, args.warmup, "bf16", master_weights=False)))
         for name, run in runs:
             tokens_per_s, peak = run()
             rows.append({"run": name, "tokens_per_s": tokens_per_s, "peak_gib": peak, "batch": batch, "seq": seq})

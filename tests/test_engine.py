@@ -104,3 +104,18 @@ def test_hf_export_reloads_with_same_logits(tmp_path, source):
     assert (run_dir / "export" / "tokenizer_config.json").is_file()
     assert json.loads((run_dir / "export" / "generation_config.json").read_text())["eos_token_id"] == source.tokenizer.eos_token_id
     assert exported.lm_head.weight.abs().sum() > 0 and not torch.equal(exported.lm_head.weight, trained.lm_head.weight * 0)
+
+
+def test_bf16_master_weights_track_fp32_and_resume_exactly(tmp_path):
+    fp32, m32 = train(tmp_path, "fp32", micro_batch_size=2, global_batch_size=4, max_steps=6)
+    bf16, m16 = train(tmp_path, "bf16", micro_batch_size=2, global_batch_size=4, max_steps=6, precision="bf16")
+    for a, b in zip(m32, m16):
+        assert a["loss"] == pytest.approx(b["loss"], rel=2e-2)  # bf16 compute, same trajectory
+    master = load_file(str(bf16 / "checkpoints/step-6/master.safetensors"))
+    params = final_weights(bf16)
+    assert all(master[k].dtype == torch.float32 and params[k].dtype == torch.bfloat16 for k in master)
+    assert all(torch.equal(master[k].to(torch.bfloat16), params[k]) for k in master)
+    half, _ = train(tmp_path, "half", micro_batch_size=2, global_batch_size=4, max_steps=6, precision="bf16", stop_after=3)
+    half, _ = train(tmp_path, "half", micro_batch_size=2, global_batch_size=4, max_steps=6, precision="bf16", resume="auto")
+    resumed = load_file(str(half / "checkpoints/step-6/master.safetensors"))
+    assert all(torch.equal(master[k], resumed[k]) for k in master)

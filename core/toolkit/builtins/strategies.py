@@ -18,6 +18,7 @@ from toolkit.errors import ConfigError, LayoutError
 class LocalConfig:
     find_unused_parameters: bool = option(False, help="DDP: tolerate parameters that get no gradient (some MoE models).")
     logps_chunk_tokens: int = option(2048, help="Tokens per chunk when computing label log-probs (bounds logits memory).")
+    master_weights: bool = option(True, help="--precision bf16: bf16 parameters with fp32 master weights (false: fp32 parameters under bf16 autocast).")
 
 
 def load_hf_model(source: Any, tuner: Any, recipe: Any, device: Any) -> Any:
@@ -49,12 +50,15 @@ def autocast_dtype(precision: str) -> Any:
 class LocalEngine:
     """HF model on one device; DDP over all processes when launched by torchrun."""
 
+    master: Any = None
+    """fp32 master weights under ``--precision bf16`` (subclasses with their own mixed precision keep None)."""
+
     def __init__(self, source: Any, tuner: Any, loss: Any, recipe: Any, config: LocalConfig):
         import torch
 
         from toolkit.train import logps
         from toolkit.train.distributed import init_world
-        from toolkit.train.optim import build_optimizer
+        from toolkit.train.optim import MasterWeights, build_optimizer, cast_float_parameters
 
         self.world = init_world()
         self.dp_rank, self.dp_world_size, self.is_main = self.world.rank, self.world.world_size, self.world.is_main
@@ -62,13 +66,20 @@ class LocalEngine:
         self.recipe, self.tuner, self.source = recipe, tuner, source
         logps.LOGPS_CHUNK_TOKENS = config.logps_chunk_tokens
         self.model = load_hf_model(source, tuner, recipe, self.device)
-        self.module = logps.CausalLMLogps(self.model, autocast_dtype(recipe.precision))
+        self.master = None
+        compute_autocast = autocast_dtype(recipe.precision)
+        if recipe.precision == "bf16" and config.master_weights:
+            self.master = MasterWeights([(n, p) for n, p in self.model.named_parameters() if p.requires_grad])
+            cast_float_parameters(self.model, torch.bfloat16)
+            compute_autocast = None
+        self.module = logps.CausalLMLogps(self.model, compute_autocast)
         if self.world.distributed:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.module = torch.nn.parallel.DistributedDataParallel(
                 self.module, device_ids=ids, find_unused_parameters=config.find_unused_parameters)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.params, recipe, getattr(tuner, "optimizer_factory", None))
+        optimized = self.master.master if self.master else self.params
+        self.optimizer = build_optimizer(optimized, recipe, getattr(tuner, "optimizer_factory", None))
         self.scheduler = None
         self.reference = self._build_reference(loss) if getattr(loss, "needs_reference", False) else None
 
@@ -113,14 +124,19 @@ class LocalEngine:
         return out, loss(out, ctx)
 
     def _gradient_sync(self, last: bool) -> Any:
-        """Skip DDP's all-reduce on all but the last micro-batch of a step."""
-        return contextlib.nullcontext() if last or not self.world.distributed else self.module.no_sync()
+        """Skip DDP's all-reduce on all but the last micro-batch of a step.
+
+        With fp32 master weights every micro-batch is reduced: its bf16 gradients move into the
+        fp32 accumulators right after backward, so nothing may be left for a later all-reduce.
+        """
+        skip = self.world.distributed and not last and self.master is None
+        return self.module.no_sync() if skip else contextlib.nullcontext()
 
     def _clip_gradients(self) -> float:
         import torch
 
         max_norm = self.recipe.max_grad_norm if self.recipe.max_grad_norm > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(self.master.master if self.master else self.params, max_norm)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     def train_step(self, micro_batches: list[dict], loss: Any, ctx: StepContext) -> StepResult:
@@ -136,11 +152,15 @@ class LocalEngine:
                     metrics["aux_loss"] = metrics.get("aux_loss", 0.0) + float(out.aux_loss.detach()) * share
                 # DDP/FSDP average gradients over ranks; the loss contract wants their sum.
                 (objective * self.dp_world_size).backward()
+            if self.master is not None:
+                self.master.accumulate_grads()
             total += float(result.loss.detach())
             for key, value in [*result.metrics.items(), *((k, v * share) for k, v in out.aux_metrics.items())]:
                 metrics[key] = metrics.get(key, 0.0) + float(value)
         grad_norm = self._clip_gradients()
         self.optimizer.step()
+        if self.master is not None:
+            self.master.write_back()
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -176,12 +196,16 @@ class LocalEngine:
             save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt", "tuner": self.tuner.name})
             torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
             torch.save(self.scheduler.state_dict() if self.scheduler else {}, directory / "scheduler.pt")
+            if self.master is not None:
+                save_file(self.master.state_dict(), str(directory / "master.safetensors"), metadata={"format": "pt"})
 
     def load_checkpoint(self, directory: Path) -> None:
         import torch
         from safetensors.torch import load_file
 
         self.tuner.load_checkpoint_state(self.model, load_file(str(directory / "model.safetensors"), device=str(self.device)))
+        if self.master is not None and (directory / "master.safetensors").is_file():
+            self.master.load_state_dict(load_file(str(directory / "master.safetensors"), device=str(self.device)))
         self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", map_location=self.device, weights_only=True))
         if self.scheduler is not None:
             self.scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=True))

@@ -36,12 +36,49 @@ def _chunk_logps(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) ->
     return torch.log_softmax(logits, dim=-1).gather(-1, labels[:, None]).squeeze(-1)
 
 
+class _FrozenHeadLogps(torch.autograd.Function):
+    """Label log-probs of one chunk through a frozen output head, with the gradient made in forward.
+
+    ``d log p(y) / d h = W[y] - softmax(h W^T) W``: computing it while the chunk's logits exist
+    costs one GEMM and keeps only ``[chunk, H]``, where recomputing the logits in backward costs
+    two (forward again, then the input gradient). Only valid when nothing in the head trains.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module) -> torch.Tensor:
+        with torch.no_grad():
+            logits = head(hidden)
+            logps = torch.log_softmax(logits.float(), dim=-1)
+            picked = logps.gather(-1, labels[:, None]).squeeze(-1)
+            # onehot(y) - softmax, formed in fp32 like autograd's own gradient, then one GEMM.
+            direction = logps.exp_().neg_().scatter_add_(-1, labels[:, None], logps.new_ones(labels.shape[0], 1))
+            direction = direction.to(logits.dtype)
+            del logits, logps
+            grad = direction @ head.weight.to(direction.dtype)
+        ctx.save_for_backward(grad)
+        ctx.hidden_dtype = hidden.dtype
+        return picked
+
+    @staticmethod
+    def backward(ctx: Any, grad_picked: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (grad,) = ctx.saved_tensors
+        return (grad_picked[:, None].to(grad.dtype) * grad).to(ctx.hidden_dtype), None, None
+
+
+def frozen_head(head: nn.Module) -> bool:
+    """A plain linear head without bias of which nothing trains (LoRA, QLoRA, freeze and reference models)."""
+    return type(head) is nn.Linear and head.bias is None and not head.weight.requires_grad
+
+
 def label_logps(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk: int = LOGPS_CHUNK_TOKENS) -> torch.Tensor:
     """``log p(labels)`` for ``hidden [N, H]``; each chunk's logits are recomputed in backward, never stored."""
     pieces = []
+    fused = frozen_head(head)
     for start in range(0, hidden.shape[0], chunk):
         h, y = hidden[start:start + chunk], labels[start:start + chunk]
-        if torch.is_grad_enabled() and h.requires_grad:
+        if fused and torch.is_grad_enabled() and h.requires_grad:
+            pieces.append(_FrozenHeadLogps.apply(h, y, head))
+        elif torch.is_grad_enabled() and h.requires_grad:
             pieces.append(checkpoint(_chunk_logps, head, h, y, use_reentrant=False))
         else:
             pieces.append(_chunk_logps(head, h, y))

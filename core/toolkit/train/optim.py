@@ -37,3 +37,50 @@ def build_scheduler(optimizer: Any, recipe: Any, total_steps: int) -> Any:
 
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, total_steps, recipe.warmup_steps, recipe.schedule, recipe.min_lr_ratio))
+
+
+class MasterWeights:
+    """bf16 model parameters with fp32 master copies that the optimizer updates (``--precision bf16``).
+
+    Compute runs on bf16 weights and activations (no fp32 residual stream, as under autocast);
+    gradients are accumulated into fp32 after every micro-batch, and the updated fp32 masters are
+    written back to the bf16 parameters after each optimizer step.
+    """
+
+    def __init__(self, named_params: list[tuple[str, Any]]):
+        self.names = [name for name, _ in named_params]
+        self.params = [param for _, param in named_params]
+        self.master = [param.detach().float().clone() for param in self.params]
+
+    def accumulate_grads(self) -> None:
+        for param, master in zip(self.params, self.master):
+            if param.grad is None:
+                continue
+            grad = param.grad.float()
+            master.grad = grad if master.grad is None else master.grad.add_(grad)
+            param.grad = None
+
+    def write_back(self) -> None:
+        import torch
+
+        with torch.no_grad():
+            for param, master in zip(self.params, self.master):
+                param.copy_(master)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: master.detach().contiguous().cpu() for name, master in zip(self.names, self.master)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        import torch
+
+        with torch.no_grad():
+            for name, master in zip(self.names, self.master):
+                master.copy_(state[name])
+        self.write_back()
+
+
+def cast_float_parameters(model: Any, dtype: Any) -> None:
+    """Cast floating-point parameters (not buffers: RoPE frequencies stay fp32) to ``dtype``."""
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype and param.dtype.itemsize >= 2:
+            param.data = param.data.to(dtype)
