@@ -102,3 +102,11 @@ def test_dora_tp2_sequence_parallel_equals_local_dora(tmp_path):
         expected = AutoModelForCausalLM.from_pretrained(tmp_path / "local/export")(ids).logits
         merged = AutoModelForCausalLM.from_pretrained(tmp_path / "sp/export")(ids).logits
     torch.testing.assert_close(merged, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_packed_rows_under_context_parallelism_equal_local(tmp_path):
+    packed = ["--model", "tiny-llama", "--dataset", "demo", "--seq-len", "128", "--lr", "1e-3", "--max-steps", "3",
+              "--micro-batch-size", "2", "--global-batch-size", "4", "--packing"]
+    toolkit("sft", *packed, "--output", str(tmp_path / "local"))
+    toolkit("sft", *packed, "--output", str(tmp_path / "cp2"), "--strategy", "megatron", "--cp", "2", nproc=2)
+    assert_same_steps(metrics(tmp_path / "local"), metrics(tmp_path / "cp2"))
