@@ -38,7 +38,7 @@ def main() -> None:
     for name in layouts:
         spec = dict(part.split("=") for part in name.split("+"))
         layout = Layout(tensor=int(spec.get("tp", 1)), pipeline=int(spec.get("pp", 1)), virtual=int(spec.get("vpp", 1)),
-                        context=int(spec.get("cp", 1)), sequence_parallel="sp" in spec)
+                        context=int(spec.get("cp", 1)), sequence_parallel="sp" in spec, expert=int(spec.get("ep", 1)))
         initialize_parallel(layout)
         models = build_model(hf.config, layout)
         if "mcore" in spec:  # a dist checkpoint written by another layout

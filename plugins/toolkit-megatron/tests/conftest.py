@@ -14,8 +14,16 @@ HERE = Path(__file__).parent
 
 
 def tiny_config(arch: str):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
+    if arch == "mixtral":
+        return MixtralConfig(vocab_size=301, hidden_size=128, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=32, max_position_embeddings=256, num_local_experts=4,
+                             num_experts_per_tok=2, sliding_window=None)
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=32, max_position_embeddings=256, num_experts=4,
+                              num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
     cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
     return cls(vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, head_dim=32, max_position_embeddings=256, tie_word_embeddings=arch == "qwen3",
@@ -40,7 +48,7 @@ def save_tiny_model(arch: str, directory: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    return {arch: save_tiny_model(arch, root / arch) for arch in ("llama", "mistral", "qwen2", "qwen3")}
+    return {arch: save_tiny_model(arch, root / arch) for arch in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")}
 
 
 def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 240) -> None:
@@ -53,6 +61,7 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 240) -> Non
 
 
 def run_worker(script: str, tmp_path: Path, *args: str) -> dict:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "result.json"
     torchrun(script, *args[:1], str(out), *args[1:])
     return json.loads(out.read_text())

@@ -25,6 +25,12 @@ def test_bad_layouts_show_the_arithmetic():
     with pytest.raises(LayoutError, match="vpp 2 needs pp >= 2"):
         check_layout(Layout(virtual=2), config, world_size=1)
     check_layout(Layout(tensor=2, pipeline=2, virtual=2), config, world_size=4, seq_len=32)
+    with pytest.raises(LayoutError, match="ep 2 needs a mixture-of-experts model"):
+        check_layout(Layout(expert=2), config, world_size=2)
+    with pytest.raises(LayoutError, match=r"num_experts 4 / ep 3 = 1.33"):
+        check_layout(Layout(expert=3), tiny_config("qwen3_moe"), world_size=3)
+    with pytest.raises(LayoutError, match="MoE with tp > 1 needs --sequence-parallel"):
+        check_layout(Layout(tensor=2), tiny_config("mixtral"), world_size=2)
 
 
 def test_vocab_padding():

@@ -21,6 +21,7 @@ class DenseArchitecture:
     qkv_bias: ClassVar[bool | None] = None
     """``None``: read ``attention_bias`` from the HF config."""
     qk_norm: ClassVar[bool] = False
+    moe: ClassVar[bool] = False
 
     # HF names; ``{i}`` is the global layer index.
     embedding: ClassVar[str] = "model.embed_tokens.weight"
@@ -135,7 +136,84 @@ class Qwen3Architecture(DenseArchitecture):
         return Qwen2Architecture.sliding_window(hf_config)
 
 
-BUILTIN = (DenseArchitecture, MistralArchitecture, Qwen2Architecture, Qwen3Architecture)
+class MoEArchitecture(DenseArchitecture):
+    """A decoder whose every MLP is a top-k routed mixture of SwiGLU experts (no shared expert)."""
+
+    moe: ClassVar[bool] = True
+    router: ClassVar[str] = "model.layers.{i}.mlp.gate.weight"
+    expert: ClassVar[dict[str, str]] = {"gate": "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+                                        "up": "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+                                        "down": "model.layers.{i}.mlp.experts.{e}.down_proj.weight"}
+
+    @classmethod
+    def num_experts(cls, hf_config: Any) -> int:
+        return hf_config.num_experts
+
+    @classmethod
+    def expert_ffn(cls, hf_config: Any) -> int:
+        return hf_config.moe_intermediate_size
+
+    @classmethod
+    def renormalize(cls, hf_config: Any) -> bool:
+        return bool(getattr(hf_config, "norm_topk_prob", True))
+
+    @classmethod
+    def check(cls, hf_config: Any) -> None:
+        super().check(hf_config)
+        if getattr(hf_config, "mlp_only_layers", None) or getattr(hf_config, "decoder_sparse_step", 1) != 1:
+            raise ModelError(f"{hf_config.model_type}: dense layers between MoE layers (mlp_only_layers, "
+                             "decoder_sparse_step) are not supported by the Megatron bridge")
+
+    @classmethod
+    def transformer_options(cls, hf_config: Any) -> dict[str, Any]:
+        options = super().transformer_options(hf_config)
+        options.update(
+            num_moe_experts=cls.num_experts(hf_config),
+            moe_router_topk=hf_config.num_experts_per_tok,
+            moe_ffn_hidden_size=cls.expert_ffn(hf_config),
+            # top-k over logits then softmax == softmax, top-k, renormalise (HF's norm_topk_prob)
+            moe_router_pre_softmax=not cls.renormalize(hf_config),
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type="alltoall",
+            moe_grouped_gemm=False,
+        )
+        return options
+
+
+class Qwen3MoeArchitecture(MoEArchitecture):
+    name = "megatron:qwen3_moe"
+    families = ("qwen3_moe",)
+    qk_norm = True
+
+
+class MixtralArchitecture(MoEArchitecture):
+    name = "megatron:mixtral"
+    families = ("mixtral",)
+    qkv_bias = False
+    router = "model.layers.{i}.block_sparse_moe.gate.weight"
+    expert = {"gate": "model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight",
+              "up": "model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight",
+              "down": "model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight"}
+
+    @classmethod
+    def num_experts(cls, hf_config: Any) -> int:
+        return hf_config.num_local_experts
+
+    @classmethod
+    def expert_ffn(cls, hf_config: Any) -> int:
+        return hf_config.intermediate_size
+
+    @classmethod
+    def renormalize(cls, hf_config: Any) -> bool:
+        return True
+
+    @classmethod
+    def sliding_window(cls, hf_config: Any) -> int | None:
+        return getattr(hf_config, "sliding_window", None)
+
+
+BUILTIN = (DenseArchitecture, MistralArchitecture, Qwen2Architecture, Qwen3Architecture, Qwen3MoeArchitecture, MixtralArchitecture)
 
 
 def architecture_for(model_type: str) -> type[DenseArchitecture]:

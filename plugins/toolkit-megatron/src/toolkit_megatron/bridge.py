@@ -10,6 +10,7 @@ Gathering inverts each step exactly, so HF -> mcore -> HF is bit-exact.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,12 +34,14 @@ class Geometry:
     padded_vocab: int
     tp: int
     tp_rank: int
+    experts: int = 0
 
     @classmethod
     def of(cls, hf_config: Any, padded_vocab: int, tp: int, tp_rank: int) -> Geometry:
         arch = architecture_for(hf_config.model_type)
         return cls(hf_config.num_attention_heads, getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
-                   arch.head_dim(hf_config), hf_config.intermediate_size, hf_config.vocab_size, padded_vocab, tp, tp_rank)
+                   arch.head_dim(hf_config), hf_config.intermediate_size, hf_config.vocab_size, padded_vocab, tp, tp_rank,
+                   arch.num_experts(hf_config) if getattr(arch, "moe", False) else 0)
 
     def rows(self, total: int) -> tuple[int, int]:
         size = total // self.tp
@@ -126,11 +129,29 @@ def local_tensor(reader: SafetensorsReader, arch: type[DenseArchitecture], mcore
     if leaf == "mlp.linear_fc2.weight":
         start, stop = geo.rows(geo.ffn)
         return reader.slice(names["down"])[:, start:stop]
+    if leaf == "mlp.router.weight":
+        return reader.full(arch.router.format(i=layer))
+    expert = _EXPERT.match(leaf)
+    if expert is not None:
+        from megatron.core import parallel_state as ps
+
+        local = int(expert.group(1))
+        index = ps.get_expert_model_parallel_rank() * (geo.experts // ps.get_expert_model_parallel_world_size()) + local
+        names = {k: v.format(i=layer, e=index) for k, v in arch.expert.items()}
+        etp, etp_rank = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
+        ffn = reader.slice(names["down"]).get_shape()[1]
+        start, stop = etp_rank * ffn // etp, (etp_rank + 1) * ffn // etp
+        if expert.group(2) == "linear_fc1":
+            return torch.cat([reader.slice(names["gate"])[start:stop], reader.slice(names["up"])[start:stop]])
+        return reader.slice(names["down"])[:, start:stop]
     simple = {"input_layernorm.weight": "input_norm", "pre_mlp_layernorm.weight": "post_norm",
               "self_attention.q_layernorm.weight": "q_norm", "self_attention.k_layernorm.weight": "k_norm"}
     if leaf in simple:
         return reader.full(names[simple[leaf]])
     return None
+
+
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 
 
 def _layer_of(model: Any, name: str) -> int | None:
@@ -205,6 +226,17 @@ def hf_pieces(arch: type[DenseArchitecture], mcore_name: str, layer: int | None,
         k = grouped[:, per_group].reshape(-1, *tail)
         v = grouped[:, per_group + 1].reshape(-1, *tail)
         return [(names["q"] + suffix, q), (names["k"] + suffix, k), (names["v"] + suffix, v)]
+    if leaf == "mlp.router.weight":
+        return [(arch.router.format(i=layer), full)]
+    expert = _EXPERT.match(leaf)
+    if expert is not None:
+        from megatron.core import parallel_state as ps
+
+        index = ps.get_expert_model_parallel_rank() * (geo.experts // ps.get_expert_model_parallel_world_size()) + int(expert.group(1))
+        names = {k: v.format(i=layer, e=index) for k, v in arch.expert.items()}
+        if expert.group(2) == "linear_fc1":
+            return [(names["gate"], full[0]), (names["up"], full[1])]
+        return [(names["down"], full)]
     if leaf == "self_attention.linear_proj.weight":
         return [(names["o"], full)]
     if leaf == "mlp.linear_fc1.weight":
@@ -217,21 +249,32 @@ def hf_pieces(arch: type[DenseArchitecture], mcore_name: str, layer: int | None,
 
 
 def _gather_tp(name: str, local: torch.Tensor, geo: Geometry) -> torch.Tensor:
-    """Concatenate the tensor-parallel shards of one parameter into Megatron's full tensor."""
-    from megatron.core import parallel_state
+    """Concatenate the tensor-parallel shards of one parameter into Megatron's full tensor.
 
+    Experts are split over the expert-tensor-parallel group, everything else over TP.
+    """
+    from megatron.core import parallel_state as ps
+
+    if _is_expert(name):
+        size, group = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_group()
+    else:
+        size, group = geo.tp, ps.get_tensor_model_parallel_group()
     column = name.endswith(("linear_proj.weight", "linear_fc2.weight"))
     split = name.endswith(("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "word_embeddings.weight",
                            "output_layer.weight")) or column
-    if geo.tp == 1 or not split:
+    if size == 1 or not split:
         shards = [local]
     else:
-        shards = [torch.empty_like(local) for _ in range(geo.tp)]
-        torch.distributed.all_gather(shards, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+        shards = [torch.empty_like(local) for _ in range(size)]
+        torch.distributed.all_gather(shards, local.contiguous(), group=group)
     if name.endswith("linear_fc1.weight"):
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.stack([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
     return torch.cat(shards, dim=1 if column else 0)
+
+
+def _is_expert(name: str) -> bool:
+    return ".experts.local_experts." in name
 
 
 def export_hf_tensors(models: list[Any], hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
@@ -248,25 +291,31 @@ def export_hf_tensors(models: list[Any], hf_config: Any) -> Iterator[tuple[str, 
     geo = Geometry.of(hf_config, _padded_vocab(models), ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank())
     rank = torch.distributed.get_rank()
     replica = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
-    owner = replica and geo.tp_rank == 0
-    plan = []  # (mcore name, layer, model) in this stage's order
+    expert_replica = ps.get_expert_data_parallel_rank() == 0
+
+    def gathers(name: str) -> bool:  # this rank takes part in the (expert-)TP gather of ``name``
+        return expert_replica if _is_expert(name) else replica
+
+    def owns(name: str) -> bool:  # ... and sends the result to rank 0
+        tp_rank = ps.get_expert_tensor_parallel_rank() if _is_expert(name) else geo.tp_rank
+        return gathers(name) and tp_rank == 0
+
+    plan = []  # (mcore name, layer) in this stage's order
     for model in models:
         inner = unwrap(model)
         for name, _ in _named_params(model):
-            plan.append((name, _layer_of(inner, name), inner))
-    local_entries = []
-    for name, layer, _ in plan:
-        for hf_name, _ in hf_pieces(arch, name, layer, torch.zeros(_fake_shape(name, geo)), geo, tied):
-            local_entries.append(hf_name)
+            plan.append((name, _layer_of(inner, name)))
+    local_entries = [hf_name for name, layer in plan if owns(name)
+                     for hf_name, _ in hf_pieces(arch, name, layer, torch.zeros(_fake_shape(name, geo)), geo, tied)]
     everyone: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(everyone, (rank, owner, local_entries))
-    order = [(r, hf) for r, is_owner, entries in everyone if is_owner for hf in entries]
+    torch.distributed.all_gather_object(everyone, (rank, local_entries))
+    order = [(r, hf) for r, entries in everyone for hf in entries]
     params = dict((n, p) for model in models for n, p in _named_params(model))
     with torch.no_grad():
-        if replica:
-            for name, layer, _ in plan:
+        for name, layer in plan:
+            if gathers(name):
                 full = _gather_tp(name, params[name].detach(), geo)
-                if owner:
+                if owns(name):
                     for hf_name, tensor in hf_pieces(arch, name, layer, full, geo, tied):
                         tensor = tensor.contiguous()
                         if rank == 0:

@@ -100,7 +100,13 @@ class _NullStream:
         pass
 
     def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kwargs: None
+        return lambda *args, **kwargs: _NullStream()  # record_event() etc. return something to call
+
+    def __eq__(self, other: object) -> bool:  # one CPU "stream": no side streams to wait on
+        return isinstance(other, _NullStream)
+
+    def __hash__(self) -> int:
+        return 0
 
     def __enter__(self) -> _NullStream:
         return self
@@ -130,7 +136,17 @@ def _install() -> None:
     def set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
         torch.set_rng_state(new_state)
 
+    def move_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        # The MoE alltoall dispatcher needs its split sizes as numpy on the host; Megatron only
+        # converts CUDA tensors, so on the CPU they would stay tensors and all_to_all rejects them.
+        if torch.is_tensor(tensor) and as_numpy:
+            return tensor.numpy()
+        return tensor
+
+    from megatron.core.transformer.moe import token_dispatcher
+
     cuda = torch.cuda
+    _patch(token_dispatcher, "maybe_move_tensor_to_cpu", move_to_cpu)
     _patch(mrandom, "_get_cuda_rng_state", get_rng_state)
     _patch(mrandom, "_set_cuda_rng_state", set_rng_state)
     _patch(cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state())

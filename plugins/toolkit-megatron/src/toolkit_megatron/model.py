@@ -27,6 +27,7 @@ class Layout:
     virtual: int = 1
     context: int = 1
     sequence_parallel: bool = False
+    expert: int = 1
 
     @property
     def model_parallel(self) -> int:
@@ -38,6 +39,8 @@ class Layout:
             text += f" vpp={self.virtual}"
         if self.context > 1:
             text += f" cp={self.context}"
+        if self.expert > 1:
+            text += f" ep={self.expert}"
         return text + (" sp" if self.sequence_parallel else "")
 
 
@@ -60,6 +63,13 @@ def layout_problems(layout: Layout, hf_config: Any, world_size: int, seq_len: in
                         "layers per virtual stage is not a whole number")
     if vpp > 1 and pp < 2:
         problems.append(f"vpp {vpp} needs pp >= 2 (interleaved pipeline), got pp {pp}")
+    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+    if layout.expert > 1 and not experts:
+        problems.append(f"ep {layout.expert} needs a mixture-of-experts model ({hf_config.model_type} has no experts)")
+    elif experts and experts % layout.expert:
+        problems.append(f"num_experts {experts} / ep {layout.expert} = {experts / layout.expert:.2f} is not a whole number")
+    if experts and tp > 1 and not layout.sequence_parallel:
+        problems.append("MoE with tp > 1 needs --sequence-parallel (Megatron-Core requirement)")
     if layout.sequence_parallel and tp < 2:
         problems.append("sequence parallelism needs tp >= 2")
     if seq_len is not None:
@@ -100,6 +110,7 @@ def initialize_parallel(layout: Layout, seed: int = 42) -> None:
             pipeline_model_parallel_size=layout.pipeline,
             virtual_pipeline_model_parallel_size=layout.virtual if layout.virtual > 1 else None,
             context_parallel_size=layout.context,
+            expert_model_parallel_size=layout.expert,
         )
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
@@ -169,12 +180,25 @@ def layer_spec(hf_config: Any, config: Any, attention: AttentionKind = "sdpa", v
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=RMSNorm,
-            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
+            mlp=_moe_spec(config) if arch.moe else ModuleSpec(
+                module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
             mlp_bda=get_bias_dropout_add,
         ),
     )
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=RMSNorm))
+
+
+def _moe_spec(config: Any) -> Any:
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.transformer.moe import moe_utils
+
+    # megatron-core 0.16 reads this name even when Transformer Engine is absent (NameError).
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+
+    return get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=config.num_moe_experts, moe_grouped_gemm=False)
 
 
 def build_model(hf_config: Any, layout: Layout, dtype: Any = None, attention: AttentionKind = "sdpa",

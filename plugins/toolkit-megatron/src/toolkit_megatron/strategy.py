@@ -89,6 +89,13 @@ class MegatronEngine:
         self.recipe, self.source, self.config, self.tuner = recipe, source, config, tuner
         self.layout = _layout(recipe)
         check_layout(self.layout, source.config, torch.distributed.get_world_size(), recipe.seq_len)
+        from toolkit_megatron.architectures import architecture_for
+
+        if architecture_for(source.config.model_type).moe:
+            from toolkit.errors import ConfigError
+
+            raise ConfigError(f"--strategy megatron: training {source.config.model_type} (mixture of experts) is not "
+                              "supported yet; the bridge and `toolkit export --to mcore` handle it")
         if getattr(loss, "needs_reference", False):
             from toolkit.errors import ConfigError
 
