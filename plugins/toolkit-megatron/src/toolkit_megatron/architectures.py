@@ -181,6 +181,29 @@ class MoEArchitecture(DenseArchitecture):
         return options
 
 
+class Qwen2MoeArchitecture(MoEArchitecture):
+    """Qwen2-MoE: routed experts plus one sigmoid-gated shared expert; no top-k renormalisation by default."""
+
+    name = "megatron:qwen2_moe"
+    families = ("qwen2_moe",)
+    qkv_bias = True
+    shared: ClassVar[dict[str, str]] = {"gate": "model.layers.{i}.mlp.shared_expert.gate_proj.weight",
+                                        "up": "model.layers.{i}.mlp.shared_expert.up_proj.weight",
+                                        "down": "model.layers.{i}.mlp.shared_expert.down_proj.weight",
+                                        "gate_weight": "model.layers.{i}.mlp.shared_expert_gate.weight"}
+
+    @classmethod
+    def renormalize(cls, hf_config: Any) -> bool:
+        return bool(getattr(hf_config, "norm_topk_prob", False))
+
+    @classmethod
+    def transformer_options(cls, hf_config: Any) -> dict[str, Any]:
+        options = super().transformer_options(hf_config)
+        options.update(moe_shared_expert_intermediate_size=hf_config.shared_expert_intermediate_size,
+                       moe_shared_expert_gate=True)
+        return options
+
+
 class Qwen3MoeArchitecture(MoEArchitecture):
     name = "megatron:qwen3_moe"
     families = ("qwen3_moe",)
@@ -213,7 +236,8 @@ class MixtralArchitecture(MoEArchitecture):
         return getattr(hf_config, "sliding_window", None)
 
 
-BUILTIN = (DenseArchitecture, MistralArchitecture, Qwen2Architecture, Qwen3Architecture, Qwen3MoeArchitecture, MixtralArchitecture)
+BUILTIN = (DenseArchitecture, MistralArchitecture, Qwen2Architecture, Qwen3Architecture, Qwen2MoeArchitecture,
+           Qwen3MoeArchitecture, MixtralArchitecture)
 
 
 def architecture_for(model_type: str) -> type[DenseArchitecture]:

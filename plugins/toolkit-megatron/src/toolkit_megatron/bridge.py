@@ -131,6 +131,14 @@ def local_tensor(reader: SafetensorsReader, arch: type[DenseArchitecture], mcore
         return reader.slice(names["down"])[:, start:stop]
     if leaf == "mlp.router.weight":
         return reader.full(arch.router.format(i=layer))
+    if leaf.startswith("mlp.shared_experts."):
+        shared = {k: v.format(i=layer) for k, v in arch.shared.items()}
+        if leaf.endswith("gate_weight"):
+            return reader.full(shared["gate_weight"])
+        start, stop = geo.rows(reader.slice(shared["down"]).get_shape()[1])
+        if leaf.endswith("linear_fc1.weight"):
+            return torch.cat([reader.slice(shared["gate"])[start:stop], reader.slice(shared["up"])[start:stop]])
+        return reader.slice(shared["down"])[:, start:stop]
     expert = _EXPERT.match(leaf)
     if expert is not None:
         from megatron.core import parallel_state as ps
@@ -228,6 +236,13 @@ def hf_pieces(arch: type[DenseArchitecture], mcore_name: str, layer: int | None,
         return [(names["q"] + suffix, q), (names["k"] + suffix, k), (names["v"] + suffix, v)]
     if leaf == "mlp.router.weight":
         return [(arch.router.format(i=layer), full)]
+    if leaf.startswith("mlp.shared_experts."):
+        shared = {k: v.format(i=layer) for k, v in arch.shared.items()}
+        if leaf.endswith("gate_weight"):
+            return [(shared["gate_weight"], full)]
+        if leaf.endswith("linear_fc1.weight"):
+            return [(shared["gate"], full[0]), (shared["up"], full[1])]
+        return [(shared["down"], full)]
     expert = _EXPERT.match(leaf)
     if expert is not None:
         from megatron.core import parallel_state as ps
