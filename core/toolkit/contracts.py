@@ -100,6 +100,9 @@ class StepContext:
     sequences: int
     examples: int
     step: int = 0
+    counts: dict[str, int] = field(default_factory=dict)
+    """Further global counts of the step, e.g. ``chosen_label_tokens`` (label tokens of role-0
+    sequences), which preference losses with a cross-entropy term on chosen responses normalise by."""
 
 
 @dataclass

@@ -66,6 +66,9 @@ class Recipe:
     log_every: int = option(1, help="Log metrics every N steps.")
     export: str | None = option(None, help="Export at the end with this exporter (hf, vllm, ...).")
     trust_remote_code: bool = option(False, help="Allow model code from the model directory.")
+    precompute_reference: bool = option(False, help="Losses with a reference model (dpo, kto...): compute reference "
+                                                    "log-probs once before training, cache them in the run directory "
+                                                    "and free the reference model.")
 
     options: dict[str, Any] = option({}, help="Per-plugin option sections (filled from YAML sections and --NAME-KEY flags).", flag="--no-such-flag")
 

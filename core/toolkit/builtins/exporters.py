@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -99,8 +100,20 @@ class HFExporter:
         self.config = config or HFExportConfig()
 
     def export(self, model: ExportModel, output: Path, options: HFExportConfig) -> Path:
-        write_safetensors_shards(model.tensors(), output, options.max_shard_size_mb * 2**20, options.dtype,
+        names: set[str] = set()
+
+        def tensors() -> Iterator[tuple[str, Any]]:
+            for name, tensor in model.tensors():
+                names.add(name)
+                yield name, tensor
+
+        write_safetensors_shards(tensors(), output, options.max_shard_size_mb * 2**20, options.dtype,
                                  skip=tied_names(model.source.config))
+        if "score.weight" in names and "lm_head.weight" not in names:
+            from toolkit.errors import ToolkitError
+
+            raise ToolkitError(f"{model.description} is a reward model (a value head, no LM head): export it with "
+                               "--to hf-rm (pip install toolkit-dpo), which writes a sequence-classification model")
         write_model_metadata(model, output, options.dtype)
         return output
 

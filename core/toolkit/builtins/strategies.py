@@ -18,17 +18,34 @@ from toolkit.errors import ConfigError, LayoutError
 class LocalConfig:
     find_unused_parameters: bool = option(False, help="DDP: tolerate parameters that get no gradient (some MoE models).")
     logps_chunk_tokens: int = option(2048, help="Tokens per chunk when computing label log-probs (bounds logits memory).")
+    recompute_logits: bool = option(False, help="Recompute each chunk's logits in backward instead of keeping them in the compute dtype (less memory, slower).")
     master_weights: bool = option(True, help="--precision bf16: bf16 parameters with fp32 master weights (false: fp32 parameters under bf16 autocast).")
 
 
+def wants_scores(recipe: Any) -> bool:
+    """Whether the recipe's loss consumes per-sequence scores (reward modeling) instead of label log-probs."""
+    from toolkit.plugins import get_plugin_manager
+
+    return getattr(get_plugin_manager().get("loss", recipe.loss), "consumes", "logps") == "scores"
+
+
 def load_hf_model(source: Any, tuner: Any, recipe: Any, device: Any) -> Any:
-    """The HF causal LM in fp32 master weights, with the tuner applied, on ``device``."""
+    """The HF causal LM in fp32 master weights, with the tuner applied, on ``device``.
+
+    For a loss that consumes scores it is the ``*ForSequenceClassification`` model with one label
+    (the value head starts from the seeded initialisation; the LM head is dropped).
+    """
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     torch.manual_seed(recipe.seed)
     kwargs = {"dtype": torch.float32, **tuner.model_load_kwargs()}
-    model = AutoModelForCausalLM.from_pretrained(source.directory, trust_remote_code=source.trust_remote_code, **kwargs)
+    if wants_scores(recipe):
+        pad = source.tokenizer.pad_token_id if source.tokenizer.pad_token_id is not None else source.tokenizer.eos_token_id
+        model = AutoModelForSequenceClassification.from_pretrained(
+            source.directory, trust_remote_code=source.trust_remote_code, num_labels=1, pad_token_id=pad, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(source.directory, trust_remote_code=source.trust_remote_code, **kwargs)
     if "quantization_config" not in kwargs:
         model.to(device)
     if recipe.gradient_checkpointing:
@@ -65,6 +82,7 @@ class LocalEngine:
         self.device = self.world.device
         self.recipe, self.tuner, self.source = recipe, tuner, source
         logps.LOGPS_CHUNK_TOKENS = config.logps_chunk_tokens
+        logps.RECOMPUTE_LOGITS = config.recompute_logits
         self.model = load_hf_model(source, tuner, recipe, self.device)
         self.master = None
         compute_autocast = autocast_dtype(recipe.precision)
@@ -99,12 +117,21 @@ class LocalEngine:
         frozen = copy.deepcopy(self.model).eval().requires_grad_(False)
         return CausalLMLogps(frozen, autocast_dtype(self.recipe.precision))
 
+    def release_reference(self) -> None:
+        """Free the frozen reference once every example carries precomputed reference log-probs."""
+        self.reference = None
+        self.reference_released = True
+
     def reference_logps(self, micro_batch: dict) -> Any:
         """Summed reference log-probs per sequence ``[num_sequences]`` (no gradient)."""
         import torch
 
+        from toolkit.errors import ToolkitError
         from toolkit.train.logps import CausalLMLogps, token_logps
 
+        if getattr(self, "reference_released", False):
+            raise ToolkitError("the reference model was freed after --precompute-reference, but a micro-batch "
+                               "arrived without precomputed reference_logps")
         with torch.no_grad():
             if self.reference is not None:
                 out = token_logps(self.reference, micro_batch, self.device)

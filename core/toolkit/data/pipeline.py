@@ -189,8 +189,11 @@ class Batches:
     def context(self, step: int) -> StepContext:
         units = self.step_units(step)
         seqs = [s for u in units for i in u for s in self.examples[i].sequences]
-        tokens = sum(sum(1 for label in s.labels if label != IGNORE_INDEX) for s in seqs)
-        return StepContext(label_tokens=tokens, sequences=len(seqs), examples=sum(len(u) for u in units), step=step)
+        counted = [(s.role, sum(1 for label in s.labels if label != IGNORE_INDEX)) for s in seqs]
+        tokens = sum(n for _, n in counted)
+        chosen = sum(n for role, n in counted if role == 0)
+        return StepContext(label_tokens=tokens, sequences=len(seqs), examples=sum(len(u) for u in units), step=step,
+                           counts={"chosen_label_tokens": chosen})
 
     def micro_batches(self, step: int) -> list[dict[str, Any]]:
         units = self.step_units(step)

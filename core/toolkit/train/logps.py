@@ -14,6 +14,8 @@ from torch.utils.checkpoint import checkpoint
 from toolkit.contracts import IGNORE_INDEX, TokenLogps
 
 LOGPS_CHUNK_TOKENS = 2048
+RECOMPUTE_LOGITS = False
+"""True: recompute each chunk's logits in backward (least memory); False: keep them in the compute dtype (faster)."""
 
 
 def attention_mask_for(sequence_ids: torch.Tensor) -> torch.Tensor | None:
@@ -65,20 +67,70 @@ class _FrozenHeadLogps(torch.autograd.Function):
         return (grad_picked[:, None].to(grad.dtype) * grad).to(ctx.hidden_dtype), None, None
 
 
+class _LinearHeadLogps(torch.autograd.Function):
+    """Label log-probs of one chunk through a trainable bias-free linear head, logits kept for backward.
+
+    Keeps the chunk's logits in the compute dtype (bf16 under mixed precision: never fp32 for the
+    whole vocabulary) and their log-sum-exp, so backward forms ``onehot(y) - softmax`` directly
+    instead of recomputing the head GEMM as checkpointing does.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) else hidden.dtype
+        with torch.no_grad():
+            h, w = hidden.to(dtype), weight.to(dtype)
+            logits = h @ w.t()
+            lse = torch.logsumexp(logits.float(), dim=-1)
+            picked = logits.gather(-1, labels[:, None]).squeeze(-1).float() - lse
+        ctx.save_for_backward(h, labels, w, logits, lse)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        return picked
+
+    @staticmethod
+    def backward(ctx: Any, grad_picked: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor]:
+        h, labels, w, logits, lse = ctx.saved_tensors
+        hidden_dtype, weight_dtype = ctx.dtypes
+        grad_logits = torch.exp(logits.float() - lse[:, None]).mul_(-grad_picked[:, None])
+        grad_logits.scatter_add_(-1, labels[:, None], grad_picked[:, None].float())
+        grad_logits = grad_logits.to(h.dtype)
+        grad_hidden = (grad_logits @ w).to(hidden_dtype) if ctx.needs_input_grad[0] else None
+        grad_weight = (grad_logits.t() @ h).to(weight_dtype) if ctx.needs_input_grad[2] else None
+        return grad_hidden, None, grad_weight
+
+
+def trainable_linear_head(head: nn.Module) -> bool:
+    """A plain bias-free linear head whose weight trains and is materialised here (not ZeRO-3-partitioned)."""
+    weight = getattr(head, "weight", None)
+    return (type(head) is nn.Linear and head.bias is None and weight is not None and weight.requires_grad
+            and not hasattr(weight, "ds_id"))
+
+
 def frozen_head(head: nn.Module) -> bool:
     """A plain linear head without bias of which nothing trains (LoRA, QLoRA, freeze and reference models)."""
     return type(head) is nn.Linear and head.bias is None and not head.weight.requires_grad
 
 
-def label_logps(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk: int = LOGPS_CHUNK_TOKENS) -> torch.Tensor:
-    """``log p(labels)`` for ``hidden [N, H]``; each chunk's logits are recomputed in backward, never stored."""
+def label_logps(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk: int | None = None,
+                recompute: bool | None = None) -> torch.Tensor:
+    """``log p(labels)`` for ``hidden [N, H]``, a chunk of tokens at a time (never full fp32 logits).
+
+    Under gradient: a frozen head makes its input gradient in forward; a trainable plain head keeps
+    each chunk's logits in the compute dtype for backward; anything else (or ``recompute``)
+    recomputes each chunk's logits in backward, holding none.
+    """
+    chunk = chunk or LOGPS_CHUNK_TOKENS
+    recompute = RECOMPUTE_LOGITS if recompute is None else recompute
     pieces = []
     fused = frozen_head(head)
+    keep_logits = not recompute and trainable_linear_head(head)
     for start in range(0, hidden.shape[0], chunk):
         h, y = hidden[start:start + chunk], labels[start:start + chunk]
         if fused and torch.is_grad_enabled() and h.requires_grad:
             pieces.append(_FrozenHeadLogps.apply(h, y, head))
-        elif torch.is_grad_enabled() and h.requires_grad:
+        elif keep_logits and torch.is_grad_enabled():
+            pieces.append(_LinearHeadLogps.apply(h, y, head.weight))
+        elif torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for p in head.parameters())):
             pieces.append(checkpoint(_chunk_logps, head, h, y, use_reentrant=False))
         else:
             pieces.append(_chunk_logps(head, h, y))
@@ -105,9 +157,12 @@ class CausalLMLogps(nn.Module):
         self.autocast_dtype = autocast_dtype
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
-                sequence_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+                sequence_ids: torch.Tensor) -> tuple[Any, ...]:
+        """``(logps, aux, aux_metrics)``; a sequence-classification model (reward modeling) adds ``scores [sequences]``."""
         inner = unwrap(self.model)
         decoder, head = inner.get_decoder(), inner.get_output_embeddings()
+        if head is None and isinstance(getattr(inner, "score", None), nn.Module):
+            return self._scores(inner, decoder, input_ids, labels, position_ids, sequence_ids)
         device_type = input_ids.device.type
         enabled = self.autocast_dtype is not None
         with torch.autocast(device_type=device_type, dtype=self.autocast_dtype or torch.bfloat16, enabled=enabled):
@@ -124,6 +179,22 @@ class CausalLMLogps(nn.Module):
         logps = logps.masked_scatter(mask, picked)
         aux, aux_metrics = router_aux_loss(inner, out, sequence_ids)
         return logps, aux, aux_metrics
+
+    def _scores(self, inner: nn.Module, decoder: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
+                position_ids: torch.Tensor, sequence_ids: torch.Tensor) -> tuple[torch.Tensor, None, dict, torch.Tensor]:
+        """The value head on each sequence's last token (what HF's ``*ForSequenceClassification`` scores)."""
+        enabled = self.autocast_dtype is not None
+        with torch.autocast(device_type=input_ids.device.type, dtype=self.autocast_dtype or torch.bfloat16, enabled=enabled):
+            hidden = decoder(input_ids=input_ids, position_ids=position_ids,
+                             attention_mask=attention_mask_for(sequence_ids), use_cache=False).last_hidden_state
+        flat = sequence_ids.flatten()
+        valid = flat >= 0
+        positions = torch.arange(flat.numel(), device=flat.device)
+        count = int(flat.max()) + 1 if bool(valid.any()) else 0
+        last = torch.full((count,), -1, dtype=torch.long, device=flat.device)
+        last = last.scatter_reduce(0, flat[valid], positions[valid], reduce="amax")
+        scores = inner.score(hidden.flatten(0, 1)[last]).float().squeeze(-1)
+        return torch.zeros(labels.shape, dtype=torch.float32, device=labels.device), None, {}, scores
 
 
 def router_aux_loss(inner: nn.Module, out: Any, sequence_ids: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, float]]:
@@ -150,8 +221,10 @@ def token_logps(module: nn.Module, batch: dict[str, Any], device: torch.device) 
     """Run a :class:`CausalLMLogps` (possibly DDP-wrapped) on a micro-batch and build :class:`TokenLogps`."""
     ids = batch["input_ids"].to(device)
     labels = batch["labels"].to(device)
-    logps, aux, aux_metrics = module(ids, labels, batch["position_ids"].to(device), batch["sequence_ids"].to(device))
+    outputs = module(ids, labels, batch["position_ids"].to(device), batch["sequence_ids"].to(device))
+    logps, aux, aux_metrics = outputs[:3]
+    scores = outputs[3] if len(outputs) > 3 else None
     meta = {k: v.to(device) for k, v in batch["sequence_meta"].items()}
     return TokenLogps(logps=logps, mask=labels != IGNORE_INDEX, sequence_ids=batch["sequence_ids"].to(device),
                       num_sequences=batch["num_sequences"], sequence_meta=meta,
-                      reference_logps=meta.get("reference_logps"), aux_loss=aux, aux_metrics=aux_metrics)
+                      reference_logps=meta.get("reference_logps"), aux_loss=aux, aux_metrics=aux_metrics, scores=scores)

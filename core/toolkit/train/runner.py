@@ -133,6 +133,10 @@ def run_training(recipe: Recipe) -> Path:
         example_kinds=loss.example_kinds, options=recipe.options, packing=recipe.packing)
     engine = strategy.build(source, tuner, loss, recipe)
     try:
+        if recipe.precompute_reference and getattr(loss, "needs_reference", False):
+            from toolkit.train.reference import precompute_reference_logps
+
+            precompute_reference_logps(engine, examples, recipe, source, run_dir)
         _train_loop(recipe, run_dir, engine, loss, tuner, source, examples, stats)
     finally:
         engine.close()
