@@ -24,6 +24,12 @@ def tiny_config(arch: str):
         return Qwen3MoeConfig(vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                               num_key_value_heads=2, head_dim=32, max_position_embeddings=256, num_experts=4,
                               num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
+    if arch == "qwen2_moe":
+        from transformers import Qwen2MoeConfig
+
+        return Qwen2MoeConfig(vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                              num_key_value_heads=2, max_position_embeddings=256, num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=64, shared_expert_intermediate_size=96)
     cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
     return cls(vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, head_dim=32, max_position_embeddings=256, tie_word_embeddings=arch == "qwen3",
@@ -48,7 +54,7 @@ def save_tiny_model(arch: str, directory: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    return {arch: save_tiny_model(arch, root / arch) for arch in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")}
+    return {arch: save_tiny_model(arch, root / arch) for arch in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe")}
 
 
 def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 240) -> None:

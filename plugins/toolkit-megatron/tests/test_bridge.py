@@ -54,16 +54,18 @@ def test_llama_logits_and_round_trip_is_bit_exact(tiny_models, tmp_path):
 
 
 def test_moe_logits_and_round_trip_with_expert_parallelism(tiny_models, tmp_path):
-    """Qwen3-MoE and Mixtral: EP2, PP2, TP2+SP (experts split over expert-TP) equal HF; exports are exact."""
+    """Qwen3-MoE, Mixtral, Qwen2-MoE (shared expert): EP2, PP2, TP2+SP (experts split over expert-TP)
+    equal HF; exports are bit-exact."""
     _assert_close(run_worker("_bridge_worker.py", tmp_path / "q", str(tiny_models["qwen3_moe"]), "ep=2,pp=2,tp=2+sp=1"))
-    source = tiny_models["mixtral"]
-    results = run_worker("_bridge_worker.py", tmp_path / "m", str(source), "ep=2+export=1,tp=2+sp=1+export=1")
-    _assert_close(results)
-    original = _load(source)
-    for entry in results.values():
-        tensors = _load(Path(entry["export_dir"]))
-        assert sorted(tensors) == sorted(original)
-        assert all(torch.equal(tensors[n], t) for n, t in original.items())
+    for arch, layouts in (("mixtral", "ep=2+export=1,tp=2+sp=1+export=1"), ("qwen2_moe", "ep=2+export=1")):
+        source = tiny_models[arch]
+        results = run_worker("_bridge_worker.py", tmp_path / arch, str(source), layouts)
+        _assert_close(results)
+        original = _load(source)
+        for entry in results.values():
+            tensors = _load(Path(entry["export_dir"]))
+            assert sorted(tensors) == sorted(original)
+            assert all(torch.equal(tensors[n], t) for n, t in original.items()), arch
 
 
 def test_mistral_tp2(tiny_models, tmp_path):

@@ -24,6 +24,7 @@ class McoreExportConfig:
     tp: int = option(1, help="Tensor-parallel size of the processes that write the checkpoint.")
     pp: int = option(1, help="Pipeline-parallel size of the processes that write the checkpoint.")
     vpp: int = option(1, help="Virtual pipeline stages per rank.")
+    ep: int = option(1, help="Expert-parallel size (MoE models); the processes are tp * pp * ep.")
     dtype: Literal["float32", "bfloat16", "float16"] = option("float32", help="Weight dtype in the checkpoint.")
 
 
@@ -40,8 +41,9 @@ class McoreExporter:
         from toolkit_megatron.model import Layout, check_layout
 
         config = _as_config(options) if options is not None else self.config
-        layout = Layout(tensor=config.tp, pipeline=config.pp, virtual=config.vpp)
-        world = layout.tensor * layout.pipeline
+        layout = Layout(tensor=config.tp, pipeline=config.pp, virtual=config.vpp, expert=config.ep,
+                        sequence_parallel=config.tp > 1 and _is_moe(model.source.config))
+        world = layout.tensor * layout.pipeline * layout.expert
         check_layout(layout, model.source.config, world)
         output = Path(output)
         with tempfile.TemporaryDirectory(prefix="toolkit-mcore-") as staging:
@@ -50,6 +52,12 @@ class McoreExporter:
             hf_dir = save_hf_checkpoint(model.tensors(), model.source.config, Path(staging) / "hf")
             _spawn(world, _export_worker, (str(hf_dir), str(output), layout, config.dtype, str(model.source.directory)))
         return output
+
+
+def _is_moe(hf_config: Any) -> bool:
+    from toolkit_megatron.architectures import architecture_for
+
+    return architecture_for(hf_config.model_type).moe
 
 
 def _as_config(options: Any) -> McoreExportConfig:
@@ -64,7 +72,7 @@ def _as_config(options: Any) -> McoreExportConfig:
         if problems:
             raise ConfigError(problems)
         return config
-    return McoreExportConfig(**{k: getattr(options, k) for k in ("tp", "pp", "vpp", "dtype") if hasattr(options, k)})
+    return McoreExportConfig(**{k: getattr(options, k) for k in ("tp", "pp", "vpp", "ep", "dtype") if hasattr(options, k)})
 
 
 def _free_port() -> int:
