@@ -55,8 +55,9 @@ def save_checkpoint(run_dir: Path, step: int, engine: Any, trainer_state: dict[s
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
-    torch.save(rng, staging / f"rng-rank{engine.dp_rank}.pt")
-    (staging / f"python-rng-rank{engine.dp_rank}.json").write_text(json.dumps(_python_rng()))
+    # Several processes share a data-parallel rank under tensor/pipeline parallelism: write atomically.
+    _atomic_write(staging / f"rng-rank{engine.dp_rank}.pt", lambda path: torch.save(rng, path))
+    _atomic_write(staging / f"python-rng-rank{engine.dp_rank}.json", lambda path: path.write_text(json.dumps(_python_rng())))
     engine.barrier()
     if engine.is_main:
         (staging / STATE_FILE).write_text(json.dumps(trainer_state, indent=2))
@@ -67,6 +68,12 @@ def save_checkpoint(run_dir: Path, step: int, engine: Any, trainer_state: dict[s
             shutil.rmtree(old, ignore_errors=True)
     engine.barrier()
     return final
+
+
+def _atomic_write(path: Path, write: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    write(tmp)
+    os.replace(tmp, path)
 
 
 def restore_rng(checkpoint: Path, rank: int) -> None:

@@ -1,0 +1,256 @@
+"""Per-family facts the Megatron bridge needs, registered through ``toolkit_register_architectures``.
+
+An architecture says how an HF config becomes Megatron's ``TransformerConfig`` options and what
+the HF tensor names of each weight are. A third party adds a dense family by registering a
+subclass of :class:`DenseArchitecture` named ``megatron:<model_type>`` with its ``families``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from toolkit.errors import ModelError
+
+
+class DenseArchitecture:
+    """A Llama-shaped decoder: RMSNorm, RoPE, SwiGLU MLP, GQA, optional QKV bias / QK norm."""
+
+    name: ClassVar[str] = "megatron:llama"
+    families: ClassVar[tuple[str, ...]] = ("llama",)
+    qkv_bias: ClassVar[bool | None] = None
+    """``None``: read ``attention_bias`` from the HF config."""
+    qk_norm: ClassVar[bool] = False
+    moe: ClassVar[bool] = False
+
+    # HF names; ``{i}`` is the global layer index.
+    embedding: ClassVar[str] = "model.embed_tokens.weight"
+    final_norm: ClassVar[str] = "model.norm.weight"
+    lm_head: ClassVar[str] = "lm_head.weight"
+    layer: ClassVar[dict[str, str]] = {
+        "q": "model.layers.{i}.self_attn.q_proj",
+        "k": "model.layers.{i}.self_attn.k_proj",
+        "v": "model.layers.{i}.self_attn.v_proj",
+        "o": "model.layers.{i}.self_attn.o_proj.weight",
+        "q_norm": "model.layers.{i}.self_attn.q_norm.weight",
+        "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
+        "gate": "model.layers.{i}.mlp.gate_proj.weight",
+        "up": "model.layers.{i}.mlp.up_proj.weight",
+        "down": "model.layers.{i}.mlp.down_proj.weight",
+        "input_norm": "model.layers.{i}.input_layernorm.weight",
+        "post_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    }
+
+    Config: ClassVar[type] = None  # set below: architectures take no options
+
+    def __init__(self, config: Any = None):
+        self.config = config
+
+    @classmethod
+    def has_qkv_bias(cls, hf_config: Any) -> bool:
+        return bool(getattr(hf_config, "attention_bias", False)) if cls.qkv_bias is None else cls.qkv_bias
+
+    @classmethod
+    def head_dim(cls, hf_config: Any) -> int:
+        return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+    @classmethod
+    def sliding_window(cls, hf_config: Any) -> int | None:
+        return None
+
+    @classmethod
+    def check(cls, hf_config: Any) -> None:
+        problems = []
+        if getattr(hf_config, "mlp_bias", False):
+            problems.append("mlp_bias=true (biases on MLP projections)")
+        if cls.qkv_bias is None and getattr(hf_config, "attention_bias", False) and cls.families[0] == "llama":
+            problems.append("attention_bias=true (o_proj bias)")
+        if getattr(hf_config, "hidden_act", "silu") != "silu":
+            problems.append(f"hidden_act={hf_config.hidden_act!r} (only silu/SwiGLU)")
+        if problems:
+            raise ModelError(f"{hf_config.model_type} config not supported by the Megatron bridge: {'; '.join(problems)}")
+
+    @classmethod
+    def transformer_options(cls, hf_config: Any) -> dict[str, Any]:
+        """``TransformerConfig`` keyword arguments that describe the model (not the layout)."""
+        import torch.nn.functional as F
+
+        cls.check(hf_config)
+        return dict(
+            num_layers=hf_config.num_hidden_layers,
+            hidden_size=hf_config.hidden_size,
+            num_attention_heads=hf_config.num_attention_heads,
+            num_query_groups=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
+            kv_channels=cls.head_dim(hf_config),
+            ffn_hidden_size=hf_config.intermediate_size,
+            normalization="RMSNorm",
+            layernorm_epsilon=hf_config.rms_norm_eps,
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            add_qkv_bias=cls.has_qkv_bias(hf_config),
+            qk_layernorm=cls.qk_norm,
+            hidden_dropout=0.0,
+            attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
+            init_method_std=getattr(hf_config, "initializer_range", 0.02),
+        )
+
+
+@dataclass(kw_only=True)
+class NoOptions:
+    """Architectures take no options."""
+
+
+DenseArchitecture.Config = NoOptions
+
+
+class MistralArchitecture(DenseArchitecture):
+    name = "megatron:mistral"
+    families = ("mistral",)
+    qkv_bias = False
+
+    @classmethod
+    def sliding_window(cls, hf_config: Any) -> int | None:
+        return getattr(hf_config, "sliding_window", None)
+
+
+class Qwen2Architecture(DenseArchitecture):
+    name = "megatron:qwen2"
+    families = ("qwen2",)
+    qkv_bias = True
+
+    @classmethod
+    def sliding_window(cls, hf_config: Any) -> int | None:
+        if getattr(hf_config, "use_sliding_window", False) and getattr(hf_config, "sliding_window", None):
+            raise ModelError("qwen2 with use_sliding_window=true mixes window and full layers: not supported by the Megatron bridge")
+        return None
+
+
+class Qwen3Architecture(DenseArchitecture):
+    name = "megatron:qwen3"
+    families = ("qwen3",)
+    qk_norm = True
+
+    @classmethod
+    def sliding_window(cls, hf_config: Any) -> int | None:
+        return Qwen2Architecture.sliding_window(hf_config)
+
+
+class MoEArchitecture(DenseArchitecture):
+    """A decoder whose every MLP is a top-k routed mixture of SwiGLU experts (no shared expert)."""
+
+    moe: ClassVar[bool] = True
+    router: ClassVar[str] = "model.layers.{i}.mlp.gate.weight"
+    expert: ClassVar[dict[str, str]] = {"gate": "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+                                        "up": "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+                                        "down": "model.layers.{i}.mlp.experts.{e}.down_proj.weight"}
+
+    @classmethod
+    def num_experts(cls, hf_config: Any) -> int:
+        return hf_config.num_experts
+
+    @classmethod
+    def expert_ffn(cls, hf_config: Any) -> int:
+        return hf_config.moe_intermediate_size
+
+    @classmethod
+    def renormalize(cls, hf_config: Any) -> bool:
+        return bool(getattr(hf_config, "norm_topk_prob", True))
+
+    @classmethod
+    def check(cls, hf_config: Any) -> None:
+        super().check(hf_config)
+        if getattr(hf_config, "mlp_only_layers", None) or getattr(hf_config, "decoder_sparse_step", 1) != 1:
+            raise ModelError(f"{hf_config.model_type}: dense layers between MoE layers (mlp_only_layers, "
+                             "decoder_sparse_step) are not supported by the Megatron bridge")
+
+    @classmethod
+    def transformer_options(cls, hf_config: Any) -> dict[str, Any]:
+        options = super().transformer_options(hf_config)
+        options.update(
+            num_moe_experts=cls.num_experts(hf_config),
+            moe_router_topk=hf_config.num_experts_per_tok,
+            moe_ffn_hidden_size=cls.expert_ffn(hf_config),
+            # top-k over logits then softmax == softmax, top-k, renormalise (HF's norm_topk_prob)
+            moe_router_pre_softmax=not cls.renormalize(hf_config),
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type="alltoall",
+            moe_grouped_gemm=False,
+        )
+        return options
+
+
+class Qwen2MoeArchitecture(MoEArchitecture):
+    """Qwen2-MoE: routed experts plus one sigmoid-gated shared expert; no top-k renormalisation by default."""
+
+    name = "megatron:qwen2_moe"
+    families = ("qwen2_moe",)
+    qkv_bias = True
+    shared: ClassVar[dict[str, str]] = {"gate": "model.layers.{i}.mlp.shared_expert.gate_proj.weight",
+                                        "up": "model.layers.{i}.mlp.shared_expert.up_proj.weight",
+                                        "down": "model.layers.{i}.mlp.shared_expert.down_proj.weight",
+                                        "gate_weight": "model.layers.{i}.mlp.shared_expert_gate.weight"}
+
+    @classmethod
+    def renormalize(cls, hf_config: Any) -> bool:
+        return bool(getattr(hf_config, "norm_topk_prob", False))
+
+    @classmethod
+    def transformer_options(cls, hf_config: Any) -> dict[str, Any]:
+        options = super().transformer_options(hf_config)
+        options.update(moe_shared_expert_intermediate_size=hf_config.shared_expert_intermediate_size,
+                       moe_shared_expert_gate=True)
+        return options
+
+
+class Qwen3MoeArchitecture(MoEArchitecture):
+    name = "megatron:qwen3_moe"
+    families = ("qwen3_moe",)
+    qk_norm = True
+
+
+class MixtralArchitecture(MoEArchitecture):
+    name = "megatron:mixtral"
+    families = ("mixtral",)
+    qkv_bias = False
+    router = "model.layers.{i}.block_sparse_moe.gate.weight"
+    expert = {"gate": "model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight",
+              "up": "model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight",
+              "down": "model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight"}
+
+    @classmethod
+    def num_experts(cls, hf_config: Any) -> int:
+        return hf_config.num_local_experts
+
+    @classmethod
+    def expert_ffn(cls, hf_config: Any) -> int:
+        return hf_config.intermediate_size
+
+    @classmethod
+    def renormalize(cls, hf_config: Any) -> bool:
+        return True
+
+    @classmethod
+    def sliding_window(cls, hf_config: Any) -> int | None:
+        return getattr(hf_config, "sliding_window", None)
+
+
+BUILTIN = (DenseArchitecture, MistralArchitecture, Qwen2Architecture, Qwen3Architecture, Qwen2MoeArchitecture,
+           Qwen3MoeArchitecture, MixtralArchitecture)
+
+
+def architecture_for(model_type: str) -> type[DenseArchitecture]:
+    """The registered ``megatron:*`` architecture covering ``model_type`` (plugins included)."""
+    from toolkit.plugins import get_plugin_manager
+
+    registry = get_plugin_manager().registry("architecture")
+    known = []
+    for name, cls in registry.items():
+        if name.startswith("megatron:"):
+            known.append(name.split(":", 1)[1])
+            if model_type in getattr(cls, "families", ()):
+                return cls
+    raise ModelError(f"the Megatron bridge has no architecture for model_type {model_type!r}; "
+                     f"supported: {', '.join(sorted(known)) or 'none'}. A plugin can add one with "
+                     f"toolkit_register_architectures (a DenseArchitecture subclass named 'megatron:{model_type}').")

@@ -1,0 +1,178 @@
+"""Core attention on torch SDPA for Megatron's layer spec: RoPE by position ids, packing, CP.
+
+Plugged in as ``core_attention`` of Megatron's ``SelfAttention`` (the model is built with
+``position_embedding_type="none"``, so RoPE happens here, from explicit position ids, with the
+inverse frequencies Hugging Face computes for the checkpoint's rope type). The ``attention_mask``
+argument Megatron threads through every layer carries, instead of a boolean mask, a long tensor
+``[2, batch, tokens]`` of (position ids, sequence ids) for the whole (context-parallel-gathered)
+sequence, or ``None`` for plain causal rows. Tokens attend causally within equal sequence ids
+only, which isolates packed samples.
+
+Context parallelism: the sequence is cut into ``2 * cp`` chunks and rank ``r`` holds chunks
+``r`` and ``2cp - 1 - r`` (causal load balancing); each rank rotates its own keys, all-gathers
+keys and values over the CP group and attends with an explicit mask built from token indices.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from toolkit_megatron.compat import cpu_compat
+
+
+@dataclass(frozen=True)
+class Rope:
+    """RoPE as Hugging Face computes it: inverse frequencies and the cos/sin scaling."""
+
+    inv_freq: tuple[float, ...]
+    scaling: float = 1.0
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> Rope:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        params = getattr(hf_config, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+            dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            return cls(tuple(inv_freq.tolist()))
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+        return cls(tuple(inv_freq.float().tolist()), float(scaling))
+
+
+def load_balanced_indices(tokens: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Token indices context-parallel rank ``cp_rank`` holds: chunks ``r`` and ``2cp-1-r``."""
+    if cp_size == 1:
+        return torch.arange(tokens)
+    chunk = tokens // (2 * cp_size)
+    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
+    second_start = (2 * cp_size - 1 - cp_rank) * chunk
+    return torch.cat([first, torch.arange(second_start, second_start + chunk)])
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class _AllGatherSeq(torch.autograd.Function):
+    """All-gather along dim 0 over a group; backward sums the gradient and keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        ctx.rank = torch.distributed.get_rank(group)
+        ctx.size = tensor.shape[0]
+        parts = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size(group))]
+        torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad[ctx.rank * ctx.size:(ctx.rank + 1) * ctx.size], None
+
+
+class SDPAAttention(torch.nn.Module):
+    """Megatron ``core_attention`` on ``torch.nn.functional.scaled_dot_product_attention``."""
+
+    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection: Any = None, rope: Rope | None = None,
+                 sliding_window: int | None = None):
+        super().__init__()
+        from megatron.core import parallel_state
+
+        self.config = config
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        self.rope = rope
+        self.sliding_window = sliding_window
+        self.register_buffer("inv_freq", torch.tensor(rope.inv_freq, dtype=torch.float32) if rope else None,
+                             persistent=False)
+        self.cp_size = config.context_parallel_size
+        self.cp_group = parallel_state.get_context_parallel_group() if self.cp_size > 1 else None
+        self.cp_rank = parallel_state.get_context_parallel_rank() if self.cp_size > 1 else 0
+
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x [s, b, h, d]; positions [b, s] -> cos/sin [s, b, 1, d], cast like HF before multiplying.
+        freqs = positions.t()[..., None].float() * self.inv_freq.to(x.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.rope.scaling).to(x.dtype)[:, :, None, :]
+        sin = (emb.sin() * self.rope.scaling).to(x.dtype)[:, :, None, :]
+        return x * cos + _rotate_half(x) * sin
+
+    def _mask(self, index_q: torch.Tensor, index_k: torch.Tensor, meta: torch.Tensor | None) -> torch.Tensor:
+        """Boolean ``[b, 1, sq, sk]`` mask: causal by token index within equal sequence ids."""
+        allowed = index_k[None, :] <= index_q[:, None]
+        if meta is None:
+            mask = allowed[None, None]
+        else:
+            seq = meta[1]
+            seq_q, seq_k = seq[:, index_q], seq[:, index_k]
+            same = (seq_q[:, :, None] == seq_k[:, None, :]) & (seq_q[:, :, None] >= 0)
+            diagonal = index_q[:, None] == index_k[None, :]  # padding attends to itself only: no NaN rows
+            mask = ((same & allowed[None]) | diagonal[None])[:, None]
+        if self.sliding_window:
+            mask = mask & ((index_q[:, None] - index_k[None, :]) < self.sliding_window)[None, None]
+        return mask
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> torch.Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("SDPAAttention takes packing through sequence ids, not packed_seq_params")
+        with cpu_compat():
+            return self._forward(query, key, value, attention_mask)
+
+    def _forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: torch.Tensor | None) -> torch.Tensor:
+        local, batch = query.shape[0], query.shape[1]
+        total = local * self.cp_size
+        index_q = load_balanced_indices(total, self.cp_size, self.cp_rank).to(query.device)
+        positions = meta[0][:, index_q] if meta is not None else index_q[None].expand(batch, -1)
+        if self.rope is not None:
+            query, key = self._rotate(query, positions), self._rotate(key, positions)
+        index_k = index_q
+        if self.cp_size > 1:
+            key = _AllGatherSeq.apply(key, self.cp_group)
+            value = _AllGatherSeq.apply(value, self.cp_group)
+            index_k = torch.cat([load_balanced_indices(total, self.cp_size, r) for r in range(self.cp_size)]).to(query.device)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
+        dropout = self.dropout if self.training else 0.0
+        gqa = q.shape[1] != k.shape[1]
+        if meta is None and self.cp_size == 1 and not self.sliding_window:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=self.scale, enable_gqa=gqa)
+        else:
+            mask = self._mask(index_q, index_k, meta)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=self.scale, enable_gqa=gqa)
+        return out.permute(2, 0, 1, 3).reshape(local, batch, -1)
+
+
+class LocalAttention(SDPAAttention):
+    """Megatron's unfused local attention kernel (baseline/fallback) behind the same RoPE and masks."""
+
+    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str, **kwargs: Any):
+        super().__init__(config, layer_number, attn_mask_type, attention_type, **kwargs)
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        if self.cp_size > 1:
+            raise NotImplementedError("the local attention kernel has no context parallelism; use attention=sdpa")
+        self.kernel = DotProductAttention(config, layer_number, attn_mask_type, attention_type,
+                                          attention_dropout=kwargs.get("attention_dropout"),
+                                          softmax_scale=kwargs.get("softmax_scale"))
+
+    def _forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: torch.Tensor | None) -> torch.Tensor:
+        local, batch = query.shape[0], query.shape[1]
+        index = torch.arange(local, device=query.device)
+        positions = meta[0] if meta is not None else index[None].expand(batch, -1)
+        if self.rope is not None:
+            query, key = self._rotate(query, positions), self._rotate(key, positions)
+        blocked = ~self._mask(index, index, meta).expand(batch, 1, local, local)  # Megatron masks where True
+        return self.kernel(query, key, value, blocked)

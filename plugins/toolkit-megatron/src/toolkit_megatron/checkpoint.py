@@ -1,0 +1,191 @@
+"""Megatron-Core distributed checkpoints (``dist_checkpointing``) of toolkit models.
+
+A toolkit mcore directory holds the ``dist_checkpointing`` files (layout-independent: tensors
+are stored by global key and shard offsets, so a checkpoint saved at TP2 loads at PP2),
+``toolkit_mcore.json`` (format marker, padded vocabulary, the layout it was saved at) and the
+HF ``config.json`` plus tokenizer files, so it can be converted back to HF without the source.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from toolkit.errors import LayoutError, ModelError
+from toolkit_megatron.bridge import unwrap
+from toolkit_megatron.compat import cpu_compat
+from toolkit_megatron.model import Layout
+
+MARKER = "toolkit_mcore.json"
+
+
+def is_mcore_dir(path: str | Path) -> bool:
+    return (Path(path) / MARKER).is_file()
+
+
+def read_marker(path: str | Path) -> dict[str, Any]:
+    marker = Path(path) / MARKER
+    if not marker.is_file():
+        raise ModelError(f"{path} is not a toolkit Megatron checkpoint (no {MARKER})")
+    return json.loads(marker.read_text())
+
+
+def model_sharded_state_dict(models: list[Any]) -> dict[str, Any]:
+    return {f"model{i}": unwrap(m).sharded_state_dict() for i, m in enumerate(models)}
+
+
+def save_mcore(models: list[Any], directory: str | Path, hf_config: Any, layout: Layout, *, extra: dict | None = None,
+               tokenizer_source: Path | None = None, optimizer: Any = None, async_save: bool = False) -> Any:
+    """Save model chunks (and optionally a Megatron optimizer) collectively; complete or absent.
+
+    Writes into ``<directory>.tmp`` and renames on rank 0 after every rank finished. With
+    ``async_save`` returns Megatron's ``AsyncRequest`` (call :func:`finish_async_save` later).
+    """
+    from megatron.core import dist_checkpointing
+
+    final = Path(directory)
+    tmp = final.with_name(final.name + ".tmp")
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    torch.distributed.barrier()
+    state = model_sharded_state_dict(models)
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(state, **_optimizer_format(optimizer))
+    with cpu_compat():
+        request = dist_checkpointing.save(state, str(tmp), async_sharded_save=async_save)
+    finalize = _Finalize(final, tmp, hf_config, layout, unwrap(models[0]).vocab_size, extra or {}, tokenizer_source)
+    if async_save:
+        request.add_finalize_fn(finalize)
+        return request
+    finalize()
+    return None
+
+
+class _Finalize:
+    def __init__(self, final: Path, tmp: Path, hf_config: Any, layout: Layout, padded_vocab: int, extra: dict,
+                 tokenizer_source: Path | None):
+        self.args = (final, tmp, hf_config, layout, padded_vocab, extra, tokenizer_source)
+
+    def __call__(self) -> None:
+        final, tmp, hf_config, layout, padded_vocab, extra, tokenizer_source = self.args
+        torch.distributed.barrier()
+        if torch.distributed.get_rank() == 0:
+            marker = {"format": "toolkit-mcore", "version": 1, "model_type": hf_config.model_type,
+                      "padded_vocab_size": padded_vocab, "saved_layout": layout.__dict__, **extra}
+            (tmp / MARKER).write_text(json.dumps(marker, indent=2))
+            hf_config.save_pretrained(tmp)
+            if tokenizer_source is not None:
+                from toolkit_megatron.hf_io import copy_tokenizer_files
+
+                copy_tokenizer_files(tokenizer_source, tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        torch.distributed.barrier()
+
+
+def _optimizer_format(optimizer: Any) -> dict[str, Any]:
+    """The distributed optimizer's ``dp_reshardable`` format (its default fails on 0.16); others take none."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    return {"sharding_type": "dp_reshardable"} if any(isinstance(o, DistributedOptimizer) for o in inner) else {}
+
+
+def stop_checkpoint_workers() -> None:
+    """End the multiprocessing manager Megatron's async file writer starts for its results queue.
+
+    It is a child of this process; runs that leave through ``os._exit`` (the clean gloo exit)
+    would otherwise orphan it, and it keeps the parent's stdout/stderr open.
+    """
+    import multiprocessing
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async._results_queue = None
+    for child in multiprocessing.active_children():
+        if child.name.startswith("SyncManager"):
+            child.terminate()
+            child.join(timeout=10)
+
+
+def check_reload_layout(directory: str | Path, layout: Layout) -> int:
+    """The saved padded vocabulary, after checking it splits evenly over ``layout.tensor``."""
+    padded = int(read_marker(directory)["padded_vocab_size"])
+    if padded % layout.tensor:
+        raise LayoutError(f"{directory} was saved with a vocabulary padded to {padded} rows; "
+                          f"{padded} / tp {layout.tensor} = {padded / layout.tensor:.2f} is not a whole number. "
+                          "Load it at a tensor-parallel size that divides the padded vocabulary.")
+    return padded
+
+
+def load_mcore(models: list[Any], directory: str | Path, optimizer: Any = None) -> dict[str, Any]:
+    """Load model chunks (and optimizer) from a toolkit mcore directory, at any layout."""
+    from megatron.core import dist_checkpointing
+
+    state = model_sharded_state_dict(models)
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, **_optimizer_format(optimizer))
+    with cpu_compat(), torch.no_grad():
+        loaded = dist_checkpointing.load(state, str(directory))
+        for i, model in enumerate(models):
+            missing, _ = unwrap(model).load_state_dict(loaded[f"model{i}"], strict=False)
+            missing = [k for k in missing if not k.endswith("_extra_state")]
+            if missing:
+                raise ModelError(f"{directory} lacks {len(missing)} weights of this model, e.g. {missing[:3]}")
+        if optimizer is not None:
+            optimizer.load_state_dict(loaded["optimizer"])
+    return read_marker(directory)
+
+
+def mcore_to_hf_tensors(directory: str | Path, lora: tuple | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF tensors from a toolkit mcore directory, loaded in this process (TP1/PP1).
+
+    ``lora``: ``(adapters, scale, dropout)`` when the checkpoint holds LoRA adapters (a LoRA
+    run's checkpoint); they are merged into the exported weights. Starts a one-process gloo
+    group when torch.distributed is not initialised yet.
+    """
+    from transformers import AutoConfig
+
+    from toolkit_megatron.bridge import export_hf_tensors
+    from toolkit_megatron.model import build_model, initialize_parallel
+
+    hf_config = AutoConfig.from_pretrained(directory)
+    own_group = ensure_process_group()
+    try:
+        layout = Layout()
+        padded = check_reload_layout(directory, layout)
+        initialize_parallel(layout)
+        dtype = getattr(torch, read_marker(directory).get("dtype", "float32"))
+        models = build_model(hf_config, layout, dtype=dtype, vocab_size=padded)
+        if lora is not None:
+            from toolkit_megatron.lora import apply_lora, export_merged
+
+            apply_lora(models, lora[0], lora[1], lora[2], hf_config, padded)
+            load_mcore(models, directory)
+            yield from export_merged(models, hf_config)
+        else:
+            load_mcore(models, directory)
+            yield from export_hf_tensors(models, hf_config)
+    finally:
+        if own_group:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+            torch.distributed.destroy_process_group()
+
+
+def ensure_process_group() -> bool:
+    if torch.distributed.is_initialized():
+        return False
+    store = torch.distributed.HashStore()
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    return True

@@ -1,0 +1,257 @@
+"""Parallel layout, its validation, Megatron process groups and GPTModel construction.
+
+Everything that builds Megatron-Core model objects goes through :func:`build_model`, so the
+switch from ``GPTModel`` to ``HybridModel`` (megatron-core 0.19+) is one change here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from toolkit.errors import LayoutError
+from toolkit_megatron.architectures import architecture_for
+from toolkit_megatron.compat import cpu_compat
+
+AttentionKind = Literal["sdpa", "local"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one model is split: tensor, pipeline (virtual), context parallel, sequence parallel."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    virtual: int = 1
+    context: int = 1
+    sequence_parallel: bool = False
+    expert: int = 1
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tensor * self.pipeline * self.context
+
+    def describe(self) -> str:
+        text = f"tp={self.tensor} pp={self.pipeline}"
+        if self.virtual > 1:
+            text += f" vpp={self.virtual}"
+        if self.context > 1:
+            text += f" cp={self.context}"
+        if self.expert > 1:
+            text += f" ep={self.expert}"
+        return text + (" sp" if self.sequence_parallel else "")
+
+
+def layout_problems(layout: Layout, hf_config: Any, world_size: int, seq_len: int | None = None) -> list[str]:
+    """Every reason ``layout`` cannot hold ``hf_config`` on ``world_size`` processes, with the arithmetic."""
+    tp, pp, vpp, cp = layout.tensor, layout.pipeline, layout.virtual, layout.context
+    problems = []
+    if world_size % layout.model_parallel:
+        problems.append(f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {layout.model_parallel}; "
+                        f"launch a multiple of {layout.model_parallel} processes")
+    heads = hf_config.num_attention_heads
+    groups = getattr(hf_config, "num_key_value_heads", None) or heads
+    for what, count in (("attention heads", heads), ("key/value heads", groups),
+                        ("intermediate_size", hf_config.intermediate_size)):
+        if count % tp:
+            problems.append(f"{what} {count} / tp {tp} = {count / tp:.2f} is not a whole number")
+    layers = hf_config.num_hidden_layers
+    if layers % (pp * vpp):
+        problems.append(f"num_hidden_layers {layers} / (pp {pp} * vpp {vpp}) = {layers / (pp * vpp):.2f} "
+                        "layers per virtual stage is not a whole number")
+    if vpp > 1 and pp < 2:
+        problems.append(f"vpp {vpp} needs pp >= 2 (interleaved pipeline), got pp {pp}")
+    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+    if layout.expert > 1 and not experts:
+        problems.append(f"ep {layout.expert} needs a mixture-of-experts model ({hf_config.model_type} has no experts)")
+    elif experts and experts % layout.expert:
+        problems.append(f"num_experts {experts} / ep {layout.expert} = {experts / layout.expert:.2f} is not a whole number")
+    if experts and tp > 1 and not layout.sequence_parallel:
+        problems.append("MoE with tp > 1 needs --sequence-parallel (Megatron-Core requirement)")
+    if layout.sequence_parallel and tp < 2:
+        problems.append("sequence parallelism needs tp >= 2")
+    if seq_len is not None:
+        if cp > 1 and seq_len % (2 * cp):
+            problems.append(f"seq_len {seq_len} % (2 * cp {cp}) = {seq_len % (2 * cp)}: context parallelism cuts "
+                            f"the sequence into {2 * cp} equal chunks")
+        if layout.sequence_parallel and (seq_len // cp) % tp:
+            problems.append(f"seq_len {seq_len} / cp {cp} / tp {tp} is not a whole number (sequence parallelism)")
+    return problems
+
+
+def check_layout(layout: Layout, hf_config: Any, world_size: int, seq_len: int | None = None) -> None:
+    """Raise :class:`LayoutError` (before anything is allocated) when the layout cannot work."""
+    problems = layout_problems(layout, hf_config, world_size, seq_len)
+    if problems:
+        raise LayoutError(f"layout {layout.describe()} cannot run {hf_config.model_type} "
+                          f"({hf_config.num_hidden_layers} layers) on {world_size} processes:\n"
+                          + "\n".join(f"  - {p}" for p in problems))
+
+
+def padded_vocab_size(vocab_size: int, tensor: int) -> int:
+    """Vocabulary rounded up to a multiple of the tensor-parallel size (Megatron splits it evenly)."""
+    return -(-vocab_size // tensor) * tensor
+
+
+def initialize_parallel(layout: Layout, seed: int = 42) -> None:
+    """Create Megatron's process groups for ``layout`` (torch.distributed must be initialised)."""
+    import torch
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not torch.distributed.is_initialized():
+        raise LayoutError("torch.distributed is not initialised: launch with torchrun (or toolkit launch)")
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    with cpu_compat():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tensor,
+            pipeline_model_parallel_size=layout.pipeline,
+            virtual_pipeline_model_parallel_size=layout.virtual if layout.virtual > 1 else None,
+            context_parallel_size=layout.context,
+            expert_model_parallel_size=layout.expert,
+        )
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def transformer_config(hf_config: Any, layout: Layout, dtype: Any, **overrides: Any) -> Any:
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    options = architecture_for(hf_config.model_type).transformer_options(hf_config)
+    options.update(
+        tensor_model_parallel_size=layout.tensor,
+        pipeline_model_parallel_size=layout.pipeline,
+        virtual_pipeline_model_parallel_size=layout.virtual if layout.virtual > 1 else None,
+        context_parallel_size=layout.context,
+        sequence_parallel=layout.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        cp_comm_type="all_gather" if layout.context > 1 else None,
+    )
+    options.update(overrides)
+    return TransformerConfig(**options)
+
+
+def layer_spec(hf_config: Any, config: Any, attention: AttentionKind = "sdpa", vp_stage: int | None = None) -> Any:
+    """Megatron's local layer spec with our SDPA core attention and sequence-parallel RMSNorm."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    from toolkit_megatron.attention import LocalAttention, Rope, SDPAAttention
+    from toolkit_megatron.norm import RMSNorm
+
+    arch = architecture_for(hf_config.model_type)
+    core = {"sdpa": SDPAAttention, "local": LocalAttention}[attention]
+    qk_norm = RMSNorm if arch.qk_norm else IdentityOp
+    layer = ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=RMSNorm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear,
+                    core_attention=ModuleSpec(module=core, params={
+                        "rope": Rope.from_hf_config(hf_config), "sliding_window": arch.sliding_window(hf_config)}),
+                    linear_proj=RowParallelLinear,
+                    q_layernorm=qk_norm,
+                    k_layernorm=qk_norm,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=RMSNorm,
+            mlp=_moe_spec(config) if arch.moe else ModuleSpec(
+                module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=RMSNorm))
+
+
+def _moe_spec(config: Any) -> Any:
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.transformer.moe import moe_utils
+
+    # megatron-core 0.16 reads this name even when Transformer Engine is absent (NameError).
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+
+    return get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+
+
+def build_model(hf_config: Any, layout: Layout, dtype: Any = None, attention: AttentionKind = "sdpa",
+                vocab_size: int | None = None, **config_overrides: Any) -> list[Any]:
+    """One ``GPTModel`` per virtual pipeline stage of this rank (process groups must exist)."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    dtype = dtype or torch.float32
+    config = transformer_config(hf_config, layout, dtype, **config_overrides)
+    vocab = vocab_size or padded_vocab_size(hf_config.vocab_size, layout.tensor)
+    chunks = []
+    with cpu_compat():
+        for stage in range(layout.virtual):
+            vp_stage = stage if layout.virtual > 1 else None
+            model = GPTModel(
+                config=config,
+                transformer_layer_spec=layer_spec(hf_config, config, attention, vp_stage),
+                vocab_size=vocab,
+                max_sequence_length=getattr(hf_config, "max_position_embeddings", 4096),
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
+                position_embedding_type="none",
+                vp_stage=vp_stage,
+            )
+            model.toolkit_real_vocab = hf_config.vocab_size
+            mark_tensor_parallel(model)
+            if torch.cuda.is_available():
+                model.cuda(torch.cuda.current_device())
+            chunks.append(model)
+    return chunks
+
+
+def mark_tensor_parallel(model: Any) -> None:
+    """Tag TP-sharded weights as such: Megatron sets the tag only while initialising weights, which
+    we skip (the bridge loads them), and its grad-norm and checkpoint code rely on the tag."""
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dims = {"weight": 0, "bias": 0}
+        elif isinstance(module, RowParallelLinear):
+            dims = {"weight": 1}
+        else:
+            continue
+        for name, dim in dims.items():
+            param = getattr(module, name, None)
+            if isinstance(param, torch.nn.Parameter) and not getattr(param, "tensor_model_parallel", False):
+                set_tensor_model_parallel_attributes(param, True, dim, 1)

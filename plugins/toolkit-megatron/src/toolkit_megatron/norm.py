@@ -1,0 +1,30 @@
+"""An RMSNorm that Megatron's layer spec can build, sequence-parallel capable without TE or Apex.
+
+Megatron's torch norm wrapper refuses sequence parallelism because the norm weight sees only a
+slice of the sequence on each tensor-parallel rank; the fix is the ``sequence_parallel``
+attribute on the weight, which makes ``finalize_model_grads`` sum its gradient over the
+tensor-parallel group. The arithmetic follows Hugging Face's ``LlamaRMSNorm`` exactly (fp32
+variance, cast back, then scale), so bf16 results match the HF model too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-6, **unused: Any):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        # Summed over the TP group by finalize_model_grads under sequence parallelism.
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        dtype = hidden.dtype
+        hidden = hidden.to(torch.float32)
+        variance = hidden.pow(2).mean(-1, keepdim=True)
+        hidden = hidden * torch.rsqrt(variance + self.eps)
+        return self.weight * hidden.to(dtype)

@@ -1,0 +1,291 @@
+"""The ``megatron`` strategy: Megatron-Core GPTModel shards trained with toolkit's losses.
+
+TP / PP (1F1B, interleaved VPP) / SP / CP / DP with Megatron's DDP and (optionally) the
+distributed optimizer; bf16 params with fp32 master weights in Megatron's optimizer. Label
+log-probs are computed vocabulary-parallel at the last stage (the full-vocabulary logits are
+never gathered), gathered over context parallelism, and handed to the core's Loss as
+:class:`~toolkit.contracts.TokenLogps`, so every objective works unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from toolkit.config import option
+from toolkit.contracts import StepContext, StepResult
+
+
+@dataclass(kw_only=True)
+class MegatronConfig:
+    attention: Literal["sdpa", "local"] = option("sdpa", help="Core attention: sdpa (torch SDPA, ours) or local (Megatron's unfused).")
+    distributed_optimizer: bool = option(False, help="Shard optimizer state over data-parallel ranks (ZeRO-1).")
+    async_save: bool = option(False, help="Write checkpoints in the background (dist_checkpointing async save).")
+
+
+class MegatronStrategy:
+    """Megatron-Core tensor/pipeline/sequence/context/data parallel training."""
+
+    name: ClassVar[str] = "megatron"
+    Config: ClassVar[type] = MegatronConfig
+
+    def __init__(self, config: MegatronConfig | None = None):
+        self.config = config or MegatronConfig()
+
+    def validate(self, recipe: Any, world_size: int) -> list[str]:
+        problems = []
+        layout = _layout(recipe)
+        if world_size % layout.model_parallel:
+            problems.append(f"world size {world_size} is not divisible by tp*pp*cp = {layout.tensor}*{layout.pipeline}*{layout.context}")
+        if recipe.expert_parallel > 1 or recipe.expert_tensor_parallel > 1:
+            problems.append("--ep/--etp: MoE models are not supported by the megatron strategy yet")
+        if recipe.tuner not in ("full", "lora", "dora"):
+            problems.append(f"--tuner {recipe.tuner}: the megatron strategy trains with --tuner full, lora or dora")
+        if recipe.precision == "fp16":
+            problems.append("--precision fp16: use bf16 or fp32 with the megatron strategy")
+        return problems
+
+    def build(self, source: Any, tuner: Any, loss: Any, recipe: Any) -> MegatronEngine:
+        return MegatronEngine(source, tuner, loss, recipe, self.config)
+
+    def checkpoint_tensors(self, checkpoint: Path, source: Any, tuner: Any, recipe: Any) -> Iterator[tuple[str, Any]]:
+        from toolkit_megatron.checkpoint import mcore_to_hf_tensors
+
+        lora = None
+        if tuner is not None and tuner.name in ("lora", "dora"):
+            from toolkit_megatron.lora import hf_adapters
+
+            lora = (*hf_adapters(source, tuner, recipe), getattr(tuner.config, "dropout", 0.0))
+        yield from mcore_to_hf_tensors(Path(checkpoint) / "mcore", lora=lora)
+
+
+def _layout(recipe: Any) -> Any:
+    from toolkit_megatron.model import Layout
+
+    return Layout(tensor=recipe.tensor_parallel, pipeline=recipe.pipeline_parallel, virtual=recipe.virtual_pipeline,
+                  context=recipe.context_parallel, sequence_parallel=recipe.sequence_parallel)
+
+
+class MegatronEngine:
+    """Model chunks of this rank wrapped in Megatron DDP, with Megatron's optimizer."""
+
+    def __init__(self, source: Any, tuner: Any, loss: Any, recipe: Any, config: MegatronConfig):
+        import torch
+        from megatron.core import parallel_state as ps
+
+        from toolkit.train.distributed import init_world
+        from toolkit_megatron.bridge import SafetensorsReader, load_hf_weights
+        from toolkit_megatron.model import build_model, check_layout, initialize_parallel
+
+        self.world = init_world()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        if not torch.distributed.is_initialized():
+            from toolkit_megatron.checkpoint import ensure_process_group
+
+            ensure_process_group()
+        self.recipe, self.source, self.config, self.tuner = recipe, source, config, tuner
+        self.layout = _layout(recipe)
+        check_layout(self.layout, source.config, torch.distributed.get_world_size(), recipe.seq_len)
+        from toolkit_megatron.architectures import architecture_for
+
+        if architecture_for(source.config.model_type).moe:
+            from toolkit.errors import ConfigError
+
+            raise ConfigError(f"--strategy megatron: training {source.config.model_type} (mixture of experts) is not "
+                              "supported yet; the bridge and `toolkit export --to mcore` handle it")
+        if getattr(loss, "needs_reference", False):
+            from toolkit.errors import ConfigError
+
+            raise ConfigError(f"--loss {loss.name}: reference models are not supported by the megatron strategy yet")
+        initialize_parallel(self.layout, recipe.seed)
+        self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[recipe.precision]
+        overrides = {"calculate_per_token_loss": True}
+        if recipe.gradient_checkpointing:
+            overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        chunks = build_model(source.config, self.layout, dtype=self.dtype, attention=config.attention, **overrides)
+        load_hf_weights(chunks, source.config, SafetensorsReader.from_directory(source.directory))
+        if tuner is not None and tuner.name in ("lora", "dora"):
+            from toolkit_megatron.lora import apply_lora, hf_adapters
+
+            adapters, scale = hf_adapters(source, tuner, recipe)
+            apply_lora(chunks, adapters, scale, getattr(tuner.config, "dropout", 0.0), source.config, chunks[0].vocab_size)
+        self.chunks = chunks
+        self.models, self.optimizer = self._wrap(chunks)
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_world_size = ps.get_data_parallel_world_size()
+        self.is_main = torch.distributed.get_rank() == 0
+        self.steps_done = 0
+        self.total_steps = 1
+        self.pending_save = None
+
+    def _wrap(self, chunks: list[Any]) -> tuple[list[Any], Any]:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.transformer.module import Float16Module
+
+        from toolkit_megatron.compat import cpu_compat
+
+        recipe = self.recipe
+        tconfig = chunks[0].config
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=self.config.distributed_optimizer)
+        models = []
+        with cpu_compat():
+            for index, chunk in enumerate(chunks):
+                module = Float16Module(tconfig, chunk) if tconfig.bf16 else chunk
+                models.append(DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=module,
+                                                      disable_bucketing=index > 0))
+            # The schedule would divide gradients by the step's token count; the loss already did.
+            tconfig.finalize_model_grads_func = lambda model, *args, **kwargs: finalize_model_grads(model, None)
+            opt_config = OptimizerConfig(optimizer="adam", lr=recipe.lr, weight_decay=recipe.weight_decay,
+                                         adam_beta1=recipe.adam_beta1, adam_beta2=recipe.adam_beta2, adam_eps=recipe.adam_eps,
+                                         clip_grad=recipe.max_grad_norm, bf16=tconfig.bf16, params_dtype=tconfig.params_dtype,
+                                         use_distributed_optimizer=self.config.distributed_optimizer)
+            optimizer = get_megatron_optimizer(opt_config, models)
+        return models, optimizer
+
+    # ------------------------------------------------------------------ schedule
+    def set_total_steps(self, total_steps: int) -> None:
+        self.total_steps = total_steps
+
+    def current_lr(self) -> float:
+        from toolkit.train.optim import lr_factor
+
+        r = self.recipe
+        return r.lr * lr_factor(self.steps_done, self.total_steps, r.warmup_steps, r.schedule, r.min_lr_ratio)
+
+    def _run(self, micro_batches: list[dict], loss: Any, ctx: StepContext, forward_only: bool) -> tuple[float, dict]:
+        import torch
+        from megatron.core import parallel_state as ps
+
+        from toolkit_megatron.logps import make_loss_func, prepare_micro_batches
+        from toolkit_megatron.schedule import run_schedule
+
+        batches = prepare_micro_batches(micro_batches, self.layout, self.source.config.vocab_size, self.device)
+        collected = run_schedule(self.models, batches, make_loss_func(loss, ctx), forward_only=forward_only)
+        counted = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0 \
+            and ps.get_context_parallel_rank() == 0
+        keys = sorted({k for item in collected for k in item}) if counted else []
+        names: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(names, keys)
+        keys = sorted({k for group in names for k in group})
+        values = [sum(float(item.get(k, 0.0)) for item in collected) if counted else 0.0 for k in keys]
+        reduced = self.all_reduce_sum(values)
+        totals = dict(zip(keys, reduced))
+        return totals.pop("loss", 0.0), totals
+
+    def train_step(self, micro_batches: list[dict], loss: Any, ctx: StepContext) -> StepResult:
+        from toolkit_megatron.compat import cpu_compat
+
+        lr = self.current_lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        for model in self.models:
+            model.train()
+            model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        total, metrics = self._run(micro_batches, loss, ctx, forward_only=False)
+        with cpu_compat():
+            _, grad_norm, _ = self.optimizer.step()
+        self.steps_done += 1
+        return StepResult(loss=total, grad_norm=float(grad_norm or 0.0), metrics=metrics)
+
+    def evaluate(self, micro_batches: list[dict], loss: Any, ctx: StepContext) -> dict[str, float]:
+        import torch
+
+        for model in self.models:
+            model.eval()
+        with torch.no_grad():
+            total, metrics = self._run(micro_batches, loss, ctx, forward_only=True)
+        return {"loss": total, **metrics}
+
+    def reference_logps(self, micro_batch: dict) -> Any:
+        raise NotImplementedError("reference log-probs are not supported by the megatron strategy yet")
+
+    # ------------------------------------------------------------------ checkpoints / export
+    def save_checkpoint(self, directory: Path) -> None:
+        from toolkit_megatron.checkpoint import save_mcore
+
+        self.finish_pending_save()
+        request = save_mcore(self.models, Path(directory) / "mcore", self.source.config, self.layout,
+                             extra={"dtype": str(self.dtype).removeprefix("torch."), "steps_done": self.steps_done},
+                             tokenizer_source=self.source.directory, optimizer=self.optimizer,
+                             async_save=self.config.async_save)
+        self.pending_save = request
+        if self.is_main:
+            (Path(directory) / "engine_state.json").write_text(json.dumps({"steps_done": self.steps_done}))
+        if request is not None:  # the runner renames the directory right away: finish before that
+            self.finish_pending_save()
+
+    def finish_pending_save(self) -> None:
+        if self.pending_save is not None:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            from toolkit_megatron.compat import cpu_compat
+
+            with cpu_compat():
+                queue = AsyncCallsQueue()
+                queue.schedule_async_request(self.pending_save)
+                queue.maybe_finalize_async_calls(blocking=True)
+            self.pending_save = None
+
+    def load_checkpoint(self, directory: Path) -> None:
+        from toolkit_megatron.checkpoint import check_reload_layout, load_mcore
+
+        check_reload_layout(Path(directory) / "mcore", self.layout)
+        self._materialise_optimizer_state()
+        load_mcore(self.models, Path(directory) / "mcore", optimizer=self.optimizer)
+        self.steps_done = json.loads((Path(directory) / "engine_state.json").read_text())["steps_done"]
+        self._restore_adam_steps()
+        self.barrier()
+
+    def _restore_adam_steps(self) -> None:
+        """Give every Adam state its own step count equal to the steps done.
+
+        megatron-core 0.16's distributed optimizer (without Apex/TE) loads one ``step`` tensor shared
+        by every parameter's state, which torch's Adam then increments once per parameter.
+        """
+        import torch
+
+        for inner in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for state in inner.optimizer.state.values():
+                if "step" in state:
+                    step = state["step"]
+                    state["step"] = torch.tensor(float(self.steps_done), dtype=step.dtype, device=step.device) \
+                        if isinstance(step, torch.Tensor) else self.steps_done
+
+    def _materialise_optimizer_state(self) -> None:
+        """Megatron loads optimizer state only into existing state: take a zero-lr, zero-grad step."""
+        from toolkit_megatron.compat import cpu_compat
+
+        for group in self.optimizer.param_groups:
+            group["lr"] = 0.0
+        for model in self.models:
+            model.zero_grad_buffer()
+        with cpu_compat():
+            self.optimizer.step()
+
+    def export_tensors(self) -> Iterator[tuple[str, Any]]:
+        """HF tensors on rank 0 (every rank iterates); LoRA adapters are merged into the base weights."""
+        from toolkit_megatron.lora import export_merged
+
+        yield from export_merged(self.chunks, self.source.config)
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        from toolkit.train.distributed import all_reduce_sum
+
+        return all_reduce_sum(values, self.device if self.device.type == "cuda" else None)
+
+    def barrier(self) -> None:
+        import torch
+
+        torch.distributed.barrier()
+
+    def close(self) -> None:
+        from toolkit_megatron.checkpoint import stop_checkpoint_workers
+
+        self.finish_pending_save()
+        stop_checkpoint_workers()

@@ -1,0 +1,73 @@
+"""Shared fixtures: tiny HF checkpoints built from configs, and a 2-process torchrun helper."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+
+
+def tiny_config(arch: str):
+    from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+
+    if arch == "mixtral":
+        return MixtralConfig(vocab_size=301, hidden_size=128, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=32, max_position_embeddings=256, num_local_experts=4,
+                             num_experts_per_tok=2, sliding_window=None)
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=32, max_position_embeddings=256, num_experts=4,
+                              num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
+    if arch == "qwen2_moe":
+        from transformers import Qwen2MoeConfig
+
+        return Qwen2MoeConfig(vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                              num_key_value_heads=2, max_position_embeddings=256, num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=64, shared_expert_intermediate_size=96)
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    return cls(vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=32, max_position_embeddings=256, tie_word_embeddings=arch == "qwen3",
+               **({"sliding_window": None} if arch == "mistral" else {}))
+
+
+def save_tiny_model(arch: str, directory: Path) -> Path:
+    """A randomly initialised tiny HF model with non-trivial norms and biases, saved with save_pretrained."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {arch: save_tiny_model(arch, root / arch) for arch in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe")}
+
+
+def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 240) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               str(HERE / script), *args]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    if result.returncode:
+        raise AssertionError(f"{script} failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}")
+
+
+def run_worker(script: str, tmp_path: Path, *args: str) -> dict:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    out = tmp_path / "result.json"
+    torchrun(script, *args[:1], str(out), *args[1:])
+    return json.loads(out.read_text())

@@ -1,0 +1,88 @@
+"""Layout validation, the architecture registry and the CPU compatibility layer (one process)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from toolkit.errors import LayoutError, ModelError
+from toolkit_megatron.model import Layout, check_layout, padded_vocab_size
+
+
+def test_bad_layouts_show_the_arithmetic():
+    config = tiny_config("llama")  # 4 heads, 2 kv heads, 4 layers, ffn 256
+    with pytest.raises(LayoutError) as error:
+        check_layout(Layout(tensor=4, pipeline=3), config, world_size=8)
+    text = str(error.value)
+    assert "world size 8 is not divisible by tp*pp*cp = 4*3*1 = 12" in text
+    assert "key/value heads 2 / tp 4 = 0.50" in text
+    assert "num_hidden_layers 4 / (pp 3 * vpp 1) = 1.33" in text
+    with pytest.raises(LayoutError, match=r"seq_len 30 % \(2 \* cp 2\) = 2"):
+        check_layout(Layout(context=2), config, world_size=2, seq_len=30)
+    with pytest.raises(LayoutError, match="sequence parallelism needs tp >= 2"):
+        check_layout(Layout(sequence_parallel=True), config, world_size=1)
+    with pytest.raises(LayoutError, match="vpp 2 needs pp >= 2"):
+        check_layout(Layout(virtual=2), config, world_size=1)
+    check_layout(Layout(tensor=2, pipeline=2, virtual=2), config, world_size=4, seq_len=32)
+    with pytest.raises(LayoutError, match="ep 2 needs a mixture-of-experts model"):
+        check_layout(Layout(expert=2), config, world_size=2)
+    with pytest.raises(LayoutError, match=r"num_experts 4 / ep 3 = 1.33"):
+        check_layout(Layout(expert=3), tiny_config("qwen3_moe"), world_size=3)
+    with pytest.raises(LayoutError, match="MoE with tp > 1 needs --sequence-parallel"):
+        check_layout(Layout(tensor=2), tiny_config("mixtral"), world_size=2)
+
+
+def test_vocab_padding():
+    assert padded_vocab_size(301, 2) == 302
+    assert padded_vocab_size(301, 1) == 301
+    assert padded_vocab_size(128256, 8) == 128256
+
+
+def test_third_party_architecture_is_found():
+    from toolkit import hookimpl
+    from toolkit.plugins import build_plugin_manager, set_plugin_manager
+    from toolkit_megatron.architectures import DenseArchitecture, architecture_for
+
+    class Granite(DenseArchitecture):
+        name = "megatron:granite-like"
+        families = ("granite-like",)
+
+    class Plugin:
+        @hookimpl
+        def toolkit_register_architectures(self, register):
+            register(Granite)
+
+    previous = set_plugin_manager(build_plugin_manager([("granite-like", Plugin())]))
+    try:
+        assert architecture_for("granite-like") is Granite
+        assert architecture_for("qwen3").qk_norm
+        with pytest.raises(ModelError, match="no architecture for model_type 'gpt2'.*toolkit_register_architectures"):
+            architecture_for("gpt2")
+    finally:
+        set_plugin_manager(previous)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU layer is inactive with CUDA")
+def test_cpu_compat_redirects_cuda_sites_only_inside():
+    from toolkit_megatron.compat import cpu_compat, redirected_sites
+
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.zeros(2, device="cuda")
+    with cpu_compat():
+        with cpu_compat():  # re-entrant
+            x = torch.zeros(2, device="cuda")
+        y = torch.ones(3, device=torch.cuda.current_device())
+        assert x.device.type == y.device.type == "cpu"
+        assert torch.ones(1).cuda().device.type == "cpu"
+        assert torch.ones(1).type() == "torch.cuda.FloatTensor"
+        state = torch.cuda.get_rng_state()
+        first = torch.rand(1)
+        torch.cuda.set_rng_state(state)
+        assert torch.equal(torch.rand(1), first)
+        torch.cuda.synchronize()
+        torch.cuda.current_stream().wait_stream(torch.cuda.Stream())
+    assert any("test_layout.py" in site for site in redirected_sites())
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.zeros(2, device="cuda")
+    assert torch.ones(1).type() == "torch.FloatTensor"

@@ -1,0 +1,112 @@
+"""The megatron strategy through the CLI: 5 SFT steps equal the local strategy at every layout,
+resume reproduces the remaining steps, the HF export equals local's, LoRA equals local LoRA."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+COMMON = ["--model", "tiny-llama", "--dataset", "demo", "--seq-len", "64", "--lr", "1e-3", "--max-steps", "5",
+          "--micro-batch-size", "2", "--global-batch-size", "4"]
+TOLERANCE = 1e-4
+
+
+def toolkit(*args: str, nproc: int = 1) -> None:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable]
+    result = subprocess.run([*launcher, "-m", "toolkit", *args], capture_output=True, text=True, env=ENV, timeout=400)
+    assert result.returncode == 0, f"{args} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_steps(expected, got):
+    assert [m["step"] for m in got] == [m["step"] for m in expected]
+    for a, b in zip(expected, got, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= TOLERANCE, (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= TOLERANCE * max(1.0, a["grad_norm"]), (a, b)
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("local") / "run"
+    toolkit("sft", *COMMON, "--output", str(run), "--export", "hf")
+    return run
+
+
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"], [], ["--tp", "2", "--sequence-parallel"], ["--cp", "2"]],
+                         ids=["tp2", "pp2", "dp2", "tp2-sp", "cp2"])
+def test_sft_steps_equal_local(layout, local_run, tmp_path):
+    run = tmp_path / "run"
+    toolkit("sft", *COMMON, "--output", str(run), "--strategy", "megatron", *layout, nproc=2)
+    assert_same_steps(metrics(local_run), metrics(run))
+    assert (run / "checkpoints/step-5/mcore/toolkit_mcore.json").is_file()
+
+
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--megatron-distributed-optimizer", "--megatron-async-save"]],
+                         ids=["tp2", "dp2-distributed-optimizer-async-save"])
+def test_resume_after_step_3_reproduces_steps_4_5_and_exports(layout, local_run, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "run"
+    toolkit("sft", *COMMON, "--output", str(run), "--strategy", "megatron", *layout, "--stop-after", "3", nproc=2)
+    assert len(metrics(run)) == 3
+    toolkit("sft", *COMMON, "--output", str(run), "--strategy", "megatron", *layout, "--resume", "auto", "--export", "hf", nproc=2)
+    assert_same_steps(metrics(local_run), metrics(run))
+    ids = torch.arange(5, 40)[None]
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(local_run / "export")(ids).logits
+        exported = AutoModelForCausalLM.from_pretrained(run / "export")(ids).logits
+    torch.testing.assert_close(exported, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_lora_tp2_equals_local_lora_and_exports_merged(tmp_path):
+    pytest.importorskip("toolkit_peft", reason="LoRA comes from toolkit-peft")
+    from transformers import AutoModelForCausalLM
+
+    lora = ["--tuner", "lora", "--lora-rank", "4", "--lora-alpha", "8", "--max-steps", "3"]
+    toolkit("sft", *COMMON, *lora, "--output", str(tmp_path / "local"), "--export", "hf")
+    toolkit("sft", *COMMON, *lora, "--output", str(tmp_path / "tp2"), "--strategy", "megatron", "--tp", "2",
+            "--export", "hf", nproc=2)
+    assert_same_steps(metrics(tmp_path / "local"), metrics(tmp_path / "tp2"))
+    toolkit("export", str(tmp_path / "tp2"), "--to", "hf", "--output", str(tmp_path / "from-checkpoint"))
+    ids = torch.arange(5, 40)[None]
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(tmp_path / "local/export")(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "tp2/export")(ids).logits
+        again = AutoModelForCausalLM.from_pretrained(tmp_path / "from-checkpoint")(ids).logits
+    torch.testing.assert_close(merged, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(again, merged, rtol=0, atol=1e-6)
+
+
+def test_dora_tp2_sequence_parallel_equals_local_dora(tmp_path):
+    pytest.importorskip("toolkit_peft", reason="DoRA comes from toolkit-peft")
+    from transformers import AutoModelForCausalLM
+
+    dora = ["--tuner", "dora", "--dora-rank", "4", "--dora-alpha", "8", "--max-steps", "3"]
+    toolkit("sft", *COMMON, *dora, "--output", str(tmp_path / "local"), "--export", "hf")
+    toolkit("sft", *COMMON, *dora, "--output", str(tmp_path / "sp"), "--strategy", "megatron", "--tp", "2",
+            "--sequence-parallel", "--export", "hf", nproc=2)
+    assert_same_steps(metrics(tmp_path / "local"), metrics(tmp_path / "sp"))
+    ids = torch.arange(5, 40)[None]
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(tmp_path / "local/export")(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "sp/export")(ids).logits
+    torch.testing.assert_close(merged, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_packed_rows_under_context_parallelism_equal_local(tmp_path):
+    packed = ["--model", "tiny-llama", "--dataset", "demo", "--seq-len", "128", "--lr", "1e-3", "--max-steps", "3",
+              "--micro-batch-size", "2", "--global-batch-size", "4", "--packing"]
+    toolkit("sft", *packed, "--output", str(tmp_path / "local"))
+    toolkit("sft", *packed, "--output", str(tmp_path / "cp2"), "--strategy", "megatron", "--cp", "2", nproc=2)
+    assert_same_steps(metrics(tmp_path / "local"), metrics(tmp_path / "cp2"))
