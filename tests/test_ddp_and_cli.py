@@ -70,7 +70,7 @@ def test_bad_input_errors_are_one_paragraph(tmp_path):
         (["sft", "--model", str(empty), "--dataset", "demo", "--output", str(tmp_path / "a")], "has no *.safetensors weights"),
         (["sft", *COMMON, "--seq-len", "999999", "--output", str(tmp_path / "b")], "exceeds the model's maximum"),
         (["sft", *COMMON, "--dataset", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "c")], "neither a file nor a bundled dataset"),
-        (["sft", *COMMON, "--strategy", "megatron", "--output", str(tmp_path / "d")], "pip install toolkit-megatron"),
+        (["sft", *COMMON, "--strategy", "nosuch", "--output", str(tmp_path / "d")], "unknown strategy 'nosuch'"),
         (["sft", *COMMON, "--tp", "2", "--output", str(tmp_path / "e")], "--tp 2 needs --strategy megatron"),
     ]
     for args, message in cases:
