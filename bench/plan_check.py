@@ -149,6 +149,8 @@ def main() -> None:
         measured = measure_in_subprocess(index, args)
         predicted = estimate(config, case, gpu_kind)
         rows.append({"case": case.name, "measured": measured, "estimate": predicted})
+        # each case as it finishes, so a run stopped by a time limit still reports what it measured
+        print(f"{case.name}: measured {json.dumps(measured)}; estimated {json.dumps(predicted)}", flush=True)
 
     unit = 2**20 if device == "cpu" else 2**30
 
