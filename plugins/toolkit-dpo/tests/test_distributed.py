@@ -44,8 +44,8 @@ def test_two_ranks_equal_one_rank(tmp_path, loss, extra):
 @pytest.mark.parametrize("loss, extra", [
     ("orpo", []),
     ("simpo", ["--simpo-beta", "2.0", "--simpo-sft-weight", "0.5"]),
-    pytest.param("dpo", ["--dpo-beta", "0.5"], marks=pytest.mark.xfail(
-        reason="the megatron strategy does not provide reference log-probs yet", strict=False)),
+    # megatron's reference is the policy before its first step, computed once (--precompute-reference)
+    ("dpo", ["--dpo-beta", "0.5", "--precompute-reference"]),
 ])
 def test_megatron_tp2_matches_local(tmp_path, loss, extra):
     """The same loss classes under Megatron-Core TP2 (2 gloo processes) and under local, 3 steps."""

@@ -96,10 +96,11 @@ class MegatronEngine:
 
             raise ConfigError(f"--strategy megatron: training {source.config.model_type} (mixture of experts) is not "
                               "supported yet; the bridge and `toolkit export --to mcore` handle it")
-        if getattr(loss, "needs_reference", False):
+        if getattr(loss, "needs_reference", False) and not recipe.precompute_reference:
             from toolkit.errors import ConfigError
 
-            raise ConfigError(f"--loss {loss.name}: reference models are not supported by the megatron strategy yet")
+            raise ConfigError(f"--loss {loss.name} needs reference log-probs; under --strategy megatron they are computed "
+                              "once before training from the initial policy: add --precompute-reference")
         initialize_parallel(self.layout, recipe.seed)
         self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[recipe.precision]
         overrides = {"calculate_per_token_loss": True}
@@ -203,7 +204,37 @@ class MegatronEngine:
         return {"loss": total, **metrics}
 
     def reference_logps(self, micro_batch: dict) -> Any:
-        raise NotImplementedError("reference log-probs are not supported by the megatron strategy yet")
+        """Summed log-probs per sequence of the policy as it is before the first optimizer step.
+
+        Before training the policy is the reference, so ``--precompute-reference`` needs no second
+        model. Computed at the last pipeline stage and shared with every rank.
+        """
+        import torch
+
+        from toolkit.contracts import LossOutput
+        from toolkit.errors import ToolkitError
+
+        if self.steps_done:
+            raise ToolkitError("--strategy megatron computes reference log-probs only before training starts "
+                               "(--precompute-reference); this engine has already taken optimizer steps")
+        captured: list[Any] = []
+
+        class _Capture:
+            name, consumes, needs_reference, example_kinds = "reference", "logps", False, ("lm", "preference", "unpaired")
+
+            def __call__(self, out: Any, ctx: Any) -> Any:
+                captured.append(out.sequence_sums().detach())
+                return LossOutput(loss=out.logps.sum() * 0.0)
+
+        for model in self.models:
+            model.eval()
+        with torch.no_grad():
+            self._run([micro_batch], _Capture(), StepContext(label_tokens=1, sequences=1, examples=1), forward_only=True)
+        count = micro_batch["num_sequences"]
+        local = captured[0].double().cpu().tolist() if captured else [0.0] * count
+        # one last-stage rank per data-parallel replica holds the values; all replicas saw the same batch
+        counted = self.all_reduce_sum([1.0 if captured else 0.0])[0]
+        return torch.tensor(self.all_reduce_sum(local)) / max(counted, 1.0)
 
     # ------------------------------------------------------------------ checkpoints / export
     def save_checkpoint(self, directory: Path) -> None:
