@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import full_rows  # noqa: E402
 from local_sft import SHAPE_1B, SHAPE_TINY, batches, make_model_dir, timed  # noqa: E402
 
 
@@ -71,10 +72,7 @@ def toolkit_deepspeed(model_dir: Path, data: list, warmup: int, stage: int, batc
 
     def step(ids: torch.Tensor) -> None:
         b, t = ids.shape
-        labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
-        micro = {"input_ids": ids, "labels": labels, "position_ids": torch.arange(t, device=ids.device).expand(b, t),
-                 "sequence_ids": torch.arange(b, device=ids.device)[:, None].expand(b, t).contiguous(),
-                 "sequence_meta": {}, "num_sequences": b}
+        micro = full_rows(ids)
         tokens = b * (t - 1) * world_size
         engine.train_step([micro], loss, StepContext(label_tokens=tokens, sequences=b * world_size, examples=b * world_size))
 

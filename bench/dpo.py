@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import json
-import os
 import sys
 import tempfile
 import types
@@ -24,6 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import report  # noqa: E402
 from local_sft import SHAPE_1B, SHAPE_TINY, make_model_dir, timed  # noqa: E402
 
 
@@ -130,12 +129,7 @@ def main() -> None:
             if device == "cuda":
                 torch.cuda.empty_cache()
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    print(f"\nDPO step, {device_name}, {pairs} pairs x seq {seq}, {'tiny' if args.tiny else '1.24B'} Llama shape")
-    print(f"{'run':62s} {'tokens/s':>10s} {'peak GiB':>9s}")
-    for row in rows:
-        print(f"{row['run']:62s} {row['tokens_per_s']:10.0f} {row['peak_gib']:9.1f}")
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "dpo.json").write_text(json.dumps(rows, indent=2))
+    report(f"DPO step, {device_name}, {pairs} pairs x seq {seq}, {'tiny' if args.tiny else '1.24B'} Llama shape", rows, "dpo.json")
 
 
 if __name__ == "__main__":

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from common import full_rows, report
 
 SHAPE_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                 intermediate_size=8192, vocab_size=128256, max_position_embeddings=8192, head_dim=64)
@@ -95,11 +94,7 @@ def toolkit_engine(model_dir: Path, data: list, warmup: int, precision: str, mas
 
     def step(ids: torch.Tensor) -> None:
         b, t = ids.shape
-        labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
-        batch = {"input_ids": ids, "labels": labels, "position_ids": torch.arange(t, device=ids.device).expand(b, t),
-                 "sequence_ids": torch.arange(b, device=ids.device)[:, None].expand(b, t).contiguous(),
-                 "sequence_meta": {}, "num_sequences": b}
-        engine.train_step([batch], loss, StepContext(label_tokens=b * (t - 1), sequences=b, examples=b))
+        engine.train_step([full_rows(ids)], loss, StepContext(label_tokens=b * (t - 1), sequences=b, examples=b))
 
     return timed(step, data, warmup)
 
@@ -135,12 +130,7 @@ def main() -> None:
             if device == "cuda":
                 torch.cuda.empty_cache()
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    print(f"\nfull SFT, {device_name}, batch {batch} x seq {seq}, {'tiny' if args.tiny else '1.24B'} Llama shape")
-    print(f"{'run':62s} {'tokens/s':>10s} {'peak GiB':>9s}")
-    for row in rows:
-        print(f"{row['run']:62s} {row['tokens_per_s']:10.0f} {row['peak_gib']:9.1f}")
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "local_sft.json").write_text(json.dumps(rows, indent=2))
+    report(f"full SFT, {device_name}, batch {batch} x seq {seq}, {'tiny' if args.tiny else '1.24B'} Llama shape", rows, "local_sft.json")
 
 
 if __name__ == "__main__":

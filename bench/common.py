@@ -1,0 +1,28 @@
+"""Pieces the benchmark scripts share: a micro-batch of full rows and the results table."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+
+def full_rows(ids: torch.Tensor) -> dict:
+    """A micro-batch (the core's contract) where each row is one sequence and every token trains."""
+    b, t = ids.shape
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+    return {"input_ids": ids, "labels": labels, "position_ids": torch.arange(t, device=ids.device).expand(b, t),
+            "sequence_ids": torch.arange(b, device=ids.device)[:, None].expand(b, t).contiguous(),
+            "sequence_meta": {}, "num_sequences": b}
+
+
+def report(title: str, rows: list[dict], out_name: str) -> None:
+    """Print ``rows`` (run, tokens_per_s, peak_gib) as a table; write them to $OUT/<out_name> when OUT is set."""
+    print(f"\n{title}")
+    print(f"{'run':62s} {'tokens/s':>10s} {'peak GiB':>9s}")
+    for row in rows:
+        print(f"{row['run']:62s} {row['tokens_per_s']:10.0f} {row['peak_gib']:9.1f}")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], out_name).write_text(json.dumps(rows, indent=2))
