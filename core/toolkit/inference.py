@@ -50,13 +50,12 @@ def run_infer(reference: str, prompts: list[str], backend: str, **options: Any) 
 
 
 def run_serve(reference: str, backend: str, *, host: str, port: int, extra: tuple[str, ...] = ()) -> None:
-    from toolkit.export import parse_options
-
     instance = backend_instance(backend, {})
     if not hasattr(instance, "serve"):
         raise ToolkitError(f"inference backend {backend!r} cannot serve; try --backend vllm or lmdeploy")
-    options = dict(item.split("=", 1) for item in extra if "=" in item)
+    from toolkit.serving import parse_pairs
+
+    options = parse_pairs(extra)
     with tempfile.TemporaryDirectory(prefix="toolkit-serve-") as workdir:
         directory = model_directory(reference, Path(workdir))
         instance.serve(directory, host, port, options)
-    del parse_options

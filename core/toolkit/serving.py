@@ -198,7 +198,7 @@ def split_extra(config: object, extra: dict[str, str] | Sequence[str] | None) ->
 
     from toolkit.config import build_dataclass, to_dict
 
-    items = dict(extra or {}) if not isinstance(extra, (list, tuple)) else _parse_pairs(extra)
+    items = dict(extra or {}) if not isinstance(extra, (list, tuple)) else parse_pairs(extra)
     names = {f.name for f in dataclasses.fields(config)}
     mine = {k.replace("-", "_"): v for k, v in items.items() if k.replace("-", "_") in names}
     rest = {k: v for k, v in items.items() if k.replace("-", "_") not in names}
@@ -213,7 +213,8 @@ def split_extra(config: object, extra: dict[str, str] | Sequence[str] | None) ->
     return updated, rest
 
 
-def _parse_pairs(pairs: Sequence[str]) -> dict[str, str]:
+def parse_pairs(pairs: Sequence[str]) -> dict[str, str]:
+    """``--option KEY=VALUE`` items as a dict; a malformed item is an error naming it."""
     items: dict[str, str] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")

@@ -11,7 +11,6 @@ from typing import Any, ClassVar
 from toolkit import hookimpl
 from toolkit.config import option
 from toolkit.contracts import StepContext, StepResult
-from toolkit.errors import ConfigError, LayoutError
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -286,11 +285,6 @@ class LocalStrategy:
         model = load_hf_model(source, tuner, recipe, torch.device("cpu"))
         tuner.load_checkpoint_state(model, load_file(str(checkpoint / "model.safetensors")))
         yield from tuner.export_tensors(model)
-
-
-def check_layout(problems: list[str]) -> None:
-    if problems:
-        raise LayoutError("\n".join(problems)) if len(problems) == 1 else ConfigError(problems, source="layout")
 
 
 @hookimpl

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import signal
@@ -257,8 +256,3 @@ def adapter_export(tuner: Any, engine: Any) -> Any:
     exporter = getattr(tuner, "adapter_export", None)
     model = getattr(engine, "model", None)
     return exporter(model) if exporter is not None and model is not None else None
-
-
-def dump_metrics_line(path: Path, metrics: dict[str, Any]) -> None:
-    with path.open("a") as handle:
-        handle.write(json.dumps(metrics) + "\n")
