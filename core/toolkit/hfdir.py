@@ -63,6 +63,15 @@ def eos_token_ids(config: Any, tokenizer: Any) -> list[int]:
     return ids
 
 
+def head_dim(config: dict[str, Any]) -> int | None:
+    """Attention head size from a ``config.json`` mapping (``head_dim``, else hidden / heads)."""
+    value = config.get("head_dim")
+    if isinstance(value, int) and value > 0:
+        return value
+    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
+
+
 def causal_lm_architectures(config: Any) -> list[str]:
     """``config.architectures``, or the causal-LM class transformers maps its model_type to."""
     if getattr(config, "architectures", None):

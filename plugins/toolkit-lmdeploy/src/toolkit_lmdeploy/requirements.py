@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from toolkit.hfdir import head_dim
+
 # TurboMind's SUPPORTED_ARCHS (text decoders), v0.16 docs + supported_models.py.
 TURBOMIND_ARCHITECTURES = frozenset({
     "LlamaForCausalLM", "InternLMForCausalLM", "InternLM2ForCausalLM", "InternLM3ForCausalLM",
@@ -42,13 +44,6 @@ class Findings:
     engine: str | None = None
     """The engine the model will run on (``auto`` resolved)."""
 
-
-def head_dim(config: dict[str, Any]) -> int | None:
-    value = config.get("head_dim")
-    if isinstance(value, int) and value > 0:
-        return value
-    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
-    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
 
 
 def turbomind_refusals(config: dict[str, Any]) -> list[str]:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from toolkit.hfdir import head_dim
+
 # Decoder-only text architectures vLLM runs natively (subset of vllm.ModelRegistry; the
 # families toolkit trains come first).
 SUPPORTED_ARCHITECTURES = frozenset({
@@ -41,13 +43,6 @@ class Findings:
         self.errors += other.errors
         self.warnings += other.warnings
 
-
-def head_dim(config: dict[str, Any]) -> int | None:
-    value = config.get("head_dim")
-    if isinstance(value, int) and value > 0:
-        return value
-    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
-    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
 
 
 def check_model_config(config: dict[str, Any], *, device: str = "any", dtype: str | None = None,
