@@ -32,15 +32,25 @@ def router_options(hf_config: Any, aux_coeff: float | None, z_coeff: float | Non
             "moe_z_loss_coeff": z if z > 0 else None}
 
 
+def unscaled_router_losses(chunks: list[Any]) -> None:
+    """Attach the router losses without Megatron's per-token multiplier.
+
+    With ``calculate_per_token_loss`` Megatron multiplies each router loss by the rank's count of
+    routed (non-padding) tokens, expecting every gradient to be divided by the step's token count
+    later; ours are normalised by the loss already, so the routers attach the plain losses and
+    :func:`router_loss_scale` weighs them.
+    """
+    from megatron.core.transformer.moe.router import Router
+
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, Router):
+                module.calculate_per_token_loss = False
+
+
 @contextlib.contextmanager
 def router_loss_scale(scale: float) -> Iterator[None]:
-    """Fix the router losses' gradient scale for one schedule run.
-
-    With ``calculate_per_token_loss`` Megatron multiplies each router loss by the rank's local
-    token count (expecting the step's token count to divide every gradient later; ours are
-    normalised by the loss already), and the schedule resets the scale on every forward: here
-    the schedule's reset is ignored and ``scale`` holds throughout.
-    """
+    """Weigh every router loss by ``scale`` for one schedule run (the schedule's own reset is ignored)."""
     import torch
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
@@ -53,9 +63,15 @@ def router_loss_scale(scale: float) -> Iterator[None]:
         MoEAuxLossAutoScaler.set_loss_scale = staticmethod(original)
 
 
-def local_router_tokens(batch: int, tokens: int, layout: Any) -> int:
-    """Tokens one router call of this rank sees: the micro-batch cut by CP and (with SP) by TP."""
-    return batch * tokens // layout.context // (layout.tensor if layout.sequence_parallel else 1)
+def with_padding_masks(batches: list[dict], layout: Any) -> list[dict]:
+    """Add Megatron's MoE ``padding_mask`` (True = padding) so padding is neither balanced nor z-penalised.
+
+    Skipped with pipeline and sequence parallelism together: Megatron-Core 0.16 cuts the mask for
+    SP only on the first stage, so later stages would see the whole mask.
+    """
+    if layout.pipeline > 1 and layout.sequence_parallel:
+        return batches
+    return [{**b, "padding_mask": b["sequence_ids"] < 0} for b in batches]
 
 
 def pop_router_metrics(config: Any, share: float, tp_cp: int) -> dict[str, float]:

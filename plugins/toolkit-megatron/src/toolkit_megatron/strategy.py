@@ -118,6 +118,10 @@ class MegatronEngine:
 
             adapters, scale = hf_adapters(source, tuner, recipe)
             apply_lora(chunks, adapters, scale, getattr(tuner.config, "dropout", 0.0), source.config, chunks[0].vocab_size)
+        if self.moe:
+            from toolkit_megatron.moe import unscaled_router_losses
+
+            unscaled_router_losses(chunks)
         self.chunks = chunks
         self.models, self.optimizer = self._wrap(chunks)
         self.dp_rank = ps.get_data_parallel_rank()
@@ -178,9 +182,10 @@ class MegatronEngine:
         router = contextlib.nullcontext()
         share = 1.0 / (len(batches) * ps.get_data_parallel_world_size())  # router losses: mean over forwards
         if self.moe:
-            from toolkit_megatron.moe import local_router_tokens, router_loss_scale
+            from toolkit_megatron.moe import router_loss_scale, with_padding_masks
 
-            router = router_loss_scale(share / local_router_tokens(*batches[0]["input_ids"].shape, self.layout))
+            batches = with_padding_masks(batches, self.layout)
+            router = router_loss_scale(share)
         with router:
             collected = run_schedule(self.models, batches, make_loss_func(loss, ctx), forward_only=forward_only)
         counted = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0 \
