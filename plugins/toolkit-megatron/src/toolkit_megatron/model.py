@@ -73,7 +73,7 @@ def layout_problems(layout: Layout, hf_config: Any, world_size: int, seq_len: in
     elif experts and experts % layout.expert:
         problems.append(f"num_experts {experts} / ep {layout.expert} = {experts / layout.expert:.2f} is not a whole number")
     etp = layout.expert_tensor or tp
-    if etp > 1 and not experts:
+    if (layout.expert_tensor or 1) > 1 and not experts:
         problems.append(f"etp {etp} needs a mixture-of-experts model ({hf_config.model_type} has no experts)")
     if experts and world_size % (layout.expert * etp * pp):
         problems.append(f"world size {world_size} is not divisible by ep*etp*pp = {layout.expert}*{etp}*{pp}; "
