@@ -11,8 +11,9 @@ enter the step objective with weight ``1 / (micro-batches * data-parallel size)`
 Megatron's load-balancing loss differs from HF's ``load_balancing_loss_func``: Megatron sums one
 loss per layer, ``E / k * sum_e f_e P_e`` (``f_e`` fraction of routed assignments, ``P_e`` mean
 router probability), while HF concatenates every layer's router logits and computes
-``E * sum_e f_e P_e`` once over all layers' tokens (and masks padding). The coefficient means the
-same thing, the value does not: equality with ``local`` holds only with the coefficient at 0.
+``E * sum_e f_e P_e`` once over all layers' tokens. The coefficient means the same thing, the
+value does not: equality with ``local`` (HF's loss) holds only with the coefficient at 0. Padding
+positions are masked out of both losses (Megatron's ``padding_mask``).
 """
 
 from __future__ import annotations
