@@ -26,17 +26,21 @@ def assert_steps(expected, got, rel: float, keys=("loss", "grad_norm")) -> None:
             assert close(a[key], b[key], rel), (key, a, b)
 
 
-@pytest.mark.parametrize(("preset", "dispatcher"), [("tiny-qwen3-moe", "alltoall"), ("tiny-mixtral", "allgather")])
-def test_ep2_equals_ep1_and_export_reloads(preset, dispatcher, tmp_path):
+@pytest.mark.parametrize(("preset", "dispatcher", "layout"), [
+    ("tiny-qwen3-moe", "alltoall", ["--ep", "2"]),
+    ("tiny-mixtral", "allgather", ["--ep", "2"]),
+    ("tiny-qwen3-moe", "alltoall", ["--tp", "2", "--sequence-parallel", "--etp", "2"]),
+], ids=["qwen3_moe-ep2-alltoall", "mixtral-ep2-allgather", "qwen3_moe-tp2-sp-etp2"])
+def test_ep2_equals_ep1_and_export_reloads(preset, dispatcher, layout, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from toolkit.builtins.loaders import materialize_preset
 
     args = ["sft", "--model", preset, *COMMON, "--strategy", "megatron", "--megatron-moe-dispatcher", dispatcher, "--export", "hf"]
     toolkit(*args, "--output", str(tmp_path / "ep1"), nproc=2)
-    toolkit(*args, "--output", str(tmp_path / "ep2"), "--ep", "2", nproc=2)
+    toolkit(*args, "--output", str(tmp_path / "ep2"), *layout, nproc=2)
     ep1, ep2 = metrics(tmp_path / "ep1"), metrics(tmp_path / "ep2")
-    # same arithmetic, only the expert placement and token exchange differ: fp32 round-off
+    # same arithmetic, only the placement of experts / shards and the token exchange differ: fp32 round-off
     assert_steps(ep1, ep2, rel=1e-5, keys=("loss", "grad_norm", "aux_loss", "load_balancing_loss"))
     assert all(m["aux_loss"] > 0 and 0.9 < m["load_balancing_loss"] < 2.0 for m in ep2)  # 1.0 = perfectly balanced
 

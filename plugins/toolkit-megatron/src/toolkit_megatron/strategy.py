@@ -97,6 +97,12 @@ class MegatronEngine:
         from toolkit_megatron.architectures import architecture_for
 
         self.moe = architecture_for(source.config.model_type).moe
+        if self.moe and recipe.expert_tensor_parallel != recipe.tensor_parallel and recipe.tensor_parallel > 1:
+            from toolkit.errors import ConfigError
+
+            raise ConfigError(f"--etp {recipe.expert_tensor_parallel} with --tp {recipe.tensor_parallel}: MoE training under "
+                              f"--strategy megatron needs the expert tensor-parallel size equal to --tp (other "
+                              f"combinations gave wrong expert gradients in our tests); pass --etp {recipe.tensor_parallel}")
         if getattr(loss, "needs_reference", False) and not recipe.precompute_reference:
             from toolkit.errors import ConfigError
 
