@@ -4,10 +4,13 @@ and the HF export after training reloads in transformers."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from test_strategy import metrics, toolkit
+from test_strategy import ENV, metrics, toolkit
 
 pytestmark = pytest.mark.slow
 
@@ -90,3 +93,12 @@ def test_router_losses_equal_toolkit_moe(tmp_path):
     for a, b in zip(local, ep2, strict=True):
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 5e-3 * a["grad_norm"], (a, b)
         assert abs(a["aux_loss"] - b["aux_loss"]) <= 5e-3 * a["aux_loss"], (a, b)
+
+
+def test_expert_tensor_parallel_other_than_tp_is_refused(tmp_path):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "toolkit",
+               "sft", "--model", "tiny-qwen3-moe", *COMMON, "--strategy", "megatron", "--tp", "2", "--sequence-parallel",
+               "--output", str(tmp_path / "run")]
+    result = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=200)
+    assert result.returncode != 0
+    assert "--etp 1 with --tp 2" in result.stdout + result.stderr and "pass --etp 2" in result.stdout + result.stderr
