@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-
 from test_strategy import ENV, metrics, toolkit
 
 pytestmark = pytest.mark.slow
