@@ -1,6 +1,7 @@
-"""MoE training under --strategy megatron: EP2 equals EP1 (alltoall and allgather dispatchers), the
-megatron engine equals the local one without router losses and equals local + toolkit-moe with them,
-and the HF export after training reloads in transformers."""
+"""MoE training under --strategy megatron: EP2 and TP2+SP+ETP2 equal EP1 (alltoall and allgather
+dispatchers; EP2 resumed after step 3), the megatron engine equals the local one without router
+losses and equals local + toolkit-moe with them, and the HF export after training (also from the
+checkpoint) reloads in transformers."""
 
 from __future__ import annotations
 
@@ -40,7 +41,13 @@ def test_ep2_equals_ep1_and_export_reloads(preset, dispatcher, layout, tmp_path)
 
     args = ["sft", "--model", preset, *COMMON, "--strategy", "megatron", "--megatron-moe-dispatcher", dispatcher, "--export", "hf"]
     toolkit(*args, "--output", str(tmp_path / "ep1"), nproc=2)
-    toolkit(*args, "--output", str(tmp_path / "ep2"), *layout, nproc=2)
+    if dispatcher == "alltoall" and "--ep" in layout:  # and resume after step 3 of 5 at EP2
+        toolkit(*args, "--output", str(tmp_path / "ep2"), *layout, "--stop-after", "3", nproc=2)
+        assert len(metrics(tmp_path / "ep2")) == 3
+        toolkit(*args, "--output", str(tmp_path / "ep2"), *layout, "--resume", "auto", nproc=2)
+        toolkit("export", str(tmp_path / "ep2"), "--to", "hf", "--output", str(tmp_path / "from-checkpoint"))
+    else:
+        toolkit(*args, "--output", str(tmp_path / "ep2"), *layout, nproc=2)
     ep1, ep2 = metrics(tmp_path / "ep1"), metrics(tmp_path / "ep2")
     # same arithmetic, only the placement of experts / shards and the token exchange differ: fp32 round-off
     assert_steps(ep1, ep2, rel=1e-5, keys=("loss", "grad_norm", "aux_loss", "load_balancing_loss"))
@@ -52,6 +59,10 @@ def test_ep2_equals_ep1_and_export_reloads(preset, dispatcher, layout, tmp_path)
         from_ep1 = AutoModelForCausalLM.from_pretrained(tmp_path / "ep1/export")(ids).logits
         from_ep2 = AutoModelForCausalLM.from_pretrained(tmp_path / "ep2/export")(ids).logits
     torch.testing.assert_close(from_ep2, from_ep1, rtol=1e-4, atol=1e-4)
+    if (tmp_path / "from-checkpoint").is_dir():
+        with torch.no_grad():
+            again = AutoModelForCausalLM.from_pretrained(tmp_path / "from-checkpoint")(ids).logits
+        torch.testing.assert_close(again, from_ep2, rtol=0, atol=1e-6)
     assert (from_ep2 - initial).abs().max() > 1e-2  # the export carries the trained weights
 
 
