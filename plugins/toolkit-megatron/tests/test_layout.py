@@ -29,6 +29,10 @@ def test_bad_layouts_show_the_arithmetic():
         check_layout(Layout(expert=2), config, world_size=2)
     with pytest.raises(LayoutError, match=r"num_experts 4 / ep 3 = 1.33"):
         check_layout(Layout(expert=3), tiny_config("qwen3_moe"), world_size=3)
+    with pytest.raises(LayoutError, match="etp 2 needs a mixture-of-experts model"):
+        check_layout(Layout(expert_tensor=2), config, world_size=2)
+    with pytest.raises(LayoutError, match=r"world size 2 is not divisible by ep\*etp\*pp = 2\*2\*1"):
+        check_layout(Layout(expert=2, expert_tensor=2), tiny_config("mixtral"), world_size=2)
     with pytest.raises(LayoutError, match="MoE with tp > 1 needs --sequence-parallel"):
         check_layout(Layout(tensor=2), tiny_config("mixtral"), world_size=2)
 

@@ -93,10 +93,11 @@ def _plain_causal(position_ids: torch.Tensor, sequence_ids: torch.Tensor) -> boo
     return trailing_pad and one_sequence and bool(((position_ids == arange) | ~valid).all())
 
 
-def prepare_micro_batches(micro_batches: list[dict], layout: Any, real_vocab: int, device: torch.device) -> list[dict]:
-    """Pad every micro-batch to one length that splits over CP/SP, and attach the attention meta."""
+def prepare_micro_batches(micro_batches: list[dict], layout: Any, real_vocab: int, device: torch.device,
+                          longest: int | None = None) -> list[dict]:
+    """Pad every micro-batch to one length (at least ``longest``) that splits over CP/SP, and attach the attention meta."""
     multiple = (2 * layout.context if layout.context > 1 else 1) * (layout.tensor if layout.sequence_parallel else 1)
-    longest = max(mb["input_ids"].shape[1] for mb in micro_batches)
+    longest = max(longest or 0, *(mb["input_ids"].shape[1] for mb in micro_batches))
     length = -(-longest // multiple) * multiple
     prepared = []
     for mb in micro_batches:

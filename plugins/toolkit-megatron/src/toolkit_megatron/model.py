@@ -28,6 +28,8 @@ class Layout:
     context: int = 1
     sequence_parallel: bool = False
     expert: int = 1
+    expert_tensor: int | None = None
+    """Expert tensor-parallel size; ``None``: the tensor-parallel size (Megatron's default)."""
 
     @property
     def model_parallel(self) -> int:
@@ -41,6 +43,8 @@ class Layout:
             text += f" cp={self.context}"
         if self.expert > 1:
             text += f" ep={self.expert}"
+        if self.expert_tensor is not None and self.expert_tensor != self.tensor:
+            text += f" etp={self.expert_tensor}"
         return text + (" sp" if self.sequence_parallel else "")
 
 
@@ -68,6 +72,12 @@ def layout_problems(layout: Layout, hf_config: Any, world_size: int, seq_len: in
         problems.append(f"ep {layout.expert} needs a mixture-of-experts model ({hf_config.model_type} has no experts)")
     elif experts and experts % layout.expert:
         problems.append(f"num_experts {experts} / ep {layout.expert} = {experts / layout.expert:.2f} is not a whole number")
+    etp = layout.expert_tensor or tp
+    if (layout.expert_tensor or 1) > 1 and not experts:
+        problems.append(f"etp {etp} needs a mixture-of-experts model ({hf_config.model_type} has no experts)")
+    if experts and world_size % (layout.expert * etp * pp):
+        problems.append(f"world size {world_size} is not divisible by ep*etp*pp = {layout.expert}*{etp}*{pp}; "
+                        f"launch a multiple of {layout.expert * etp * pp} processes")
     if experts and tp > 1 and not layout.sequence_parallel:
         problems.append("MoE with tp > 1 needs --sequence-parallel (Megatron-Core requirement)")
     if layout.sequence_parallel and tp < 2:
@@ -111,6 +121,7 @@ def initialize_parallel(layout: Layout, seed: int = 42) -> None:
             virtual_pipeline_model_parallel_size=layout.virtual if layout.virtual > 1 else None,
             context_parallel_size=layout.context,
             expert_model_parallel_size=layout.expert,
+            expert_tensor_parallel_size=layout.expert_tensor,
         )
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
@@ -126,6 +137,8 @@ def transformer_config(hf_config: Any, layout: Layout, dtype: Any, **overrides: 
         virtual_pipeline_model_parallel_size=layout.virtual if layout.virtual > 1 else None,
         context_parallel_size=layout.context,
         sequence_parallel=layout.sequence_parallel,
+        expert_model_parallel_size=layout.expert,
+        expert_tensor_parallel_size=layout.expert_tensor,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,

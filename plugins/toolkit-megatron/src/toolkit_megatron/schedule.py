@@ -42,7 +42,8 @@ def run_schedule(models: list[Any], micro_batches: list[dict], loss_func: Callab
     def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
         micro = next(data_iterator)
         input_ids = cp_slice(micro["input_ids"])
-        output = model(input_ids, None, micro.get("meta"))
+        extra = {"padding_mask": cp_slice(micro["padding_mask"])} if "padding_mask" in micro else {}
+        output = model(input_ids, None, micro.get("meta"), **extra)
         if loss_func is None:
             return output, None
         return output, lambda out, non_loss_data=False: loss_func(micro, out)

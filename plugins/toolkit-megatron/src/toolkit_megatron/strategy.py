@@ -9,6 +9,7 @@ never gathered), gathered over context parallelism, and handed to the core's Los
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +25,9 @@ class MegatronConfig:
     attention: Literal["sdpa", "local"] = option("sdpa", help="Core attention: sdpa (torch SDPA, ours) or local (Megatron's unfused).")
     distributed_optimizer: bool = option(False, help="Shard optimizer state over data-parallel ranks (ZeRO-1).")
     async_save: bool = option(False, help="Write checkpoints in the background (dist_checkpointing async save).")
+    moe_dispatcher: Literal["alltoall", "allgather"] = option("alltoall", help="MoE token dispatcher: alltoall (tokens sent to their experts' ranks) or allgather (every rank gathers all tokens).")
+    moe_aux_loss_coeff: float | None = option(None, help="MoE load-balancing loss coefficient; default: the HF config's router_aux_loss_coef.")
+    moe_z_loss_coeff: float | None = option(None, help="MoE router z-loss coefficient; default: the HF config's router_z_loss_coef, else off.")
 
 
 class MegatronStrategy:
@@ -40,8 +44,8 @@ class MegatronStrategy:
         layout = _layout(recipe)
         if world_size % layout.model_parallel:
             problems.append(f"world size {world_size} is not divisible by tp*pp*cp = {layout.tensor}*{layout.pipeline}*{layout.context}")
-        if recipe.expert_parallel > 1 or recipe.expert_tensor_parallel > 1:
-            problems.append("--ep/--etp: MoE models are not supported by the megatron strategy yet")
+        if recipe.expert_parallel < 1 or recipe.expert_tensor_parallel < 1:
+            problems.append(f"--ep {recipe.expert_parallel} / --etp {recipe.expert_tensor_parallel}: sizes must be >= 1")
         if recipe.tuner not in ("full", "lora", "dora"):
             problems.append(f"--tuner {recipe.tuner}: the megatron strategy trains with --tuner full, lora or dora")
         if recipe.precision == "fp16":
@@ -66,7 +70,8 @@ def _layout(recipe: Any) -> Any:
     from toolkit_megatron.model import Layout
 
     return Layout(tensor=recipe.tensor_parallel, pipeline=recipe.pipeline_parallel, virtual=recipe.virtual_pipeline,
-                  context=recipe.context_parallel, sequence_parallel=recipe.sequence_parallel)
+                  context=recipe.context_parallel, sequence_parallel=recipe.sequence_parallel,
+                  expert=recipe.expert_parallel, expert_tensor=recipe.expert_tensor_parallel)
 
 
 class MegatronEngine:
@@ -91,11 +96,13 @@ class MegatronEngine:
         check_layout(self.layout, source.config, torch.distributed.get_world_size(), recipe.seq_len)
         from toolkit_megatron.architectures import architecture_for
 
-        if architecture_for(source.config.model_type).moe:
+        self.moe = architecture_for(source.config.model_type).moe
+        if self.moe and recipe.expert_tensor_parallel != recipe.tensor_parallel and recipe.tensor_parallel > 1:
             from toolkit.errors import ConfigError
 
-            raise ConfigError(f"--strategy megatron: training {source.config.model_type} (mixture of experts) is not "
-                              "supported yet; the bridge and `toolkit export --to mcore` handle it")
+            raise ConfigError(f"--etp {recipe.expert_tensor_parallel} with --tp {recipe.tensor_parallel}: MoE training under "
+                              f"--strategy megatron needs the expert tensor-parallel size equal to --tp (other "
+                              f"combinations gave wrong expert gradients in our tests); pass --etp {recipe.tensor_parallel}")
         if getattr(loss, "needs_reference", False) and not recipe.precompute_reference:
             from toolkit.errors import ConfigError
 
@@ -103,7 +110,11 @@ class MegatronEngine:
                               "once before training from the initial policy: add --precompute-reference")
         initialize_parallel(self.layout, recipe.seed)
         self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[recipe.precision]
-        overrides = {"calculate_per_token_loss": True}
+        overrides: dict[str, Any] = {"calculate_per_token_loss": True}
+        if self.moe:
+            from toolkit_megatron.moe import router_options
+
+            overrides.update(router_options(source.config, config.moe_aux_loss_coeff, config.moe_z_loss_coeff, config.moe_dispatcher))
         if recipe.gradient_checkpointing:
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         chunks = build_model(source.config, self.layout, dtype=self.dtype, attention=config.attention, **overrides)
@@ -113,6 +124,10 @@ class MegatronEngine:
 
             adapters, scale = hf_adapters(source, tuner, recipe)
             apply_lora(chunks, adapters, scale, getattr(tuner.config, "dropout", 0.0), source.config, chunks[0].vocab_size)
+        if self.moe:
+            from toolkit_megatron.moe import unscaled_router_losses
+
+            unscaled_router_losses(chunks)
         self.chunks = chunks
         self.models, self.optimizer = self._wrap(chunks)
         self.dp_rank = ps.get_data_parallel_rank()
@@ -165,8 +180,20 @@ class MegatronEngine:
         from toolkit_megatron.logps import make_loss_func, prepare_micro_batches
         from toolkit_megatron.schedule import run_schedule
 
-        batches = prepare_micro_batches(micro_batches, self.layout, self.source.config.vocab_size, self.device)
-        collected = run_schedule(self.models, batches, make_loss_func(loss, ctx), forward_only=forward_only)
+        longest = None
+        if self.moe:  # one length on every rank: the allgather dispatcher gathers equal token counts
+            local = max(mb["input_ids"].shape[1] for mb in micro_batches)
+            longest = self.all_reduce_max(local)
+        batches = prepare_micro_batches(micro_batches, self.layout, self.source.config.vocab_size, self.device, longest)
+        router = contextlib.nullcontext()
+        share = 1.0 / (len(batches) * ps.get_data_parallel_world_size())  # router losses: mean over forwards
+        if self.moe:
+            from toolkit_megatron.moe import router_loss_scale, with_padding_masks
+
+            batches = with_padding_masks(batches, self.layout)
+            router = router_loss_scale(share)
+        with router:
+            collected = run_schedule(self.models, batches, make_loss_func(loss, ctx), forward_only=forward_only)
         counted = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0 \
             and ps.get_context_parallel_rank() == 0
         keys = sorted({k for item in collected for k in item}) if counted else []
@@ -176,6 +203,13 @@ class MegatronEngine:
         values = [sum(float(item.get(k, 0.0)) for item in collected) if counted else 0.0 for k in keys]
         reduced = self.all_reduce_sum(values)
         totals = dict(zip(keys, reduced))
+        if self.moe and not forward_only:
+            from toolkit_megatron.moe import pop_router_metrics
+
+            tp_cp = ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size()
+            router_metrics = pop_router_metrics(self.chunks[0].config, share, tp_cp)
+            names = sorted(router_metrics)
+            totals.update(zip(names, self.all_reduce_sum([router_metrics[n] for n in names])))
         return totals.pop("loss", 0.0), totals
 
     def train_step(self, micro_batches: list[dict], loss: Any, ctx: StepContext) -> StepResult:
@@ -309,6 +343,13 @@ class MegatronEngine:
         from toolkit.train.distributed import all_reduce_sum
 
         return all_reduce_sum(values, self.device if self.device.type == "cuda" else None)
+
+    def all_reduce_max(self, value: int) -> int:
+        import torch
+
+        tensor = torch.tensor([value], dtype=torch.long, device=self.device)
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+        return int(tensor.item())
 
     def barrier(self) -> None:
         import torch
