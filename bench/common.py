@@ -26,3 +26,17 @@ def report(title: str, rows: list[dict], out_name: str) -> None:
         print(f"{row['run']:62s} {row['tokens_per_s']:10.0f} {row['peak_gib']:9.1f}")
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], out_name).write_text(json.dumps(rows, indent=2))
+
+
+def run_all(runs: list, device: str, **fields) -> list[dict]:
+    """Run each ``(name, fn -> (tokens_per_s, peak_gib))`` in turn, freeing memory between runs."""
+    import gc
+
+    rows = []
+    for name, run in runs:
+        tokens_per_s, peak = run()
+        rows.append({"run": name, "tokens_per_s": tokens_per_s, "peak_gib": peak, **fields})
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows

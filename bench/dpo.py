@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import sys
 import tempfile
 import types
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import report  # noqa: E402
+from common import report, run_all  # noqa: E402
 from local_sft import SHAPE_1B, SHAPE_TINY, make_model_dir, timed  # noqa: E402
 
 
@@ -114,7 +113,6 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = SHAPE_TINY if args.tiny else SHAPE_1B
     seq, pairs = (64, 2) if args.tiny else (args.seq, args.pairs)
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model_dir(shape, Path(tmp))
         data = pair_data(args.steps + args.warmup, pairs, seq, shape["vocab_size"], device)
@@ -122,12 +120,7 @@ def main() -> None:
                  lambda: trl_dpo(model_dir, data, args.warmup, args.beta)),
                 ("toolkit local + toolkit-dpo (bf16 autocast, fp32 master)",
                  lambda: toolkit_dpo(model_dir, data, args.warmup, args.beta, "bf16"))]
-        for name, run in runs:
-            tokens_per_s, peak = run()
-            rows.append({"run": name, "tokens_per_s": tokens_per_s, "peak_gib": peak, "pairs": pairs, "seq": seq})
-            gc.collect()
-            if device == "cuda":
-                torch.cuda.empty_cache()
+        rows = run_all(runs, device, pairs=pairs, seq=seq)
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     report(f"DPO step, {device_name}, {pairs} pairs x seq {seq}, {'tiny' if args.tiny else '1.24B'} Llama shape", rows, "dpo.json")
 

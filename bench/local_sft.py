@@ -9,13 +9,12 @@ Prints a table (tokens/s, peak GiB) and writes JSON to $OUT/local_sft.json when 
 from __future__ import annotations
 
 import argparse
-import gc
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from common import full_rows, report
+from common import full_rows, report, run_all
 
 SHAPE_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                 intermediate_size=8192, vocab_size=128256, max_position_embeddings=8192, head_dim=64)
@@ -112,7 +111,6 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = SHAPE_TINY if args.tiny else SHAPE_1B
     seq, batch = (64, 2) if args.tiny else (args.seq, args.batch)
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model_dir(shape, Path(tmp))
         data = batches(args.steps + args.warmup, batch, seq, shape["vocab_size"], device)
@@ -123,12 +121,7 @@ def main() -> None:
         if args.autocast:
             runs.append(("toolkit local, fp32 params under bf16 autocast",
                          lambda: toolkit_engine(model_dir, data, args.warmup, "bf16", master_weights=False)))
-        for name, run in runs:
-            tokens_per_s, peak = run()
-            rows.append({"run": name, "tokens_per_s": tokens_per_s, "peak_gib": peak, "batch": batch, "seq": seq})
-            gc.collect()
-            if device == "cuda":
-                torch.cuda.empty_cache()
+        rows = run_all(runs, device, batch=batch, seq=seq)
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     report(f"full SFT, {device_name}, batch {batch} x seq {seq}, {'tiny' if args.tiny else '1.24B'} Llama shape", rows, "local_sft.json")
 
