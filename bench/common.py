@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,3 +41,17 @@ def run_all(runs: list, device: str, **fields) -> list[dict]:
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def shape_parser(batch: int | None = 4, seq: int = 4096, steps: int = 8, warmup: int = 3) -> Any:
+    """The flags every throughput script takes: --tiny, --batch (unless None), --seq, --steps, --warmup."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tiny", action="store_true")
+    if batch is not None:
+        parser.add_argument("--batch", type=int, default=batch)
+    parser.add_argument("--seq", type=int, default=seq)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--warmup", type=int, default=warmup)
+    return parser

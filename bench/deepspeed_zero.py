@@ -11,7 +11,6 @@ by hand: ``deepspeed.initialize`` on the HF model and ``model(labels=...).loss``
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import full_rows  # noqa: E402
+from common import full_rows, shape_parser  # noqa: E402
 from local_sft import SHAPE_1B, SHAPE_TINY, batches, make_model_dir, timed  # noqa: E402
 
 
@@ -82,12 +81,7 @@ def toolkit_deepspeed(model_dir: Path, data: list, warmup: int, stage: int, batc
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser = shape_parser()
     parser.add_argument("--stages", default="1,2,3", help="ZeRO stages to time, e.g. 3 or 1,2,3")
     args = parser.parse_args()
 

@@ -10,7 +10,6 @@ Prints a table (tokens/s over chosen+rejected, peak GiB) and writes JSON to $OUT
 
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
 import tempfile
@@ -21,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import report, run_all  # noqa: E402
+from common import report, run_all, shape_parser  # noqa: E402
 from local_sft import SHAPE_1B, SHAPE_TINY, make_model_dir, timed  # noqa: E402
 
 
@@ -102,12 +101,8 @@ def toolkit_dpo(model_dir: Path, data: list, warmup: int, beta: float, precision
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tiny", action="store_true")
+    parser = shape_parser(batch=None, seq=2048)
     parser.add_argument("--pairs", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--beta", type=float, default=0.1)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -8,13 +8,12 @@ Prints a table (tokens/s, peak GiB) and writes JSON to $OUT/local_sft.json when 
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from common import full_rows, report, run_all
+from common import full_rows, report, run_all, shape_parser
 
 SHAPE_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                 intermediate_size=8192, vocab_size=128256, max_position_embeddings=8192, head_dim=64)
@@ -99,12 +98,7 @@ def toolkit_engine(model_dir: Path, data: list, warmup: int, precision: str, mas
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser = shape_parser()
     parser.add_argument("--compile", action="store_true", help="also time HF + torch.compile")
     parser.add_argument("--autocast", action="store_true", help="also time fp32 parameters under bf16 autocast")
     args = parser.parse_args()

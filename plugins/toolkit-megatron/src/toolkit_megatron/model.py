@@ -35,6 +35,13 @@ class Layout:
     def model_parallel(self) -> int:
         return self.tensor * self.pipeline * self.context
 
+    def megatron_sizes(self) -> dict[str, Any]:
+        """The sizes under Megatron-Core's names, shared by ``initialize_model_parallel`` and ``TransformerConfig``."""
+        return {"tensor_model_parallel_size": self.tensor, "pipeline_model_parallel_size": self.pipeline,
+                "virtual_pipeline_model_parallel_size": self.virtual if self.virtual > 1 else None,
+                "context_parallel_size": self.context, "expert_model_parallel_size": self.expert,
+                "expert_tensor_parallel_size": self.expert_tensor}
+
     def describe(self) -> str:
         text = f"tp={self.tensor} pp={self.pipeline}"
         if self.virtual > 1:
@@ -115,14 +122,7 @@ def initialize_parallel(layout: Layout, seed: int = 42) -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     with cpu_compat():
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=layout.tensor,
-            pipeline_model_parallel_size=layout.pipeline,
-            virtual_pipeline_model_parallel_size=layout.virtual if layout.virtual > 1 else None,
-            context_parallel_size=layout.context,
-            expert_model_parallel_size=layout.expert,
-            expert_tensor_parallel_size=layout.expert_tensor,
-        )
+        parallel_state.initialize_model_parallel(**layout.megatron_sizes())
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
@@ -131,14 +131,9 @@ def transformer_config(hf_config: Any, layout: Layout, dtype: Any, **overrides: 
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     options = architecture_for(hf_config.model_type).transformer_options(hf_config)
+    options.update(layout.megatron_sizes())
     options.update(
-        tensor_model_parallel_size=layout.tensor,
-        pipeline_model_parallel_size=layout.pipeline,
-        virtual_pipeline_model_parallel_size=layout.virtual if layout.virtual > 1 else None,
-        context_parallel_size=layout.context,
         sequence_parallel=layout.sequence_parallel,
-        expert_model_parallel_size=layout.expert,
-        expert_tensor_parallel_size=layout.expert_tensor,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
