@@ -1,56 +1,244 @@
-"""Run directories and checkpoints: complete or absent (temp dir + rename), keep last K, find newest."""
+"""Checkpoints: written to a staging folder on every rank, sealed with a manifest of sizes and sha256 checksums,
+renamed into place; verified before a resume, which falls back past a damaged one to the one before it."""
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import random
 import re
 import shutil
+import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from toolkit.errors import ToolkitError
 
 STATE_FILE = "trainer_state.json"
+MANIFEST_FILE = "manifest.json"
+# 2: sealed by manifest.json (written last, before the rename). Checkpoints from before manifests carry no
+# "checkpoint_format" key in trainer_state.json; they are accepted unverified (docs/reliability.md).
+CHECKPOINT_FORMAT = 2
 STEP_DIR = re.compile(r"^step-(\d+)$")
+LEFTOVER_DIR = re.compile(r"^\.(tmp|del)-step-\d+$")
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+VERIFY_MODES = ("sha256", "size")
+_CHUNK = 8 << 20
+
+
+class CheckpointError(ToolkitError):
+    """A checkpoint could not be written, or the one asked for is damaged."""
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (a complete one has its trainer state written last)."""
+def step_of(checkpoint: Path) -> int:
+    match = STEP_DIR.match(checkpoint.name)
+    return int(match.group(1)) if match else -1
+
+
+def step_dirs(run_dir: Path) -> list[Path]:
+    """Every ``step-N`` folder, whole or not, oldest first."""
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()]
-    return [p for _, p in sorted(found)]
+    return sorted((p for p in root.iterdir() if STEP_DIR.match(p.name) and p.is_dir()), key=step_of)
 
 
-def find_resume_checkpoint(run_dir: Path, resume: str) -> Path | None:
+def list_checkpoints(run_dir: Path, verify: str = "size") -> list[Path]:
+    """Whole checkpoints, oldest first; ``verify="size"`` compares file sizes with the manifest, ``"sha256"`` every byte."""
+    return [p for p in step_dirs(run_dir) if checkpoint_problem(p, verify) is None]
+
+
+# ---------------------------------------------------------------------------------------------- verification
+def checkpoint_problem(checkpoint: Path, verify: str = "sha256") -> str | None:
+    """What is wrong with a checkpoint folder, in a few words, or None when it is whole."""
+    manifest_path = checkpoint / MANIFEST_FILE
+    if not manifest_path.is_file():
+        return _unsealed_problem(checkpoint)
+    try:
+        files = json.loads(manifest_path.read_text())["files"]
+        expected = {name: (int(entry["size"]), str(entry["sha256"])) for name, entry in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return f"{MANIFEST_FILE} is unreadable ({type(exc).__name__}: {exc})"
+    if STATE_FILE not in expected:
+        return f"{MANIFEST_FILE} does not list {STATE_FILE}"
+    for name, (size, _) in expected.items():
+        path = checkpoint / name
+        if not path.is_file():
+            return f"{name} is missing"
+        actual = path.stat().st_size
+        if actual != size:
+            return f"{name} is {actual} bytes, {MANIFEST_FILE} says {size} (truncated or overwritten)"
+    if verify == "sha256":
+        try:
+            digests = hash_files(checkpoint, list(expected))
+        except OSError as exc:
+            return f"cannot read it ({exc})"
+        for name, (_, digest) in expected.items():
+            if digests[name][1] != digest:
+                return f"{name} does not match its sha256 in {MANIFEST_FILE} (corrupted)"
+    return _state_problem(checkpoint)
+
+
+def _unsealed_problem(checkpoint: Path) -> str | None:
+    if not (checkpoint / STATE_FILE).is_file():
+        return f"incomplete: neither {MANIFEST_FILE} nor {STATE_FILE} is there"
+    problem = _state_problem(checkpoint)
+    if problem is None and read_state(checkpoint).get("checkpoint_format", 1) >= 2:
+        return f"{MANIFEST_FILE} is missing"
+    return problem
+
+
+def _state_problem(checkpoint: Path) -> str | None:
+    try:
+        state = read_state(checkpoint)
+        int(state["step"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{STATE_FILE} is unreadable ({type(exc).__name__}: {exc})"
+    return None
+
+
+def is_unverified(checkpoint: Path) -> bool:
+    """A checkpoint from before manifests: whole by the rename protocol, but nothing to check it against."""
+    return not (checkpoint / MANIFEST_FILE).is_file()
+
+
+def find_resume_checkpoint(run_dir: Path, resume: str, verify: str = "sha256",
+                           report: Callable[[str], None] | None = None) -> Path | None:
+    """``auto``: the newest whole checkpoint, each damaged newer one reported in one line and skipped;
+    a path: that checkpoint, or a CheckpointError saying what is wrong with it."""
+    report = report or (lambda line: print(line, file=sys.stderr, flush=True))
     if resume == "auto":
-        found = list_checkpoints(run_dir)
-        return found[-1] if found else None
+        for path in reversed(step_dirs(run_dir)):
+            problem = checkpoint_problem(path, verify)
+            if problem is None:
+                if is_unverified(path):
+                    report(f"toolkit: checkpoint {path} has no {MANIFEST_FILE} (written before manifests); resuming without verifying it")
+                return path
+            report(f"toolkit: skipping damaged checkpoint {path}: {problem}; falling back to the one before it")
+        return None
     path = Path(resume)
-    if not (path / STATE_FILE).is_file():
-        raise ToolkitError(f"--resume {resume}: not a complete checkpoint ({STATE_FILE} missing); "
-                           f"complete ones: {', '.join(str(p) for p in list_checkpoints(run_dir)) or 'none'}")
+    if not path.is_dir():
+        raise CheckpointError(f"--resume {resume}: no such checkpoint folder. {_whole_ones(run_dir)}")
+    problem = checkpoint_problem(path, verify)
+    if problem is not None:
+        raise CheckpointError(f"--resume {resume}: the checkpoint is damaged: {problem}. {_whole_ones(run_dir)} "
+                              "(--resume auto picks the newest whole one)")
     return path
 
 
+def _whole_ones(run_dir: Path) -> str:
+    found = list_checkpoints(run_dir)
+    return f"Whole checkpoints in {checkpoints_dir(run_dir)}: {', '.join(p.name for p in found) if found else 'none'}."
+
+
+def agree_on_resume(run_dir: Path, resume: str, engine: Any, verify: str = "sha256") -> Path | None:
+    """Rank 0 verifies (the checkpoint is read once, not once per rank); every rank takes its answer."""
+    chosen: Path | None = None
+    error: CheckpointError | None = None
+    code = -1.0  # -1: start from scratch, -2: rank 0 refused, otherwise the chosen step
+    if engine.is_main:
+        try:
+            chosen = find_resume_checkpoint(run_dir, resume, verify)
+            code = -1.0 if chosen is None else float(max(step_of(chosen), 0))
+        except CheckpointError as exc:
+            error, code = exc, -2.0
+    code = engine.all_reduce_sum([code if engine.is_main else 0.0])[0]
+    if error is not None:
+        raise error
+    if code == -2:
+        raise CheckpointError(f"--resume {resume}: rank 0 found the checkpoint damaged (its message says what is wrong)")
+    if code == -1:
+        return None
+    return Path(resume) if resume != "auto" else checkpoints_dir(run_dir) / f"step-{int(code)}"
+
+
+# ---------------------------------------------------------------------------------------------- manifest
+def hash_files(directory: Path, names: list[str], sync: bool = False) -> dict[str, tuple[int, str]]:
+    """``{name: (size, sha256)}``, several files at once (hashlib releases the GIL on large updates)."""
+    workers = max(1, min(len(names), os.cpu_count() or 1, 8))
+    ordered = sorted(names, key=lambda name: -(directory / name).stat().st_size)  # biggest first balances the pool
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        results = pool.map(lambda name: _hash_file(directory / name, sync), ordered)
+        return dict(zip(ordered, results))
+
+
+def _hash_file(path: Path, sync: bool) -> tuple[int, str]:
+    digest = hashlib.sha256()
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as handle:
+        while read := handle.readinto(buffer):
+            digest.update(view[:read])
+        if sync:  # the rename publishes the checkpoint: its bytes must be on disk first, not only in the page cache
+            os.fsync(handle.fileno())
+        size = os.fstat(handle.fileno()).st_size
+    return size, digest.hexdigest()
+
+
+def write_manifest(directory: Path) -> dict[str, Any]:
+    """Hash every file under ``directory`` (fsyncing it) and write ``manifest.json`` last."""
+    names = sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
+    digests = hash_files(directory, names, sync=True)
+    manifest = {"format": 1, "algorithm": "sha256",
+                "files": {name: {"size": digests[name][0], "sha256": digests[name][1]} for name in names}}
+    _write_synced(directory / MANIFEST_FILE, json.dumps(manifest, indent=1))
+    for folder in {directory, *(p for p in directory.rglob("*") if p.is_dir())}:
+        _fsync_dir(folder)
+    return manifest
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------- saving
 def save_checkpoint(run_dir: Path, step: int, engine: Any, trainer_state: dict[str, Any], keep_last: int) -> Path:
-    """Write ``checkpoints/step-N`` through a temporary folder on every rank, then rename on rank 0."""
+    """Write ``checkpoints/step-N``: every rank writes into ``.tmp-step-N``, rank 0 seals it with the manifest and
+    renames it, then removes checkpoints beyond ``keep_last``. A failure on any rank removes the staging folder
+    and raises a CheckpointError on every rank; the checkpoints already there are left as they were."""
+    root = checkpoints_dir(run_dir)
+    final, staging = root / f"step-{step}", root / f".tmp-step-{step}"
+    # each phase ends in a collective that also tells every rank whether any rank failed
+    if engine.is_main:
+        _phase(engine, run_dir, step, staging, lambda: _prepare(root, staging))
+    else:
+        _phase(engine, run_dir, step, staging, None)
+    _phase(engine, run_dir, step, staging, lambda: write_rank_files(staging, engine))
+    _phase(engine, run_dir, step, staging, (lambda: seal_and_publish(staging, final, trainer_state, keep_last)) if engine.is_main else None)
+    return final
+
+
+def _prepare(root: Path, staging: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    for leftover in root.iterdir():  # staging folders of killed runs, half-removed old checkpoints: only one run writes here
+        if LEFTOVER_DIR.match(leftover.name):
+            shutil.rmtree(leftover, ignore_errors=True)
+    staging.mkdir()
+
+
+def write_rank_files(staging: Path, engine: Any) -> None:
+    """This rank's part: the engine's state and the RNG streams of its data-parallel rank."""
     import torch
 
-    root = checkpoints_dir(run_dir)
-    final = root / f"step-{step}"
-    staging = root / f".tmp-step-{step}"
-    if engine.is_main:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-    engine.barrier()
     engine.save_checkpoint(staging)
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -58,16 +246,76 @@ def save_checkpoint(run_dir: Path, step: int, engine: Any, trainer_state: dict[s
     # Several processes share a data-parallel rank under tensor/pipeline parallelism: write atomically.
     _atomic_write(staging / f"rng-rank{engine.dp_rank}.pt", lambda path: torch.save(rng, path))
     _atomic_write(staging / f"python-rng-rank{engine.dp_rank}.json", lambda path: path.write_text(json.dumps(_python_rng())))
-    engine.barrier()
+
+
+def seal_and_publish(staging: Path, final: Path, trainer_state: dict[str, Any], keep_last: int) -> None:
+    """Rank 0, after every rank wrote its part: trainer state, manifest (last), rename, then prune older ones."""
+    (staging / STATE_FILE).write_text(json.dumps({**trainer_state, "checkpoint_format": CHECKPOINT_FORMAT}, indent=2))
+    write_manifest(staging)
+    retired = final.with_name(f".del-{final.name}")
+    if final.exists():  # the same step written again after resuming from an older checkpoint
+        os.replace(final, retired)
+    os.replace(staging, final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(retired, ignore_errors=True)
+    older = [p for p in step_dirs(final.parent.parent) if step_of(p) < step_of(final)]
+    for old in older[: max(0, len(older) - (keep_last - 1))]:  # only now that the new one is whole
+        _remove(old)
+
+
+def _remove(checkpoint: Path) -> None:
+    """Rename first, so a kill in the middle of deleting cannot leave a half-deleted ``step-N`` behind."""
+    retired = checkpoint.with_name(f".del-{checkpoint.name}")
+    try:
+        os.replace(checkpoint, retired)
+    except OSError:
+        return
+    shutil.rmtree(retired, ignore_errors=True)
+
+
+def _phase(engine: Any, run_dir: Path, step: int, staging: Path, work: Callable[[], None] | None) -> None:
+    error: BaseException | None = None
+    if work is not None:
+        try:
+            work()
+        except Exception as exc:  # noqa: BLE001 - every rank must hear about it before anyone raises
+            error = exc
+    failed, disk_full = engine.all_reduce_sum([1.0 if error else 0.0, 1.0 if _is_disk_full(error) else 0.0])
+    if not failed:
+        return
     if engine.is_main:
-        (staging / STATE_FILE).write_text(json.dumps(trainer_state, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(staging, final)
-        for old in list_checkpoints(run_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    engine.barrier()
-    return final
+        shutil.rmtree(staging, ignore_errors=True)
+    if error is not None and not isinstance(error, OSError):
+        raise error
+    raise write_failure(run_dir, step, error, disk_full > 0) from error
+
+
+def _is_disk_full(error: BaseException | None) -> bool:
+    return isinstance(error, OSError) and error.errno in DISK_FULL
+
+
+def write_failure(run_dir: Path, step: int, error: BaseException | None, disk_full: bool) -> CheckpointError:
+    """The message: what failed, which checkpoint is still whole, and what to do."""
+    root = checkpoints_dir(run_dir)
+    whole = [p for p in list_checkpoints(run_dir) if step_of(p) != step]
+    if whole:
+        kept = f"{whole[-1]} is still whole: `--resume auto` continues from it (step {step_of(whole[-1])})"
+    else:
+        kept = "there is no earlier checkpoint: the run would restart from step 0"
+    what = "another rank failed" if error is None else f"{type(error).__name__}: {error}"
+    if disk_full:
+        free = shutil.disk_usage(root).free if root.is_dir() else 0
+        need = f"; the last checkpoint took {_size(whole[-1]) / 2**30:.2f} GiB" if whole else ""
+        return CheckpointError(f"the disk is full: checkpoint step-{step} could not be written to {root} ({what}; "
+                               f"{free / 2**30:.2f} GiB free{need}). The unfinished checkpoint was removed and training "
+                               f"stopped; {kept}. Free space there (or lower --keep-last), then run the same command "
+                               "with --resume auto.")
+    return CheckpointError(f"checkpoint step-{step} could not be written to {root} ({what}). The unfinished checkpoint "
+                           f"was removed and training stopped; {kept}. Fix the cause, then run the same command with --resume auto.")
+
+
+def _size(checkpoint: Path) -> int:
+    return sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file())
 
 
 def _atomic_write(path: Path, write: Any) -> None:
@@ -76,6 +324,7 @@ def _atomic_write(path: Path, write: Any) -> None:
     os.replace(tmp, path)
 
 
+# ---------------------------------------------------------------------------------------------- resuming
 def restore_rng(checkpoint: Path, rank: int) -> None:
     import torch
 

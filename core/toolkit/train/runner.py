@@ -146,7 +146,7 @@ def run_training(recipe: Recipe) -> Path:
 
 def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: Any, source: Any, examples: list, stats: Any) -> None:
     from toolkit.data.pipeline import Batches
-    from toolkit.train.checkpoint import find_resume_checkpoint, read_state, restore_rng, save_checkpoint
+    from toolkit.train.checkpoint import agree_on_resume, read_state, restore_rng, save_checkpoint
 
     eval_examples, examples = examples[: recipe.eval_samples], examples[recipe.eval_samples:]
     pad_id = source.tokenizer.pad_token_id if source.tokenizer.pad_token_id is not None else 0
@@ -156,7 +156,7 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
     total_steps = recipe.max_steps or max(1, math.ceil(recipe.epochs * batches.steps_per_epoch))
     engine.set_total_steps(total_steps)
     start_step = 0
-    checkpoint = find_resume_checkpoint(run_dir, recipe.resume) if recipe.resume else None
+    checkpoint = agree_on_resume(run_dir, recipe.resume, engine, recipe.checkpoint_verify) if recipe.resume else None
     if checkpoint is not None:
         engine.load_checkpoint(checkpoint)
         start_step = read_state(checkpoint)["step"]
