@@ -61,7 +61,10 @@ class Recipe:
     save_every: int = option(0, help="Save a checkpoint every N steps (0: only at the end).")
     keep_last: int = option(2, help="Checkpoints to keep.")
     stop_after: int = option(0, help="Stop with a checkpoint after N steps of this invocation (time-boxed jobs); the schedule still spans the whole run.")
-    resume: str | None = option(None, help="'auto' (newest complete checkpoint) or a checkpoint path.")
+    resume: str | None = option(None, help="'auto' (newest whole checkpoint; damaged ones are reported and skipped) or a checkpoint path.")
+    checkpoint_verify: Literal["sha256", "size"] = option("sha256", help="How --resume checks a checkpoint against its "
+                                                          "manifest.json: sha256 (every byte) or size (file sizes only; "
+                                                          "for checkpoints too big to read back).")
     overwrite: bool = option(False, help="Allow reusing an output directory that holds a different run.")
     log_every: int = option(1, help="Log metrics every N steps.")
     export: str | None = option(None, help="Export at the end with this exporter (hf, vllm, ...).")
