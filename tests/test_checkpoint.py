@@ -111,7 +111,7 @@ def test_explicit_resume_of_a_damaged_checkpoint_is_an_error(copy):
     with pytest.raises(ckpt.CheckpointError) as error:
         train(copy, resume=str(damaged))
     message = str(error.value)
-    assert f"--resume {damaged}: the checkpoint is damaged: model.safetensors is 0 bytes" in message
+    assert f"checkpoint {damaged} is damaged: model.safetensors is 0 bytes" in message
     assert "Whole checkpoints in" in message and "step-2, step-6" in message
 
 
@@ -189,3 +189,15 @@ def test_another_write_error_names_itself_and_the_checkpoint_kept(tmp_path, monk
     assert "checkpoint step-2 could not be written" in str(error.value) and "Permission denied" in str(error.value)
     assert "there is no earlier checkpoint: the run would restart from step 0" in str(error.value)
     assert list((output / "checkpoints").iterdir()) == []
+
+
+def test_export_of_a_run_skips_a_damaged_checkpoint_and_refuses_one_asked_for(copy, capsys):
+    from toolkit.export import resolve_export_source
+
+    damaged = copy / "checkpoints/step-6"
+    _flip_byte(damaged / "model.safetensors")
+    capsys.readouterr()
+    assert resolve_export_source(str(copy)).description == f"checkpoint {copy / 'checkpoints/step-4'}"
+    assert f"skipping damaged checkpoint {damaged}: model.safetensors does not match" in capsys.readouterr().err
+    with pytest.raises(ckpt.CheckpointError, match="is damaged: model.safetensors does not match"):
+        resolve_export_source(str(damaged))

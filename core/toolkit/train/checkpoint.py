@@ -126,10 +126,10 @@ def find_resume_checkpoint(run_dir: Path, resume: str, verify: str = "sha256",
         return None
     path = Path(resume)
     if not path.is_dir():
-        raise CheckpointError(f"--resume {resume}: no such checkpoint folder. {_whole_ones(run_dir)}")
+        raise CheckpointError(f"checkpoint {resume} does not exist. {_whole_ones(run_dir)}")
     problem = checkpoint_problem(path, verify)
     if problem is not None:
-        raise CheckpointError(f"--resume {resume}: the checkpoint is damaged: {problem}. {_whole_ones(run_dir)} "
+        raise CheckpointError(f"checkpoint {resume} is damaged: {problem}. {_whole_ones(run_dir)} "
                               "(--resume auto picks the newest whole one)")
     return path
 
@@ -154,7 +154,7 @@ def agree_on_resume(run_dir: Path, resume: str, engine: Any, verify: str = "sha2
     if error is not None:
         raise error
     if code == -2:
-        raise CheckpointError(f"--resume {resume}: rank 0 found the checkpoint damaged (its message says what is wrong)")
+        raise CheckpointError(f"checkpoint {resume}: rank 0 found it damaged (its message says what is wrong)")
     if code == -1:
         return None
     return Path(resume) if resume != "auto" else checkpoints_dir(run_dir) / f"step-{int(code)}"
