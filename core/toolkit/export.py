@@ -62,18 +62,19 @@ def checkpoint_source(checkpoint: Path, run_dir: Path, adapter_only: bool = Fals
 def resolve_export_source(reference: str, adapter_only: bool = False) -> ExportModel:
     from toolkit.builtins.loaders import resolve_model
     from toolkit.plugins import get_plugin_manager
-    from toolkit.train.checkpoint import STATE_FILE, list_checkpoints
+    from toolkit.train.checkpoint import MANIFEST_FILE, STATE_FILE, find_resume_checkpoint
 
     claimed = get_plugin_manager().resolve_export_source(reference)
     if claimed is not None:
         return claimed
     path = Path(reference)
-    if (path / "recipe.yaml").is_file():
-        found = list_checkpoints(path)
-        if not found:
+    if (path / "recipe.yaml").is_file():  # the newest whole checkpoint; damaged newer ones are named and skipped
+        newest = find_resume_checkpoint(path, "auto")
+        if newest is None:
             raise ToolkitError(f"run {path} has no complete checkpoint under {path / 'checkpoints'} yet")
-        return checkpoint_source(found[-1], path, adapter_only)
-    if (path / STATE_FILE).is_file():
+        return checkpoint_source(newest, path, adapter_only)
+    if (path / STATE_FILE).is_file() or (path / MANIFEST_FILE).is_file():
+        find_resume_checkpoint(path.parent.parent, str(path))  # a damaged one is a CheckpointError saying what is wrong
         return checkpoint_source(path, path.parent.parent, adapter_only)
     source = resolve_model(reference)
     return ExportModel(source=source, tensors=hf_dir_tensors(source), description=f"model {reference}")
