@@ -14,8 +14,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-from local_sft import SHAPE_1B, SHAPE_TINY, batches, make_model_dir
 from common import full_rows, shape_parser
+from local_sft import SHAPE_1B, SHAPE_TINY, batches, make_model_dir
 
 
 def hf_step(model_dir: Path):
@@ -56,7 +56,8 @@ def toolkit_step(model_dir: Path):
 
 
 def profile(name: str, step, data: list, rows: int) -> str:
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     for ids in data[:2]:
         step(ids)
