@@ -7,6 +7,7 @@ import errno
 import hashlib
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
@@ -138,14 +139,15 @@ def test_leftovers_of_killed_writes_are_ignored_then_cleaned(run, copy, capsys):
     assert sorted(p.name for p in root.iterdir()) == ["step-6", "step-8"]
 
 
-def _fail_on_call(monkeypatch, target, attribute, number, error, partial=False):
-    """Make the ``number``-th call of ``target.attribute`` raise (after writing half its file with ``partial``)."""
+def _fail_on_call(monkeypatch, target, attribute, number, error, partial=False, name=None):
+    """Make the ``number``-th call of ``target.attribute`` (writing a file called ``name``, when given) raise,
+    after writing half its file with ``partial``."""
     original = getattr(target, attribute)
     calls = []
 
     def failing(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == number:
+        calls.append(name is None or Path(args[0]).name == name)
+        if calls[-1] and sum(calls) == number:
             if partial:  # save_file(tensors, path): leave a partial file behind, as a full disk does
                 original(*args, **kwargs)
                 with open(args[1], "r+b") as handle:
@@ -164,7 +166,7 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(run, tmp_path, mo
     if where == "engine write":  # the 2nd checkpoint's model.safetensors
         _fail_on_call(monkeypatch, safetensors.torch, "save_file", 2, full, partial=True)
     else:
-        _fail_on_call(monkeypatch, ckpt, "_write_synced", 2, full)
+        _fail_on_call(monkeypatch, ckpt, "_write_synced", 2, full, name="manifest.json")
     output = tmp_path / "full"
     with pytest.raises(ckpt.CheckpointError) as error:
         train(output, keep_last=1)
@@ -201,3 +203,15 @@ def test_export_of_a_run_skips_a_damaged_checkpoint_and_refuses_one_asked_for(co
     assert f"skipping damaged checkpoint {damaged}: model.safetensors does not match" in capsys.readouterr().err
     with pytest.raises(ckpt.CheckpointError, match="is damaged: model.safetensors does not match"):
         resolve_export_source(str(damaged))
+
+
+def test_ranks_share_the_hashing_and_rank_0_merges_the_same_manifest(copy):
+    checkpoint = copy / "checkpoints/step-2"
+    expected = json.loads((checkpoint / "manifest.json").read_text())
+    (checkpoint / "manifest.json").unlink()
+    for rank in range(3):
+        ckpt.hash_share(checkpoint, rank, 3)
+    shares = [json.loads(p.read_text()) for p in sorted(checkpoint.glob(".manifest-share-rank*.json"))]
+    assert len(shares) == 3 and sum(len(s) for s in shares) == len(expected["files"])  # disjoint, and together all
+    assert ckpt.write_manifest(checkpoint) == expected
+    assert not list(checkpoint.glob(".manifest-share-*")) and ckpt.checkpoint_problem(checkpoint) is None
