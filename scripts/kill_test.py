@@ -178,9 +178,10 @@ def sleep_while_alive(process: subprocess.Popen, seconds: float) -> bool:
     return process.poll() is None
 
 
-def leftovers(run_dir: Path) -> list[str]:
+def leftovers(run_dir: Path, since: float = 0.0) -> list[str]:
+    """Dot-folders in checkpoints/ (changed after ``since``): what a killed or failed save left behind."""
     root = run_dir / "checkpoints"
-    return sorted(p.name for p in root.iterdir() if p.name.startswith(".")) if root.is_dir() else []
+    return sorted(p.name for p in root.iterdir() if p.name.startswith(".") and p.stat().st_ctime > since) if root.is_dir() else []
 
 
 def corrupt_newest(run_dir: Path, rng: random.Random) -> Path | None:
@@ -267,11 +268,13 @@ def run_kill_test(args: argparse.Namespace) -> dict[str, object]:
             alive = sleep_while_alive(process, rng.uniform(0.2, first_step_at))
         else:
             alive = wait_for(training_started(run_dir, since), process, args.timeout, poll=0.01)
+            # spread the kills over the run: on average each round gets 1/(kills left) of the way that remains
             remaining = (args.steps - resumed_step(log)) / args.steps
+            share = min(0.9, 2 * remaining / (args.kills - kills))
             if alive and moment == "training":
-                alive = sleep_while_alive(process, rng.uniform(0, 0.9 * remaining * train_time))
+                alive = sleep_while_alive(process, rng.uniform(0, share * train_time))
             elif alive:  # the k-th checkpoint write of this round; its staging folder lives about 4 x --slow-save
-                writes = max(1, round(remaining * args.steps / args.save_every))
+                writes = 1 + round(share * args.steps / args.save_every)
                 alive = wait_for(staging_created(run_dir, since, rng.randint(1, writes)), process, args.timeout) and \
                     sleep_while_alive(process, rng.uniform(0, 4.4 * args.slow_save))
         if not alive:
@@ -287,7 +290,7 @@ def run_kill_test(args: argparse.Namespace) -> dict[str, object]:
         kills += 1
         summary["kills"] = kills
         summary["kills_by_moment"][moment] += 1  # type: ignore[index]
-        left = leftovers(run_dir)
+        left = leftovers(run_dir, since)  # made by this round: an older one is a previous round's
         summary["kills_with_staging_left"] += int(any(n.startswith(".tmp-") for n in left))  # type: ignore[operator]
         summary["kills_during_publish"] += int(any(n.startswith(".del-") for n in left))  # type: ignore[operator]
         pending_damaged = _check_damaged(log.read_text(), pending_damaged, summary)
