@@ -274,7 +274,8 @@ def run_kill_test(args: argparse.Namespace) -> dict[str, object]:
             if alive and moment == "training":
                 alive = sleep_while_alive(process, rng.uniform(0, share * train_time))
             elif alive:  # the k-th checkpoint write of this round; its staging folder lives about 4 x --slow-save
-                writes = 1 + round(share * args.steps / args.save_every)
+                writes_left = max(1, round(remaining * args.steps / args.save_every))
+                writes = min(writes_left, 1 + round(share * args.steps / args.save_every))
                 alive = wait_for(staging_created(run_dir, since, rng.randint(1, writes)), process, args.timeout) and \
                     sleep_while_alive(process, rng.uniform(0, 4.4 * args.slow_save))
         if not alive:
