@@ -9,8 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "kill_test.py"
 
 
@@ -23,7 +21,6 @@ def run_kill_test(tmp_path: Path, *args: str) -> dict:
     return json.loads(summary.read_text())
 
 
-@pytest.mark.slow
 def test_local_run_survives_kills_corruption_and_a_full_disk_bit_identically(tmp_path):
     summary = run_kill_test(tmp_path, "--mode", "local", "--kills", "2", "--seed", "3", "--steps", "8",
                             "--corrupt-every", "2", "--disk-full-round", "1")

@@ -230,19 +230,18 @@ def _fsync_dir(path: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------- saving
 def save_checkpoint(run_dir: Path, step: int, engine: Any, trainer_state: dict[str, Any], keep_last: int) -> Path:
-    """Write ``checkpoints/step-N``: every rank writes into ``.tmp-step-N`` and hashes a share of the files, rank 0
-    seals it with the manifest and renames it, then removes checkpoints beyond ``keep_last``. A failure on any rank removes the staging folder
-    and raises a CheckpointError on every rank; the checkpoints already there are left as they were."""
+    """Write ``checkpoints/step-N``: every rank writes into ``.tmp-step-N`` and hashes a share of the files;
+    rank 0 seals it with the manifest, renames it, then removes checkpoints beyond ``keep_last``. A failure
+    on any rank removes the staging folder and raises a CheckpointError on every rank; the checkpoints
+    already there are left as they were."""
     root = checkpoints_dir(run_dir)
     final, staging = root / f"step-{step}", root / f".tmp-step-{step}"
+    main = engine.is_main
     # each phase ends in a collective that also tells every rank whether any rank failed
-    if engine.is_main:
-        _phase(engine, run_dir, step, staging, lambda: _prepare(root, staging))
-    else:
-        _phase(engine, run_dir, step, staging, None)
+    _phase(engine, run_dir, step, staging, (lambda: _prepare(root, staging)) if main else None)
     _phase(engine, run_dir, step, staging, lambda: write_rank_files(staging, engine))
     _phase(engine, run_dir, step, staging, lambda: hash_share(staging, *_rank_and_world()))
-    _phase(engine, run_dir, step, staging, (lambda: seal_and_publish(staging, final, trainer_state, keep_last)) if engine.is_main else None)
+    _phase(engine, run_dir, step, staging, (lambda: seal_and_publish(staging, final, trainer_state, keep_last)) if main else None)
     return final
 
 

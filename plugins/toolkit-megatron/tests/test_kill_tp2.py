@@ -1,4 +1,4 @@
-"""scripts/kill_test.py, short: a megatron TP2 run (2 gloo processes) SIGKILLed twice (aimed at random moments, most inside checkpoint
+"""scripts/kill_test.py, short, for megatron TP2 (2 gloo processes): SIGKILLed twice (most kills inside checkpoint
 writes), one disk-full round and one corrupted checkpoint, then finished; its weights equal an uninterrupted run."""
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ def run_kill_test(tmp_path: Path, *args: str) -> dict:
     return json.loads(summary.read_text())
 
 
-@pytest.mark.slow
 def test_megatron_tp2_run_survives_kills_corruption_and_a_full_disk_bit_identically(tmp_path):
     pytest.importorskip("toolkit_megatron")
     summary = run_kill_test(tmp_path, "--mode", "megatron-tp2", "--kills", "2", "--seed", "3", "--steps", "8",
