@@ -184,6 +184,14 @@ class Tuner(Registered, Protocol):
 
 
 class Loss(Registered, Protocol):
+    """A task objective over :class:`TokenLogps`.
+
+    Optional class attribute ``uniform_token_gradient = True``: the loss's gradient with respect to
+    every label log-prob of a micro-batch is one and the same number (token-averaged cross-entropy).
+    Engines may then make the output head's gradients in forward (``--local-fused-loss``); a loss
+    that weights tokens differently must not declare it.
+    """
+
     consumes: ClassVar[Literal["logps", "scores"]]
     needs_reference: ClassVar[bool]
     example_kinds: ClassVar[tuple[str, ...]]

@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from toolkit import hookimpl
 from toolkit.config import option
@@ -19,6 +19,19 @@ class LocalConfig:
     logps_chunk_tokens: int = option(2048, help="Tokens per chunk when computing label log-probs (bounds logits memory).")
     recompute_logits: bool = option(False, help="Recompute each chunk's logits in backward instead of keeping them in the compute dtype (less memory, slower).")
     master_weights: bool = option(True, help="--precision bf16: bf16 parameters with fp32 master weights (false: fp32 parameters under bf16 autocast).")
+    kernels: Literal["none", "torch", "triton", "liger", "auto"] = option(
+        "none", help="Fused RMSNorm, SwiGLU and RoPE for llama/mistral/qwen2/qwen3 (and the fused loss's softmax): "
+        "triton (the toolkit's kernels), liger (liger-kernel), torch (reference ops, CPU), auto (triton on a GPU, "
+        "else none), none (HF's modules). Falls back to torch, saying so, where a backend cannot run.")
+    fused_loss: bool = option(
+        False, help="pt/sft losses: make the output head's input and weight gradients in forward while each chunk's "
+        "logits exist (fused linear + cross-entropy), keeping nothing of vocabulary size for backward.")
+    compile: bool = option(
+        False, help="torch.compile each decoder layer (static shapes). The first step compiles; if that fails the run "
+        "continues eagerly with a message. Takes the place of --local-kernels inside the layers.")
+    fp8: bool = option(
+        False, help="float8 training of the decoder's linear layers (torchao, dynamic tensorwise scaling; output head "
+        "excluded): Hopper/Ada GPUs, full or freeze tuner. Best with --local-compile.")
 
 
 def wants_scores(recipe: Any) -> bool:
@@ -57,6 +70,45 @@ def load_hf_model(source: Any, tuner: Any, recipe: Any, device: Any) -> Any:
     return tuner.apply(model, source)
 
 
+def apply_speed_options(model: Any, config: Any, device: Any) -> tuple[Any, bool]:
+    """Apply ``--local-fp8``, ``--local-kernels`` and ``--local-compile`` to a built model, saying what changed.
+
+    Returns the kernel ops (``None``: none requested) and whether compilation is still to happen.
+    """
+    import sys
+
+    from toolkit.errors import ConfigError
+
+    def say(message: str) -> None:
+        print(f"toolkit: {message}", file=sys.stderr)
+
+    if not (config.fp8 or config.compile or config.kernels != "none"):
+        return None, False
+    from toolkit.train.kernels import load_ops, patch
+
+    if config.fp8:
+        problem = patch.fp8_problem(device)
+        if problem:
+            raise ConfigError([problem], source="--local-fp8")
+        say(f"--local-fp8: {patch.convert_to_float8(model)} linear layers train in float8 (torchao)")
+    ops = load_ops(config.kernels)
+    if ops is not None and not config.compile:
+        counts = patch.apply_kernels(model, ops)
+        say(f"--local-kernels {ops.name}: {counts['rms_norm']} RMSNorm, {counts['mlp']} MLP and "
+            f"{counts['rope']} RoPE site(s) fused")
+    elif ops is not None:
+        say(f"--local-kernels {ops.name}: the compiler fuses the decoder layers itself; the kernels serve the fused loss only")
+    if config.compile:
+        say(f"--local-compile: {patch.compile_decoder_layers(model)} decoder layers compile at the first step")
+    return ops, config.compile
+
+
+def _torch_ops() -> Any:
+    from toolkit.train.kernels.reference import TorchOps
+
+    return TorchOps
+
+
 def autocast_dtype(precision: str) -> Any:
     import torch
 
@@ -68,6 +120,11 @@ class LocalEngine:
 
     master: Any = None
     """fp32 master weights under ``--precision bf16`` (subclasses with their own mixed precision keep None)."""
+    logps_module: Any = None
+    """The unwrapped :class:`~toolkit.train.logps.CausalLMLogps` (``None`` in subclasses: no fused loss there)."""
+    fused_loss: bool = False
+    kernel_ops: Any = None
+    compile_pending: bool = False
 
     def __init__(self, source: Any, tuner: Any, loss: Any, recipe: Any, config: LocalConfig):
         import torch
@@ -83,13 +140,15 @@ class LocalEngine:
         logps.LOGPS_CHUNK_TOKENS = config.logps_chunk_tokens
         logps.RECOMPUTE_LOGITS = config.recompute_logits
         self.model = load_hf_model(source, tuner, recipe, self.device)
+        self.kernel_ops, self.compile_pending = apply_speed_options(self.model, config, self.device)
         self.master = None
         compute_autocast = autocast_dtype(recipe.precision)
         if recipe.precision == "bf16" and config.master_weights:
             self.master = MasterWeights([(n, p) for n, p in self.model.named_parameters() if p.requires_grad])
             cast_float_parameters(self.model, torch.bfloat16)
             compute_autocast = None
-        self.module = logps.CausalLMLogps(self.model, compute_autocast)
+        self.module = self.logps_module = logps.CausalLMLogps(self.model, compute_autocast)
+        self.fused_loss = config.fused_loss
         if self.world.distributed:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.module = torch.nn.parallel.DistributedDataParallel(
@@ -144,6 +203,10 @@ class LocalEngine:
     def _forward_loss(self, micro_batch: dict, loss: Any, ctx: StepContext) -> Any:
         from toolkit.train.logps import token_logps
 
+        if self.logps_module is not None:
+            # only a loss that gives every label log-prob the same gradient may take the fused head
+            uniform = self.fused_loss and getattr(loss, "uniform_token_gradient", False)
+            self.logps_module.fused_ops = (self.kernel_ops or _torch_ops()) if uniform else None
         out = token_logps(self.module, micro_batch, self.device)
         if getattr(loss, "needs_reference", False) and out.reference_logps is None:
             out.reference_logps = self.reference_logps(micro_batch)
@@ -158,16 +221,40 @@ class LocalEngine:
         skip = self.world.distributed and not last and self.master is None
         return self.module.no_sync() if skip else contextlib.nullcontext()
 
-    def _clip_gradients(self) -> float:
+    def _clip_gradients(self) -> Any:
+        """Clip to ``--max-grad-norm``; the norm before clipping, as a device tensor (no host read)."""
         import torch
 
         max_norm = self.recipe.max_grad_norm if self.recipe.max_grad_norm > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.master.master if self.master else self.params, max_norm)
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def train_step(self, micro_batches: list[dict], loss: Any, ctx: StepContext) -> StepResult:
+        if not self.compile_pending:
+            return self._train_step(micro_batches, loss, ctx)
+        from toolkit.train.kernels.patch import compile_failed_message, uncompile_decoder_layers
+
+        try:
+            result = self._train_step(micro_batches, loss, ctx)
+        except Exception as exc:  # the first step compiles the layers; a compiler failure must not end the run
+            if not type(exc).__module__.startswith(("torch._dynamo", "torch._inductor")):
+                raise
+            import sys
+
+            print(f"toolkit: {compile_failed_message(exc)}; continuing without compilation", file=sys.stderr)
+            uncompile_decoder_layers(self.model)
+            self.model.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=True)
+            result = self._train_step(micro_batches, loss, ctx)
+        self.compile_pending = False
+        return result
+
+    def _train_step(self, micro_batches: list[dict], loss: Any, ctx: StepContext) -> StepResult:
+        """One optimizer step. Losses and metrics stay on the device; they are read once, after the
+        optimizer step is queued, so the GPU never waits for the host inside the step."""
         self.module.train()
-        total, metrics = 0.0, {}
+        total: Any = 0.0
+        metrics: dict[str, Any] = {}
         share = 1.0 / (len(micro_batches) * self.dp_world_size)  # averages per-forward values over the step
         for index, micro_batch in enumerate(micro_batches):
             with self._gradient_sync(index == len(micro_batches) - 1):
@@ -175,14 +262,14 @@ class LocalEngine:
                 objective = result.loss
                 if out.aux_loss is not None:
                     objective = objective + out.aux_loss * share
-                    metrics["aux_loss"] = metrics.get("aux_loss", 0.0) + float(out.aux_loss.detach()) * share
+                    metrics["aux_loss"] = metrics.get("aux_loss", 0.0) + out.aux_loss.detach() * share
                 # DDP/FSDP average gradients over ranks; the loss contract wants their sum.
                 (objective * self.dp_world_size).backward()
             if self.master is not None:
                 self.master.accumulate_grads()
-            total += float(result.loss.detach())
+            total = total + result.loss.detach()
             for key, value in [*result.metrics.items(), *((k, v * share) for k, v in out.aux_metrics.items())]:
-                metrics[key] = metrics.get(key, 0.0) + float(value)
+                metrics[key] = metrics.get(key, 0.0) + (value.detach() if hasattr(value, "detach") else value)
         grad_norm = self._clip_gradients()
         self.optimizer.step()
         if self.master is not None:
@@ -191,8 +278,10 @@ class LocalEngine:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         keys = sorted(metrics)
-        reduced = self.all_reduce_sum([total, *(metrics[k] for k in keys)])
-        return StepResult(loss=reduced[0], grad_norm=grad_norm, metrics=dict(zip(keys, reduced[1:])))
+        from toolkit.train.distributed import read_step_values
+
+        values = read_step_values([total, *(metrics[k] for k in keys)], [grad_norm], self.device)
+        return StepResult(loss=values[0], grad_norm=values[-1], metrics=dict(zip(keys, values[1:-1])))
 
     def evaluate(self, micro_batches: list[dict], loss: Any, ctx: StepContext) -> dict[str, float]:
         import torch
@@ -273,6 +362,8 @@ class LocalStrategy:
             problems.append(f"--zero {recipe.zero} needs --strategy deepspeed (pip install toolkit-deepspeed)")
         if recipe.sequence_parallel:
             problems.append("--sequence-parallel needs --strategy megatron with --tp > 1")
+        if getattr(self.config, "fp8", False) and recipe.tuner not in ("full", "freeze"):
+            problems.append(f"--local-fp8 trains the decoder's linear layers in float8: it needs --tuner full or freeze, not {recipe.tuner}")
         return problems
 
     def build(self, source: Any, tuner: Any, loss: Any, recipe: Any) -> LocalEngine:
