@@ -50,7 +50,7 @@ def main() -> int:
         angles = torch.randn(1, length, dim // 2)
         emb = torch.cat([angles, angles], -1)
         cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
-        results.append(compare(f"rope {dtype}", lambda q, k: ref.rope(q, k, cos, sin), lambda q, k: tri.rope(q, k, cos, sin), [q, k], tol))
+        results.append(compare(f"rope {dtype}", lambda q, k, c=cos, s=sin: ref.rope(q, k, c, s), lambda q, k, c=cos, s=sin: tri.rope(q, k, c, s), [q, k], tol))
         logits, labels = torch.randn(5, 37, dtype=dtype) * 3, torch.randint(0, 37, (5,))
         picked_ref, grad_ref = ref.logps_and_grad(logits, labels)
         picked, grad = tri.logps_and_grad(logits.clone(), labels)
