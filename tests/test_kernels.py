@@ -55,6 +55,33 @@ def test_reference_ops_equal_hf_modules(tiny_model_factory, family, dtype):
     assert set(ours.state_dict()) == set(hf.state_dict())  # checkpoints and exports see the HF names
 
 
+def test_patched_model_calls_every_op(tiny_model_factory):
+    """The routing is live: a spy backend sees each RMSNorm, MLP and RoPE call of a forward."""
+    calls = {"rms_norm": 0, "swiglu": 0, "rope": 0}
+
+    class Spy(TorchOps):
+        @staticmethod
+        def rms_norm(x, weight, eps):
+            calls["rms_norm"] += 1
+            return TorchOps.rms_norm(x, weight, eps)
+
+        @staticmethod
+        def swiglu(gate, up):
+            calls["swiglu"] += 1
+            return TorchOps.swiglu(gate, up)
+
+        @staticmethod
+        def rope(q, k, cos, sin):
+            calls["rope"] += 1
+            return TorchOps.rope(q, k, cos, sin)
+
+    model = tiny_model_factory("llama")
+    apply_kernels(model, Spy)
+    model(input_ids=torch.tensor([[1, 2, 3]]))
+    layers = model.config.num_hidden_layers
+    assert calls == {"rms_norm": 2 * layers + 1, "swiglu": layers, "rope": layers}
+
+
 def test_unsupported_family_is_refused(tiny_model_factory):
     from toolkit.errors import ModelError
 

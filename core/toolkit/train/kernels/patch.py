@@ -45,9 +45,11 @@ class _RopeDispatch:
     def __init__(self, original: Any, ops: Any):
         self.original, self.ops = original, ops
 
-    def __call__(self, q: Any, k: Any, cos: Any, sin: Any, position_ids: Any = None, unsqueeze_dim: int = 1) -> Any:
-        if position_ids is not None or unsqueeze_dim != 1:
-            return self.original(q, k, cos, sin, position_ids, unsqueeze_dim)
+    def __call__(self, q: Any, k: Any, cos: Any, sin: Any, *args: Any, **kwargs: Any) -> Any:
+        # the signature differs between transformers versions (position_ids came and went): only the
+        # plain four-argument call, with the default unsqueeze_dim=1, is ours
+        if args or any(key != "unsqueeze_dim" or value != 1 for key, value in kwargs.items()):
+            return self.original(q, k, cos, sin, *args, **kwargs)
         return self.ops.rope(q, k, cos, sin)
 
 
@@ -123,7 +125,11 @@ def compile_decoder_layers(model: nn.Module) -> int:
 
     Compilation happens at the first forward; :func:`compile_failed_message` words a failure there.
     """
+    import torch._dynamo
+
     layers = decoder_layers(model)
+    # identical layers share one compiled graph; the limit only guards against recompiling per layer
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(layers))
     for layer in layers:
         layer.compile(backend=COMPILE_BACKEND, dynamic=False)
     return len(layers)
