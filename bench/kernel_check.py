@@ -92,7 +92,7 @@ def check_kernels(args: Any = None) -> dict:
                 out, grad = _fwd_bwd(op, inputs)
                 row[f"{backend}_out_diff"] = max((a.float() - b.float()).abs().max().item() for a, b in zip(out, ref_out))
                 row[f"{backend}_grad_diff"] = max((a.float() - b.float()).abs().max().item() for a, b in zip(grad, ref_grad))
-                row[f"{backend}_ms"] = _timed_ms(lambda op=op: _fwd_bwd(op, inputs))
+                row[f"{backend}_ms"] = _timed_ms(lambda op=op, inputs=inputs: _fwd_bwd(op, inputs))
             except Exception as exc:
                 row[f"{backend}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         rows.append(row)

@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         return worker(args)
     if args.list:
-        for name, (kind, options, long_run, text) in CASES.items():
+        for name, (_kind, options, long_run, text) in CASES.items():
             print(f"{name:30s} {'long ' if long_run else 'short'} {text}  {options or ''}")
         return
     if args.plot:
