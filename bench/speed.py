@@ -1,7 +1,9 @@
 """Speed levers of the ``local`` engine beside HF transformers (and HF + PEFT for LoRA), one script.
 
-    python bench/speed.py                    # every case on the GPU (1.24B Llama, seq 4096, batch 4, bf16)
-    python bench/speed.py --group full       # full-SFT cases only; --group lora: the LoRA cases only
+    python bench/speed.py --group full       # full-SFT levers on the GPU (1.24B Llama, seq 4096, batch 4, bf16), ~6 min
+    python bench/speed.py --group lora       # LoRA: HF + PEFT vs the lora tuner with the levers, ~3 min
+    python bench/speed.py --group extra      # HF + torch.compile, compile + cuDNN, Liger's kernels
+    python bench/speed.py                    # all of them (more than one 10-minute device call)
     python bench/speed.py --cases hf,local   # chosen cases (--list shows them)
     python bench/speed.py --tiny             # the same code paths on CPU with a tiny shape
     python bench/speed.py --plot speed.json  # PNG of tokens/s and peak memory per case (needs matplotlib)
@@ -34,24 +36,32 @@ LR = 1e-4
 KERNELS = {"kernels": "triton"}
 FUSED = {"kernels": "triton", "fused_loss": True}
 COMPILED = {**FUSED, "compile": True}
-# name: (kind, engine options, long run, what it shows)
+# name: (kind, engine options, long run, what it shows). The fastest short full-SFT case is re-run
+# long afterwards ("best"), so the loss curves compare HF with what the toolkit would really run.
 CASES = {
     "hf": ("hf", {}, True, "HF transformers: bf16 params and Adam states, SDPA, fused AdamW, labels= loss"),
     "hf-compile": ("hf", {"compile": True}, False, "HF transformers + torch.compile of each decoder layer"),
     "local": ("full", {}, False, "toolkit local: bf16 params, fp32 master weights, chunked log-probs"),
     "local+kernels": ("full", KERNELS, False, "+ Triton RMSNorm/SwiGLU/RoPE"),
-    "local+kernels+fused": ("full", FUSED, True, "+ fused linear cross-entropy head"),
-    "local+kernels+fused+compile": ("full", COMPILED, True, "+ torch.compile of each decoder layer"),
-    "local+fp8": ("full", {**COMPILED, "fp8": True}, True, "+ float8 linears (torchao), compiled"),
+    "local+kernels+fused": ("full", FUSED, False, "+ fused linear cross-entropy head"),
+    "local+kernels+fused+cudnn": ("full", {**FUSED, "attention": "cudnn"}, False, "+ cuDNN SDPA attention first"),
+    "local+kernels+fused+compile": ("full", COMPILED, False, "+ torch.compile of each decoder layer"),
+    "local+compile+cudnn": ("full", {**COMPILED, "attention": "cudnn"}, False, "compiled, with cuDNN attention"),
     "local+liger+fused": ("full", {"kernels": "liger", "fused_loss": True}, False, "Liger's kernels instead of ours"),
+    "local+fp8": ("full", {**COMPILED, "fp8": True}, True, "+ float8 linears (torchao), compiled"),
     "hf-peft": ("hf-peft", {}, False, "HF + PEFT LoRA r=16 all-linear (baseline of the LoRA cases)"),
     "lora": ("lora", {}, False, "toolkit lora tuner on the local engine"),
     "lora+kernels+fused": ("lora", FUSED, False, "+ Triton kernels and the fused head"),
+    "lora+kernels+fused+cudnn": ("lora", {**FUSED, "attention": "cudnn"}, False, "+ cuDNN SDPA attention first"),
     "lora+kernels+fused+compile": ("lora", COMPILED, False, "+ torch.compile of each decoder layer"),
 }
-GROUPS = {"full": [c for c, v in CASES.items() if v[0] in ("hf", "full")],
-          "lora": [c for c, v in CASES.items() if v[0] in ("hf-peft", "lora")]}
-GROUPS["all"] = GROUPS["full"] + GROUPS["lora"]
+GROUPS = {
+    "full": ["hf", "local", "local+kernels", "local+kernels+fused", "local+kernels+fused+cudnn",
+             "local+kernels+fused+compile", "local+fp8"],
+    "lora": ["hf-peft", "lora", "lora+kernels+fused", "lora+kernels+fused+cudnn", "lora+kernels+fused+compile"],
+    "extra": ["hf", "hf-compile", "local+compile+cudnn", "local+liger+fused"],
+}
+GROUPS["all"] = list(dict.fromkeys(GROUPS["full"] + GROUPS["lora"] + GROUPS["extra"]))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -256,7 +266,9 @@ def worker(args: argparse.Namespace) -> None:
     from toolkit.train.kernels import patch
 
     patch.COMPILE_BACKEND = compile_backend()
-    kind, options, long_run, _ = CASES[args.worker]
+    name = args.worker.removeprefix("best:")
+    kind, options, long_run, _ = CASES[name]
+    long_run = long_run or args.worker.startswith("best:")
     shape = SHAPE_TINY if args.tiny else SHAPE_1B
     steps = args.long_steps if long_run else args.warmup + args.steps
     data = token_batches(max(steps, args.warmup + 1), args.batch, args.seq, shape["vocab_size"])
@@ -327,19 +339,34 @@ def main(argv: list[str] | None = None) -> None:
             payload["check"] = check
             print(text if check else f"kernel check failed: {text}", flush=True)
         for name in names:
-            kind, options, long_run, what = CASES[name]
-            started = time.perf_counter()
-            limit = int(args.timeout * (1.5 if options.get("compile") else 1))
-            result, notes = spawn(args, name, root, limit)
-            row = {"run": name, "kind": kind, "options": options, "what": what, "long": long_run,
-                   "wall_s": round(time.perf_counter() - started, 1), "notes": notes}
-            row.update(result or {"tokens_per_s": float("nan"), "peak_gib": float("nan"), "failed": True, "losses": []})
-            payload["rows"].append(row)
-            status = f"{row['tokens_per_s']:.0f} tokens/s, {row['peak_gib']:.1f} GiB" if result else "FAILED"
-            print(f"[{name}] {status} ({row['wall_s']} s){chr(10) + notes if notes else ''}", flush=True)
-            write_json(payload)
+            run_case(args, name, root, payload)
+        best = best_short_case(payload["rows"])
+        if best and args.long_steps > 0:
+            run_case(args, "best:" + best, root, payload)
     summarize(payload)
     write_json(payload)
+
+
+def run_case(args: argparse.Namespace, name: str, root: Path, payload: dict) -> None:
+    """One case in its own process; its row is appended and the JSON rewritten at once."""
+    kind, options, long_run, what = CASES[name.removeprefix("best:")]
+    started = time.perf_counter()
+    limit = int(args.timeout * (1.5 if options.get("compile") else 1))
+    result, notes = spawn(args, name, root, limit)
+    row = {"run": name, "kind": kind, "options": options, "what": what, "long": long_run or name.startswith("best:"),
+           "wall_s": round(time.perf_counter() - started, 1), "notes": notes}
+    row.update(result or {"tokens_per_s": float("nan"), "peak_gib": float("nan"), "failed": True, "losses": []})
+    payload["rows"].append(row)
+    status = f"{row['tokens_per_s']:.0f} tokens/s, {row['peak_gib']:.1f} GiB" if result else "FAILED"
+    print(f"[{name}] {status} ({row['wall_s']} s){chr(10) + notes if notes else ''}", flush=True)
+    write_json(payload)
+
+
+def best_short_case(rows: list[dict]) -> str | None:
+    """The fastest full-SFT toolkit case that ran short and in bf16 (fp8 has its own long run)."""
+    candidates = [r for r in rows if r["kind"] == "full" and not r["long"] and not r.get("failed")
+                  and not r["options"].get("fp8")]
+    return max(candidates, key=lambda r: r["tokens_per_s"])["run"] if candidates else None
 
 
 def write_json(payload: dict) -> None:

@@ -189,3 +189,31 @@ def test_fp8_is_refused_on_cpu_and_with_adapters():
     lora = resolve_recipe({"model": "tiny-llama"})
     object.__setattr__(lora, "tuner", "lora")
     assert "--local-fp8" in LocalStrategy(LocalConfig(fp8=True)).validate(lora, 1)[0]
+
+
+def test_attention_preference_trains_like_torchs_choice():
+    batch, ctx = _batch()
+    default, cudnn_first = _engine(), _engine(attention="cudnn")
+    for _ in range(2):
+        a = default.train_step([batch], SFTLoss(), ctx)
+        b = cudnn_first.train_step([batch], SFTLoss(), ctx)  # no cuDNN on CPU: falls through to the next kernel
+        assert a.loss == pytest.approx(b.loss, rel=1e-5)
+
+
+def test_fp8_engine_path_trains_close_to_bf16(monkeypatch):
+    """The float8 conversion inside the engine (master weights, optimizer) on CPU, where torch has fp8 GEMMs."""
+    pytest.importorskip("torchao.float8")
+    from toolkit.train.kernels import patch
+
+    monkeypatch.setattr(patch, "fp8_problem", lambda device: None)
+    batch, ctx = _batch()
+    plain, fp8 = _engine(), _engine(fp8=True)
+    assert type(fp8.model.model.layers[0].mlp.gate_proj).__name__ == "Float8Linear"
+    assert type(fp8.model.lm_head) is nn.Linear  # the output head stays in high precision
+    losses = []
+    for _ in range(3):
+        a = plain.train_step([batch], SFTLoss(), ctx)
+        b = fp8.train_step([batch], SFTLoss(), ctx)
+        assert b.loss == pytest.approx(a.loss, rel=2e-2)
+        losses.append(b.loss)
+    assert losses[-1] < losses[0]  # the same batch again: float8 training learns it

@@ -29,6 +29,9 @@ class LocalConfig:
     compile: bool = option(
         False, help="torch.compile each decoder layer (static shapes). The first step compiles; if that fails the run "
         "continues eagerly with a message. Takes the place of --local-kernels inside the layers.")
+    attention: Literal["auto", "cudnn", "flash", "efficient"] = option(
+        "auto", help="The torch SDPA kernel to try first for HF's sdpa attention: auto (torch's own order), cudnn, "
+        "flash or efficient; inputs a kernel cannot take fall through to the next one.")
     fp8: bool = option(
         False, help="float8 training of the decoder's linear layers (torchao, dynamic tensorwise scaling; output head "
         "excluded): Hopper/Ada GPUs, full or freeze tuner. Best with --local-compile.")
@@ -103,6 +106,22 @@ def apply_speed_options(model: Any, config: Any, device: Any) -> tuple[Any, bool
     return ops, config.compile
 
 
+def sdpa_preference(choice: str) -> Any:
+    """A context preferring one torch SDPA kernel (``auto``: none); the backward pass follows the forward's kernel."""
+    if choice == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    first = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION}[choice]
+    order = [first] + [b for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                   SDPBackend.MATH) if b != first]
+    try:
+        return sdpa_kernel(order, set_priority=True)
+    except TypeError:  # torch without priorities: allow only the chosen kernel and the math fallback
+        return sdpa_kernel([first, SDPBackend.MATH])
+
+
 def _torch_ops() -> Any:
     from toolkit.train.kernels.reference import TorchOps
 
@@ -123,6 +142,7 @@ class LocalEngine:
     logps_module: Any = None
     """The unwrapped :class:`~toolkit.train.logps.CausalLMLogps` (``None`` in subclasses: no fused loss there)."""
     fused_loss: bool = False
+    attention: str = "auto"
     kernel_ops: Any = None
     compile_pending: bool = False
 
@@ -148,7 +168,7 @@ class LocalEngine:
             cast_float_parameters(self.model, torch.bfloat16)
             compute_autocast = None
         self.module = self.logps_module = logps.CausalLMLogps(self.model, compute_autocast)
-        self.fused_loss = config.fused_loss
+        self.fused_loss, self.attention = config.fused_loss, config.attention
         if self.world.distributed:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.module = torch.nn.parallel.DistributedDataParallel(
@@ -207,7 +227,8 @@ class LocalEngine:
             # only a loss that gives every label log-prob the same gradient may take the fused head
             uniform = self.fused_loss and getattr(loss, "uniform_token_gradient", False)
             self.logps_module.fused_ops = (self.kernel_ops or _torch_ops()) if uniform else None
-        out = token_logps(self.module, micro_batch, self.device)
+        with sdpa_preference(self.attention):
+            out = token_logps(self.module, micro_batch, self.device)
         if getattr(loss, "needs_reference", False) and out.reference_logps is None:
             out.reference_logps = self.reference_logps(micro_batch)
         return out, loss(out, ctx)
