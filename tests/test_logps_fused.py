@@ -146,7 +146,10 @@ def test_fused_loss_and_kernels_train_like_the_default_path(tmp_path):
 def test_compiled_decoder_layers_equal_eager(monkeypatch, capsys):
     from toolkit.train.kernels import patch
 
+    from torch._dynamo.utils import counters
+
     monkeypatch.setattr(patch, "COMPILE_BACKEND", "aot_eager")  # dynamo + AOT autograd, no C++ toolchain on CPU
+    counters.clear()
     batch, ctx = _batch()
     eager = _engine()
     compiled = _engine(compile=True)
@@ -159,6 +162,7 @@ def test_compiled_decoder_layers_equal_eager(monkeypatch, capsys):
         assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-4)
     assert time.perf_counter() - start < 60
     assert not compiled.compile_pending
+    assert counters["stats"]["unique_graphs"] >= 1  # the layers really went through dynamo
 
 
 def test_compile_failure_falls_back_to_eager_with_a_message(monkeypatch, capsys):
