@@ -157,6 +157,11 @@ def run_timed(step, data: list, warmup: int) -> dict:
     return result
 
 
+def to_device(ids):
+    """Pinned and non-blocking, as the engine copies its micro-batches (a pageable copy would wait for the GPU)."""
+    return ids.pin_memory().to(device(), non_blocking=True) if device().type == "cuda" else ids
+
+
 def hf_case(args: argparse.Namespace, model_dir: Path, data: list, options: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -170,7 +175,7 @@ def hf_case(args: argparse.Namespace, model_dir: Path, data: list, options: dict
                                   fused=device().type == "cuda")
 
     def step(ids):
-        ids = ids.to(device(), non_blocking=True)
+        ids = to_device(ids)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -194,7 +199,7 @@ def hf_peft_case(args: argparse.Namespace, model_dir: Path, data: list, options:
     optimizer = torch.optim.AdamW(params, lr=LR)  # as bench/peft_lora.py measured it
 
     def step(ids):
-        ids = ids.to(device(), non_blocking=True)
+        ids = to_device(ids)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -299,7 +304,7 @@ def spawn(args: argparse.Namespace, name: str, root: Path, timeout: int) -> tupl
     notes = [line for line in (done.stdout + done.stderr).splitlines()
              if line.startswith("toolkit:") or "Error" in line or "error:" in line]
     if result is None:
-        return None, f"exit {done.returncode}\n" + "\n".join(notes[-8:]) + "\n" + done.stderr[-2000:]
+        return None, f"exit {done.returncode}\n" + "\n".join(notes[-8:] + done.stderr.splitlines()[-12:])
     if name == "check":
         return result, done.stdout
     return result, "\n".join(dict.fromkeys(notes))

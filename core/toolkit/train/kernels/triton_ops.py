@@ -8,6 +8,7 @@ kernels themselves can be checked with ``TRITON_INTERPRET=1`` (Triton's interpre
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -23,8 +24,6 @@ _RMS_ROWS_PER_PROGRAM = 32
 
 def _usable(*tensors: torch.Tensor) -> bool:
     """Tensors the kernels handle: on a GPU (or anywhere under the interpreter), floating point."""
-    import os
-
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     return all((t.is_cuda or interpret) and t.is_floating_point() for t in tensors)
 
