@@ -57,6 +57,16 @@ def main() -> int:
         diff = max(relative(picked_ref, picked), relative(grad_ref, grad))
         print(f"logps_and_grad {dtype}: {diff:.2e} {'OK' if diff <= tol else 'FAIL'}")
         results.append(diff <= tol)
+    from toolkit.train.kernels import self_test
+
+    problem = self_test(tri.TritonOps, torch.device("cpu"))
+    print(f"self_test: {problem or 'OK'}")
+    results.append(problem is None)
+
+    class Broken(tri.TritonOps):
+        rms_norm = staticmethod(lambda x, weight, eps: tri.rms_norm(x, weight * 2, eps))
+
+    results.append(self_test(Broken, torch.device("cpu")) is not None)  # the self-test can fail
     return 0 if all(results) else 1
 
 
