@@ -141,10 +141,10 @@ def _relative(expected: Any, got: Any) -> float:
 def _liger_ops() -> Any:
     """liger-kernel's Triton ops behind our interface (the label log-prob gradient stays ours)."""
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    from liger_kernel.ops.rope import LigerRopeFunction
     from liger_kernel.ops.swiglu import LigerSiLUMulFunction
-    from liger_kernel.transformers.rope import liger_rotary_pos_emb
 
-    from toolkit.train.kernels.triton_ops import logps_and_grad
+    from toolkit.train.kernels.triton_ops import logps_and_grad as triton_logps_and_grad
 
     class LigerOps:
         name = "liger"
@@ -160,8 +160,8 @@ def _liger_ops() -> Any:
 
         @staticmethod
         def rope(q: Any, k: Any, cos: Any, sin: Any) -> Any:
-            return liger_rotary_pos_emb(q, k, cos, sin)
+            return LigerRopeFunction.apply(q, k, cos, sin)
 
-        logps_and_grad = staticmethod(logps_and_grad)
+        logps_and_grad = staticmethod(triton_logps_and_grad)
 
     return LigerOps
