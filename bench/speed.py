@@ -75,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=int, default=240, help="seconds per case (compiled cases get 1.5x)")
     parser.add_argument("--no-check", action="store_true", help="skip the kernel check")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
-    parser.add_argument("--plot", metavar="JSON", help="draw tokens/s and peak memory per case from a speed.json and exit")
+    parser.add_argument("--plot", metavar="JSON", nargs="+", help="draw tokens/s and peak memory per case from speed.json file(s) and exit")
     parser.add_argument("--output", default=None, help="--plot: PNG path (default: beside the JSON)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name:30s} {'long ' if long_run else 'short'} {text}  {options or ''}")
         return
     if args.plot:
-        return plot(Path(args.plot), args.output)
+        return plot([Path(p) for p in args.plot], args.output)
     import tempfile
 
     names = chosen_cases(args)
@@ -409,8 +409,8 @@ def summarize(payload: dict) -> None:
             print(f"{step + 1:4d} " + " ".join(cells))
 
 
-def plot(path: Path, output: str | None) -> None:
-    """Two bar charts from a speed.json: tokens/s and peak GiB per case, speed-up over the baseline as labels."""
+def plot(paths: list[Path], output: str | None) -> None:
+    """Two bar charts from speed.json files (e.g. --group full and --group lora): tokens/s and peak GiB per case."""
     try:
         import matplotlib
 
@@ -418,8 +418,9 @@ def plot(path: Path, output: str | None) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise SystemExit("--plot needs matplotlib: pip install matplotlib (or pip install -e '.[bench]')") from None
-    payload = json.loads(path.read_text())
-    rows = [r for r in payload["rows"] if not r.get("failed")]
+    payloads = [json.loads(path.read_text()) for path in paths]
+    payload = payloads[0]
+    rows = [r for p in payloads for r in p["rows"] if not r.get("failed")]
     names = [r["run"] for r in rows]
     colors = ["#888888" if r["kind"] in ("hf", "hf-peft") else "#1f77b4" for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 0.45 * len(rows) + 1.8), sharey=True)
@@ -438,7 +439,7 @@ def plot(path: Path, output: str | None) -> None:
     device = rows[0].get("device", "") if rows else ""
     fig.suptitle(f"{payload['shape']}, batch {payload['batch']} x seq {payload['seq']}, {device}, {payload['date']}")
     fig.tight_layout()
-    target = Path(output) if output else path.with_suffix(".png")
+    target = Path(output) if output else paths[0].with_suffix(".png")
     fig.savefig(target, dpi=120)
     print(f"wrote {target}")
 
