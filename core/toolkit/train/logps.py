@@ -57,14 +57,11 @@ class _FrozenHeadLogps(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module) -> torch.Tensor:
+        from toolkit.train.kernels.reference import logps_and_grad
+
         with torch.no_grad():
-            logits = head(hidden)
-            logps = torch.log_softmax(logits.float(), dim=-1)
-            picked = logps.gather(-1, labels[:, None]).squeeze(-1)
             # onehot(y) - softmax, formed in fp32 like autograd's own gradient, then one GEMM.
-            direction = logps.exp_().neg_().scatter_add_(-1, labels[:, None], logps.new_ones(labels.shape[0], 1))
-            direction = direction.to(logits.dtype)
-            del logits, logps
+            picked, direction = logps_and_grad(head(hidden), labels)
             grad = direction @ head.weight.to(direction.dtype)
         ctx.save_for_backward(grad)
         ctx.hidden_dtype = hidden.dtype
