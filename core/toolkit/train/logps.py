@@ -245,7 +245,10 @@ def router_aux_loss(inner: nn.Module, out: Any, sequence_ids: torch.Tensor) -> t
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Copy a host tensor to ``device`` without waiting for the GPU (pinned, non-blocking); as is otherwise."""
     if device.type == "cuda" and tensor.device.type == "cpu":
-        return tensor.pin_memory().to(device, non_blocking=True)
+        try:
+            return tensor.pin_memory().to(device, non_blocking=True)
+        except RuntimeError:  # no pinned memory to be had: a plain (synchronising) copy is still correct
+            return tensor.to(device)
     return tensor.to(device)
 
 
