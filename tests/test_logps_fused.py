@@ -118,13 +118,20 @@ def _batch():
     return batch, StepContext(label_tokens=30, sequences=2, examples=2)
 
 
+class ReweightedSFT(SFTLoss):
+    """Inherits ``uniform_token_gradient`` but re-weights tokens in its own ``__call__``."""
+
+    __call__ = WeightedLoss.__call__
+
+
 def test_engine_takes_the_fused_head_only_for_uniform_losses():
+    from toolkit.builtins.losses import PTLoss
+
     engine = _engine(fused_loss=True)
     batch, ctx = _batch()
-    engine.train_step([batch], SFTLoss(), ctx)
-    assert engine.logps_module.fused_ops is not None
-    engine.train_step([batch], WeightedLoss(), ctx)
-    assert engine.logps_module.fused_ops is None
+    for loss, fused in ((SFTLoss(), True), (WeightedLoss(), False), (PTLoss(), True), (ReweightedSFT(), False)):
+        engine.train_step([batch], loss, ctx)
+        assert (engine.logps_module.fused_ops is not None) == fused, type(loss).__name__
 
 
 def test_fused_loss_and_kernels_train_like_the_default_path(tmp_path):
@@ -144,9 +151,9 @@ def test_fused_loss_and_kernels_train_like_the_default_path(tmp_path):
 
 
 def test_compiled_decoder_layers_equal_eager(monkeypatch, capsys):
-    from toolkit.train.kernels import patch
-
     from torch._dynamo.utils import counters
+
+    from toolkit.train.kernels import patch
 
     monkeypatch.setattr(patch, "COMPILE_BACKEND", "aot_eager")  # dynamo + AOT autograd, no C++ toolchain on CPU
     counters.clear()

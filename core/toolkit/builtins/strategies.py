@@ -106,6 +106,18 @@ def apply_speed_options(model: Any, config: Any, device: Any) -> tuple[Any, bool
     return ops, config.compile
 
 
+def declares_uniform_gradient(loss: Any) -> bool:
+    """Whether the class whose ``__call__`` computes ``loss`` declares ``uniform_token_gradient``.
+
+    Read from that class itself, so a subclass of ``sft`` that re-weights tokens in its own
+    ``__call__`` does not inherit the promise.
+    """
+    for cls in type(loss).__mro__:
+        if "__call__" in vars(cls):
+            return bool(vars(cls).get("uniform_token_gradient", False))
+    return False
+
+
 def sdpa_preference(choice: str) -> Any:
     """A context preferring one torch SDPA kernel (``auto``: none); the backward pass follows the forward's kernel."""
     if choice == "auto":
@@ -225,7 +237,7 @@ class LocalEngine:
 
         if self.logps_module is not None:
             # only a loss that gives every label log-prob the same gradient may take the fused head
-            uniform = self.fused_loss and getattr(loss, "uniform_token_gradient", False)
+            uniform = self.fused_loss and declares_uniform_gradient(loss)
             self.logps_module.fused_ops = (self.kernel_ops or _torch_ops()) if uniform else None
         with sdpa_preference(self.attention):
             out = token_logps(self.module, micro_batch, self.device)
