@@ -189,7 +189,8 @@ class Loss(Registered, Protocol):
     Optional class attribute ``uniform_token_gradient = True``: the loss's gradient with respect to
     every label log-prob of a micro-batch is one and the same number (token-averaged cross-entropy).
     Engines may then make the output head's gradients in forward (``--local-fused-loss``); a loss
-    that weights tokens differently must not declare it.
+    that weights tokens differently must not declare it. Engines read it from the class that defines
+    ``__call__``, so overriding ``__call__`` in a subclass drops the promise unless it is repeated.
     """
 
     consumes: ClassVar[Literal["logps", "scores"]]
