@@ -73,73 +73,6 @@ def load_hf_model(source: Any, tuner: Any, recipe: Any, device: Any) -> Any:
     return tuner.apply(model, source)
 
 
-def apply_speed_options(model: Any, config: Any, device: Any) -> tuple[Any, bool]:
-    """Apply ``--local-fp8``, ``--local-kernels`` and ``--local-compile`` to a built model, saying what changed.
-
-    Returns the kernel ops (``None``: none requested) and whether compilation is still to happen.
-    """
-    import sys
-
-    from toolkit.errors import ConfigError
-
-    def say(message: str) -> None:
-        print(f"toolkit: {message}", file=sys.stderr)
-
-    if not (config.fp8 or config.compile or config.kernels != "none"):
-        return None, False
-    from toolkit.train.kernels import load_ops, patch
-
-    if config.fp8:
-        problem = patch.fp8_problem(device)
-        if problem:
-            raise ConfigError([problem], source="--local-fp8")
-        say(f"--local-fp8: {patch.convert_to_float8(model)} linear layers train in float8 (torchao)")
-    ops = load_ops(config.kernels)
-    if ops is not None and not config.compile:
-        counts = patch.apply_kernels(model, ops)
-        say(f"--local-kernels {ops.name}: {counts['rms_norm']} RMSNorm, {counts['mlp']} MLP and "
-            f"{counts['rope']} RoPE site(s) fused")
-    elif ops is not None:
-        say(f"--local-kernels {ops.name}: the compiler fuses the decoder layers itself; the kernels serve the fused loss only")
-    if config.compile:
-        say(f"--local-compile: {patch.compile_decoder_layers(model)} decoder layers compile at the first step")
-    return ops, config.compile
-
-
-def declares_uniform_gradient(loss: Any) -> bool:
-    """Whether the class whose ``__call__`` computes ``loss`` declares ``uniform_token_gradient``.
-
-    Read from that class itself, so a subclass of ``sft`` that re-weights tokens in its own
-    ``__call__`` does not inherit the promise.
-    """
-    for cls in type(loss).__mro__:
-        if "__call__" in vars(cls):
-            return bool(vars(cls).get("uniform_token_gradient", False))
-    return False
-
-
-def sdpa_preference(choice: str) -> Any:
-    """A context preferring one torch SDPA kernel (``auto``: none); the backward pass follows the forward's kernel."""
-    if choice == "auto":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    first = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-             "efficient": SDPBackend.EFFICIENT_ATTENTION}[choice]
-    order = [first] + [b for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                                   SDPBackend.MATH) if b != first]
-    try:
-        return sdpa_kernel(order, set_priority=True)
-    except TypeError:  # torch without priorities: allow only the chosen kernel and the math fallback
-        return sdpa_kernel([first, SDPBackend.MATH])
-
-
-def _torch_ops() -> Any:
-    from toolkit.train.kernels.reference import TorchOps
-
-    return TorchOps
-
-
 def autocast_dtype(precision: str) -> Any:
     import torch
 
@@ -161,7 +94,7 @@ class LocalEngine:
     def __init__(self, source: Any, tuner: Any, loss: Any, recipe: Any, config: LocalConfig):
         import torch
 
-        from toolkit.train import logps
+        from toolkit.train import logps, speed
         from toolkit.train.distributed import init_world
         from toolkit.train.optim import MasterWeights, build_optimizer, cast_float_parameters
 
@@ -172,7 +105,7 @@ class LocalEngine:
         logps.LOGPS_CHUNK_TOKENS = config.logps_chunk_tokens
         logps.RECOMPUTE_LOGITS = config.recompute_logits
         self.model = load_hf_model(source, tuner, recipe, self.device)
-        self.kernel_ops, self.compile_pending = apply_speed_options(self.model, config, self.device)
+        self.kernel_ops, self.compile_pending = speed.apply_speed_options(self.model, config, self.device)
         self.master = None
         compute_autocast = autocast_dtype(recipe.precision)
         if recipe.precision == "bf16" and config.master_weights:
@@ -234,11 +167,11 @@ class LocalEngine:
     # ------------------------------------------------------------------ stepping
     def _forward_loss(self, micro_batch: dict, loss: Any, ctx: StepContext) -> Any:
         from toolkit.train.logps import token_logps
+        from toolkit.train.speed import fused_head_ops, sdpa_preference
 
         if self.logps_module is not None:
             # only a loss that gives every label log-prob the same gradient may take the fused head
-            uniform = self.fused_loss and declares_uniform_gradient(loss)
-            self.logps_module.fused_ops = (self.kernel_ops or _torch_ops()) if uniform else None
+            self.logps_module.fused_ops = fused_head_ops(loss, self.kernel_ops) if self.fused_loss else None
         with sdpa_preference(self.attention):
             out = token_logps(self.module, micro_batch, self.device)
         if getattr(loss, "needs_reference", False) and out.reference_logps is None:
