@@ -63,13 +63,12 @@ TINY_SHAPES = {
                 head_dim=16, intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                 vocab_size=301, seq=32, global_batch=4, micro_batch=2),
 }
-DENSE_LAYOUTS = {1: ["tp1"], 2: ["tp2", "pp2", "dp2"], 4: ["tp4", "tp2xpp2", "tp2xdp2"], 8: ["tp8", "tp4xpp2", "tp2xpp2xdp2"]}
+DENSE_LAYOUTS = {1: ["tp1"], 2: ["tp2", "dp2", "pp2"], 4: ["tp4", "tp2xdp2", "tp2xpp2"], 8: ["tp8", "tp2xpp2xdp2", "tp4xpp2"]}
 MOE_LAYOUTS = {1: ["tp1"], 2: ["ep2"], 4: ["ep4"], 8: ["ep8"]}
 SPEED_VARIANTS = {  # issue 12: engine options measured against each other and the HF baseline (1.24B, 1 GPU)
     "speed-default": {},
     "speed-before": {"logps_kernel": "reference", "fused_adam": False, "foreach_clipping": False},
-    "speed-no-fused-adam": {"fused_adam": False},
-    "speed-compiled-logps": {"logps_kernel": "compiled"},
+    "speed-compiled": {"logps_kernel": "compiled", "compile_elementwise": True},
 }
 
 
@@ -80,6 +79,7 @@ class Case:
     options: dict = field(default_factory=dict)
     steps: int = 20
     global_batch: int | None = None  # None: the shape's
+    profile: bool = False  # one more step under torch.profiler: the top kernels by GPU time
 
     @property
     def name(self) -> str:
@@ -213,10 +213,28 @@ def run_engine(case: Case, shape: dict, directory: Path, device, warmup: int) ->
         result = engine.train_step(batches, loss, ctx)  # returns floats: the step has finished on the device
         times.append(time.perf_counter() - start)
         losses.append(result.loss)
+    profile = profile_step(lambda: engine.train_step(batches, loss, ctx), device) if case.profile else None
     engine.close()
     timed = times[warmup:]
-    return {"losses": losses, "step_seconds": times, "tokens_per_s": global_batch * seq * len(timed) / sum(timed),
+    return {"profile": profile, "losses": losses, "step_seconds": times, "tokens_per_s": global_batch * seq * len(timed) / sum(timed),
             "micro_batch": micro, "micro_batches_per_replica": replica_rows // micro, "global_batch": global_batch}
+
+
+def profile_step(step, device) -> str:
+    """The 25 kernels with the most self device time in one ``step()`` (torch.profiler's table)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+    events = prof.key_averages()
+    if device.type != "cuda":
+        return events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
+    try:
+        return events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70)
+    except (AttributeError, KeyError, ValueError):  # older torch names it after CUDA
+        return events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70)
 
 
 def run_hf(case: Case, shape: dict, directory: Path, device, warmup: int) -> dict:
@@ -226,21 +244,26 @@ def run_hf(case: Case, shape: dict, directory: Path, device, warmup: int) -> dic
 
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16, attn_implementation="sdpa").to(device)
     model.config.use_cache = False
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=device.type == "cuda")
     global_batch = case.global_batch or shape["global_batch"]
-    losses, times = [], []
-    for step in range(case.steps):
-        ids = step_batch(shape, global_batch, step, device)
-        start = time.perf_counter()
+
+    def train_step(ids: torch.Tensor) -> float:
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        return float(loss)
+
+    losses, times = [], []
+    for step in range(case.steps):
+        ids = step_batch(shape, global_batch, step, device)
+        start = time.perf_counter()
+        losses.append(train_step(ids))
         times.append(time.perf_counter() - start)
+    profile = profile_step(lambda: train_step(ids), device) if case.profile else None
     timed = times[warmup:]
-    return {"losses": losses, "step_seconds": times, "tokens_per_s": global_batch * shape["seq"] * len(timed) / sum(timed),
+    return {"profile": profile, "losses": losses, "step_seconds": times, "tokens_per_s": global_batch * shape["seq"] * len(timed) / sum(timed),
             "micro_batch": global_batch, "micro_batches_per_replica": 1, "global_batch": global_batch}
 
 
@@ -287,12 +310,14 @@ def plan(args: argparse.Namespace) -> list[Case]:
     cases = [Case(shape, "tp1") for shape in shapes]
     if "1b" in shapes and not args.no_speed:
         speed_batch = 2 if args.tiny else 4
-        cases += [Case("1b", name, options, steps=args.speed_steps, global_batch=speed_batch) for name, options in SPEED_VARIANTS.items()]
-        cases.append(Case("1b", "hf", steps=args.speed_steps, global_batch=speed_batch))
-    if args.gpus > 1:
-        for shape in shapes:
-            layouts = MOE_LAYOUTS if shape == "moe" else DENSE_LAYOUTS
-            cases += [Case(shape, layout) for layout in layouts[args.gpus]]
+        cases += [Case("1b", name, options, steps=args.speed_steps, global_batch=speed_batch,
+                       profile=args.profile and name in ("speed-default", "speed-before"))
+                  for name, options in SPEED_VARIANTS.items()]
+        cases.append(Case("1b", "hf", steps=args.speed_steps, global_batch=speed_batch, profile=args.profile))
+    if args.gpus > 1:  # interleaved (1b/tp2, 8b/tp2, moe/ep2, 1b/dp2, ...): a --budget cut drops whole layouts last
+        lists = {shape: (MOE_LAYOUTS if shape == "moe" else DENSE_LAYOUTS)[args.gpus] for shape in shapes}
+        for index in range(max(map(len, lists.values()))):
+            cases += [Case(shape, layouts[index]) for shape, layouts in lists.items() if index < len(layouts)]
     if args.cases:
         patterns = args.cases.split(",")
         cases = [c for c in cases if any(fnmatch.fnmatch(c.name, p) for p in patterns)]
@@ -423,15 +448,18 @@ def drive(args: argparse.Namespace) -> None:
         done.append(entry)
         summarise(entry, done, shapes)
         print(row(entry), flush=True)
+        if entry.get("profile"):
+            print("    " + entry["profile"].replace("\n", "\n    "), flush=True)
         if entry["status"] != "ok" and entry.get("output_tail"):
             print("    " + entry["output_tail"][-1500:].replace("\n", "\n    "), flush=True)
         write_json(args, shapes, done, skipped)
 
     def timeout_left() -> float | None:
+        """None once --budget is spent; else the case timeout, cut so no case runs past the budget by over a minute."""
         if args.budget is None:
             return args.case_timeout
         left = args.budget - (time.time() - started)
-        return None if left < 30 else min(args.case_timeout, left)
+        return None if left <= 0 else min(args.case_timeout, left + 60)
 
     print(HEADER, flush=True)
     single = [c for c in cases if c.gpus == 1]
@@ -477,8 +505,10 @@ def main() -> None:
     parser.add_argument("--no-speed", action="store_true", help="skip the issue-12 speed cases (engine variants, HF baseline)")
     parser.add_argument("--speed-steps", type=int, default=10, help="steps of each speed case (batch 4, one micro-batch)")
     parser.add_argument("--warmup", type=int, default=3, help="first steps of each case left out of the timing")
-    parser.add_argument("--budget", type=float, default=None, help="start no case after this many seconds")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="start no case after this many seconds (a started case may run 60 s past it)")
     parser.add_argument("--case-timeout", type=float, default=420.0, help="seconds before a case is killed")
+    parser.add_argument("--profile", action="store_true", help="profile one extra step of speed-default, speed-before and hf")
     parser.add_argument("--serial", action="store_true", help="run the 1-GPU cases one after another (not one per GPU)")
     parser.add_argument("--gpu-gib", type=float, default=140.0, help="GPU memory the 8b layer count is fitted to")
     parser.add_argument("--model-root", default=None, help="where the HF checkpoints are written (reused when present)")

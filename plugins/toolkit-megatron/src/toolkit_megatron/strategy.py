@@ -33,6 +33,8 @@ class MegatronConfig:
                         "(the same under torch.compile), reference (plain autograd over full fp32 logits).")
     fused_adam: bool = option(True, help="Use torch's fused AdamW kernel (Megatron's fallback without TE/Apex is the foreach one).")
     foreach_clipping: bool = option(True, help="Gradient clipping with torch foreach kernels instead of Megatron's per-tensor fallback loops.")
+    compile_elementwise: bool = option(False, help="torch.compile the elementwise pieces: rotary embeddings and SwiGLU "
+                                               "(Megatron's bias_activation_fusion, compiled by Megatron itself).")
     overlap_grad_reduce: bool = option(False, help="Overlap the data-parallel gradient reduction with backward (Megatron DDP buckets).")
 
 
@@ -123,7 +125,10 @@ class MegatronEngine:
             overrides.update(router_options(source.config, config.moe_aux_loss_coeff, config.moe_z_loss_coeff, config.moe_dispatcher))
         if recipe.gradient_checkpointing:
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-        chunks = build_model(source.config, self.layout, dtype=self.dtype, attention=config.attention, **overrides)
+        if config.compile_elementwise:
+            overrides["bias_activation_fusion"] = True
+        chunks = build_model(source.config, self.layout, dtype=self.dtype, attention=config.attention,
+                             compiled_rope=config.compile_elementwise, **overrides)
         load_hf_weights(chunks, source.config, SafetensorsReader.from_directory(source.directory))
         if tuner is not None and tuner.name in ("lora", "dora"):
             from toolkit_megatron.lora import apply_lora, hf_adapters
