@@ -242,7 +242,8 @@ def run_hf(case: Case, shape: dict, directory: Path, device, warmup: int) -> dic
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16, attn_implementation="sdpa").to(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the engine trains fp32 on the CPU
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="sdpa").to(device)
     model.config.use_cache = False
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=device.type == "cuda")
     global_batch = case.global_batch or shape["global_batch"]
