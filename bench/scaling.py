@@ -325,21 +325,26 @@ def plan(args: argparse.Namespace) -> list[Case]:
     return cases
 
 
-def prepare_models(args: argparse.Namespace, shapes: set[str], gpu: str | None) -> dict[str, dict]:
-    """Write each shape's HF checkpoint once (a subprocess, so this process never holds the GPU); returns the shapes."""
+def prepare_models(args: argparse.Namespace, shapes: set[str], gpu_ids: list[str]) -> dict[str, dict]:
+    """Write each shape's HF checkpoint once, one subprocess per shape spread over the GPUs (so this process
+    never holds a GPU); returns the shapes as written."""
     root = Path(args.model_root)
-    result = {}
-    for name in sorted(shapes):
+
+    def make(index_name: tuple[int, str]) -> None:
+        index, name = index_name
         directory = root / name
-        if not (directory / "toolkit_bench_shape.json").is_file():
-            env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {})}
-            command = [sys.executable, str(HERE), "--make-model", name, "--model-dir", str(directory),
-                       "--gpu-gib", str(args.gpu_gib)] + (["--tiny"] if args.tiny else [])
-            started = time.time()
-            subprocess.run(command, env=env, check=True, timeout=900)
-            print(f"[models] {name}: written to {directory} in {time.time() - started:.0f} s", flush=True)
-        result[name] = json.loads((directory / "toolkit_bench_shape.json").read_text())
-    return result
+        if (directory / "toolkit_bench_shape.json").is_file():
+            return
+        env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": gpu_ids[index % len(gpu_ids)]} if gpu_ids else {})}
+        command = [sys.executable, str(HERE), "--make-model", name, "--model-dir", str(directory),
+                   "--gpu-gib", str(args.gpu_gib)] + (["--tiny"] if args.tiny else [])
+        started = time.time()
+        subprocess.run(command, env=env, check=True, timeout=900, stdout=subprocess.DEVNULL)
+        print(f"[models] {name}: written to {directory} in {time.time() - started:.0f} s", flush=True)
+
+    with ThreadPoolExecutor(max_workers=max(1, len(gpu_ids))) as pool:
+        list(pool.map(make, enumerate(sorted(shapes))))
+    return {name: json.loads((root / name / "toolkit_bench_shape.json").read_text()) for name in sorted(shapes)}
 
 
 def run_case(case: Case, args: argparse.Namespace, gpus: list[str] | None, timeout: float) -> dict:
@@ -436,7 +441,7 @@ def drive(args: argparse.Namespace) -> None:
     cases = plan(args)
     print(f"{len(cases)} cases on {args.gpus} {'CPU processes (gloo)' if args.tiny else 'GPUs'}: "
           + ", ".join(c.name for c in cases), flush=True)
-    shapes = prepare_models(args, {c.shape for c in cases}, gpu_ids[0] if gpu_ids else None)
+    shapes = prepare_models(args, {c.shape for c in cases}, gpu_ids)
     for name, shape in shapes.items():
         note = f" (layers cut from {shape['full_layers']}: {shape['layers_note']})" if shape.get("full_layers") else ""
         print(f"[shape] {name}: {total_params(shape) / 1e9:.2f}B params, {shape['num_hidden_layers']} layers{note}, "
@@ -444,6 +449,10 @@ def drive(args: argparse.Namespace) -> None:
               f"{shape['seq']}", flush=True)
     done: list[dict] = []
     skipped: list[str] = []
+    if args.references:  # earlier runs (e.g. the 1-GPU call) to compare with, listed first and marked
+        earlier = json.loads(Path(args.references).read_text())["cases"]
+        done += [{**entry, "from": args.references} for entry in earlier if entry["status"] == "ok"]
+        print(f"[references] {len(done)} finished cases from {args.references}: " + ", ".join(e["case"] for e in done), flush=True)
 
     def finish(entry: dict) -> None:
         done.append(entry)
@@ -510,6 +519,7 @@ def main() -> None:
                         help="start no case after this many seconds (a started case may run 60 s past it)")
     parser.add_argument("--case-timeout", type=float, default=420.0, help="seconds before a case is killed")
     parser.add_argument("--profile", action="store_true", help="profile one extra step of speed-default, speed-before and hf")
+    parser.add_argument("--references", default=None, help="a scaling.json of an earlier run whose cases serve as references")
     parser.add_argument("--serial", action="store_true", help="run the 1-GPU cases one after another (not one per GPU)")
     parser.add_argument("--gpu-gib", type=float, default=140.0, help="GPU memory the 8b layer count is fitted to")
     parser.add_argument("--model-root", default=None, help="where the HF checkpoints are written (reused when present)")
