@@ -64,24 +64,31 @@ def _reference_logps(logits: torch.Tensor, labels: torch.Tensor, real_vocab: int
 
 
 def _chunk_lse(logits: torch.Tensor, valid: int) -> torch.Tensor:
-    """fp32 log-sum-exp over the first ``valid`` columns of a ``[n, V/tp]`` chunk (the rest is vocabulary padding)."""
-    return torch.logsumexp(logits[:, :valid].float(), dim=-1)
+    """fp32 log-sum-exp over the first ``valid`` columns of a ``[n, V/tp]`` chunk (the rest is vocabulary padding).
+
+    The max is taken in the logits' dtype (exact) and ``logits - max`` promotes to fp32 in the same
+    kernel, so no separate fp32 copy of the chunk is made.
+    """
+    if valid == 0:
+        return torch.full(logits.shape[:1], float("-inf"), dtype=torch.float32, device=logits.device)
+    shard = logits[:, :valid]
+    peak = shard.amax(dim=-1, keepdim=True).float()
+    return torch.sub(shard, peak).exp_().sum(dim=-1).log_().add_(peak.squeeze(-1))
 
 
 def _chunk_grad(logits: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, index: torch.Tensor, local: torch.Tensor,
                 valid: int) -> torch.Tensor:
-    """``grad * (onehot(label) - softmax)`` of one chunk in the logits' dtype; padding columns get 0."""
-    probs = torch.exp(logits.float() - lse[:, None])
+    """``grad * (onehot(label) - softmax)`` of one chunk in fp32 (in-place steps); padding columns get 0."""
+    probs = torch.sub(logits, lse[:, None]).exp_()  # promotes to fp32 while subtracting
     if valid < logits.shape[1]:
         probs[:, valid:] = 0.0
     out = probs.mul_(-grad[:, None])
-    out.scatter_add_(1, index[:, None], torch.where(local, grad, 0.0)[:, None])
-    return out.to(logits.dtype)
+    return out.scatter_add_(1, index[:, None], torch.where(local, grad, 0.0)[:, None])
 
 
 def _chunk_grad_pointwise(logits: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, index: torch.Tensor,
                           local: torch.Tensor, valid: int) -> torch.Tensor:
-    """:func:`_chunk_grad` as one pointwise expression (what ``torch.compile`` fuses into one kernel)."""
+    """:func:`_chunk_grad` as one pointwise expression in the logits' dtype (``torch.compile`` fuses it into one kernel)."""
     columns = torch.arange(logits.shape[1], device=logits.device)
     probs = torch.where(columns < valid, torch.exp(logits.float() - lse[:, None]), 0.0)
     onehot = ((columns[None] == index[:, None]) & local[:, None]).float()
@@ -139,7 +146,7 @@ class VocabParallelLogps(torch.autograd.Function):
         for begin in range(0, logits.shape[0], CHUNK_TOKENS):
             end = begin + CHUNK_TOKENS
             logits[begin:end] = grad_fn(logits[begin:end], lse[begin:end], grad[begin:end], index[begin:end],
-                                        local[begin:end], ctx.valid)
+                                        local[begin:end], ctx.valid)  # one copy, converting to the logits' dtype
         return logits, None, None, None, None, None
 
 
