@@ -86,11 +86,11 @@ class Case:
         return f"{self.shape}/{self.layout}"
 
     def sizes(self) -> dict[str, int]:
-        """tp, pp, dp, ep of the layout name (``tp2xpp2xdp2``; ``epN`` means N data-parallel expert ranks)."""
+        """tp, pp, dp, ep, sp of the layout name (``tp2xpp2xdp2``; ``epN``: N data-parallel expert ranks; ``sp``: sequence parallel)."""
         if self.layout.startswith(("speed", "hf")):
-            return {"tp": 1, "pp": 1, "dp": 1, "ep": 1}
-        parts = {p[:2]: int(p[2:]) for p in self.layout.split("x")}
-        sizes = {"tp": parts.get("tp", 1), "pp": parts.get("pp", 1), "ep": parts.get("ep", 1)}
+            return {"tp": 1, "pp": 1, "dp": 1, "ep": 1, "sp": 0}
+        parts = {p[:2]: int(p[2:] or 1) for p in self.layout.split("x")}
+        sizes = {"tp": parts.get("tp", 1), "pp": parts.get("pp", 1), "ep": parts.get("ep", 1), "sp": int("sp" in parts)}
         sizes["dp"] = parts.get("dp", parts.get("ep", 1))
         return sizes
 
@@ -195,7 +195,9 @@ def run_engine(case: Case, shape: dict, directory: Path, device, warmup: int) ->
     if sizes["pp"] > 1:  # at least 2 x pp micro-batches per step keeps the 1F1B bubble at (pp-1)/(m+pp-1) <= 1/3
         micro = max(1, min(micro, replica_rows // (2 * sizes["pp"])))
     recipe = Recipe(model=str(directory), strategy="megatron", tensor_parallel=sizes["tp"], pipeline_parallel=sizes["pp"],
-                    expert_parallel=sizes["ep"], precision="bf16" if device.type == "cuda" else "fp32", lr=1e-4,
+                    expert_parallel=sizes["ep"], sequence_parallel=bool(sizes["sp"]),
+                    expert_tensor_parallel=sizes["tp"] if shape["kind"] == "qwen3_moe" else 1,  # MoE under TP: etp = tp
+                    precision="bf16" if device.type == "cuda" else "fp32", lr=1e-4,
                     max_grad_norm=1.0, seq_len=shape["seq"], micro_batch_size=micro, warmup_steps=0, schedule="constant")
     source = ModelSource(reference=str(directory), directory=directory, config=AutoConfig.from_pretrained(directory),
                          tokenizer=None, weight_files=sorted(directory.glob("*.safetensors")))
@@ -317,6 +319,8 @@ def plan(args: argparse.Namespace) -> list[Case]:
         cases.append(Case("1b", "hf", steps=args.speed_steps, global_batch=speed_batch, profile=args.profile))
     if args.gpus > 1:  # interleaved (1b/tp2, 8b/tp2, moe/ep2, 1b/dp2, ...): a --budget cut drops whole layouts last
         lists = {shape: (MOE_LAYOUTS if shape == "moe" else DENSE_LAYOUTS)[args.gpus] for shape in shapes}
+        if args.layouts:  # replaces the list of every shape, e.g. --layouts tp2xsp,dp2 --shapes 1b,8b
+            lists = {shape: args.layouts.split(",") for shape in shapes}
         for index in range(max(map(len, lists.values()))):
             cases += [Case(shape, layouts[index]) for shape, layouts in lists.items() if index < len(layouts)]
     if args.cases:
@@ -512,6 +516,7 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=None, help="the layout list to run (1, 2, 4, 8); default: all visible")
     parser.add_argument("--shapes", default="1b,8b,moe", help="comma-separated: 1b, 8b, moe")
     parser.add_argument("--cases", default="", help="fnmatch patterns on case names (1b/tp2, moe/ep2, 1b/speed-*, 1b/hf)")
+    parser.add_argument("--layouts", default="", help="layouts to run instead of the --gpus list (tp2xsp: TP2 + sequence parallel)")
     parser.add_argument("--no-speed", action="store_true", help="skip the issue-12 speed cases (engine variants, HF baseline)")
     parser.add_argument("--speed-steps", type=int, default=10, help="steps of each speed case (batch 4, one micro-batch)")
     parser.add_argument("--warmup", type=int, default=3, help="first steps of each case left out of the timing")
