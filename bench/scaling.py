@@ -168,7 +168,44 @@ def make_model(shape_name: str, shape: dict, directory: Path) -> None:
     with torch.device("cuda" if cuda else "cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if cuda else torch.float32)
     model.save_pretrained(directory)
+    if shape["kind"] == "qwen3_moe":
+        split_fused_experts(directory, shape["num_experts"], shape["moe_intermediate_size"])
     (directory / "toolkit_bench_shape.json").write_text(json.dumps({"name": shape_name, **shape}))
+
+
+def split_fused_experts(directory: Path, experts: int, ffn: int) -> None:
+    """Rewrite fused expert tensors (``mlp.experts.gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``, however a
+    transformers version saves them) as the per-expert keys the Megatron bridge reads; no-op when already split."""
+    from safetensors.torch import load_file, save_file
+
+    for path in sorted(directory.glob("*.safetensors")):
+        tensors = load_file(path)
+        fused = [k for k in tensors if k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]
+        if not fused:
+            continue
+        for key in fused:
+            tensor, prefix = tensors.pop(key), key.rsplit(".", 1)[0]
+            if key.endswith("gate_up_proj"):
+                tensor = tensor if tensor.shape[1] == 2 * ffn else tensor.transpose(1, 2)  # -> [E, 2I, H]
+                for e in range(experts):
+                    tensors[f"{prefix}.{e}.gate_proj.weight"] = tensor[e, :ffn].contiguous()
+                    tensors[f"{prefix}.{e}.up_proj.weight"] = tensor[e, ffn:].contiguous()
+            else:
+                tensor = tensor if tensor.shape[2] == ffn else tensor.transpose(1, 2)  # -> [E, H, I]
+                for e in range(experts):
+                    tensors[f"{prefix}.{e}.down_proj.weight"] = tensor[e].contiguous()
+        save_file(tensors, path, metadata={"format": "pt"})
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():  # rebuild the weight map from the shards as they are now
+        from safetensors import safe_open
+
+        weight_map = {}
+        for path in sorted(directory.glob("*.safetensors")):
+            with safe_open(path, "pt") as handle:
+                weight_map.update({k: path.name for k in handle.keys()})
+        payload = json.loads(index.read_text())
+        payload["weight_map"] = weight_map
+        index.write_text(json.dumps(payload, indent=2))
 
 
 def step_batch(shape: dict, global_batch: int, step: int, device) -> "torch.Tensor":  # noqa: F821
