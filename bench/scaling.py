@@ -208,7 +208,7 @@ def split_fused_experts(directory: Path, experts: int, ffn: int) -> None:
         index.write_text(json.dumps(payload, indent=2))
 
 
-def step_batch(shape: dict, global_batch: int, step: int, device) -> "torch.Tensor":  # noqa: F821
+def step_batch(shape: dict, global_batch: int, step: int, device) -> torch.Tensor:  # noqa: F821
     import torch
 
     generator = torch.Generator().manual_seed(1000 + step % 4)  # 4 batches repeated: the loss falls as they are learnt
@@ -216,7 +216,6 @@ def step_batch(shape: dict, global_batch: int, step: int, device) -> "torch.Tens
 
 
 def run_engine(case: Case, shape: dict, directory: Path, device, warmup: int) -> dict:
-    import torch
     from common import full_rows
     from transformers import AutoConfig
 
@@ -261,7 +260,6 @@ def run_engine(case: Case, shape: dict, directory: Path, device, warmup: int) ->
 
 def profile_step(step, device) -> str:
     """The 25 kernels with the most self device time in one ``step()`` (torch.profiler's table)."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])

@@ -13,10 +13,9 @@ import torch
 @pytest.fixture(scope="module")
 def tp1():
     import torch.distributed as dist
+    from megatron.core import parallel_state
 
     from toolkit_megatron.model import Layout, initialize_parallel
-
-    from megatron.core import parallel_state
 
     created = not dist.is_initialized()
     if created:

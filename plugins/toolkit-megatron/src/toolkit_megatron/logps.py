@@ -15,7 +15,6 @@ import torch
 
 from toolkit.contracts import IGNORE_INDEX, StepContext, TokenLogps
 
-
 LogpsKernel = Literal["chunked", "compiled", "reference"]
 CHUNK_TOKENS = 1024
 """Tokens per chunk of the fused log-probs: one fp32 ``[chunk, V/tp]`` temporary at a time."""

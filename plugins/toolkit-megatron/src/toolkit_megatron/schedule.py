@@ -37,8 +37,8 @@ def run_schedule(models: list[Any], micro_batches: list[dict], loss_func: Callab
     bf16 model's logits in bf16 (Megatron's ``Float16Module`` upcasts them by default: a
     full-size fp32 copy of ``[B, T, V/tp]``).
     """
-    from megatron.core.transformer.module import Float16Module
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.module import Float16Module
 
     batch, tokens = micro_batches[0]["input_ids"].shape
     chunks = len(models)
