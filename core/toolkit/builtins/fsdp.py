@@ -35,7 +35,7 @@ class FSDPEngine(LocalEngine):
 
     def __init__(self, source: Any, tuner: Any, loss: Any, recipe: Any, config: FSDPConfig):
         import torch
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
         from toolkit.train import logps
         from toolkit.train.distributed import init_world
@@ -46,22 +46,52 @@ class FSDPEngine(LocalEngine):
         self.device = self.world.device
         self.recipe, self.tuner, self.source, self.config = recipe, tuner, source, config
         self.model = load_hf_model(source, tuner, recipe, self.device)
-        # a frozen reference (DPO) is a full, unsharded copy made before sharding
-        self.reference = self._build_reference(loss) if getattr(loss, "needs_reference", False) else None
-        kwargs: dict[str, Any] = {"reshard_after_forward": config.reshard_after_forward}
+        self.shard_options: dict[str, Any] = {"reshard_after_forward": config.reshard_after_forward}
         if config.cpu_offload:
-            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
-        use_policy = config.mixed_precision and recipe.precision == "bf16"
-        if use_policy:
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            self.shard_options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+        self.use_policy = config.mixed_precision and recipe.precision == "bf16"
+        if self.use_policy:
+            self.shard_options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         self._ensure_group()
-        for layer in decoder_layers(self.model):
-            fully_shard(layer, **kwargs)
-        self.module = logps.CausalLMLogps(self.model, None if use_policy else autocast_dtype(recipe.precision))
-        fully_shard(self.module, **kwargs)
+        # a frozen reference (DPO with full/freeze tuning) is copied before the policy is sharded, then sharded too
+        self.reference = self._build_reference(loss) if getattr(loss, "needs_reference", False) else None
+        self.module = self._shard(logps.CausalLMLogps(self.model, None if self.use_policy else autocast_dtype(recipe.precision)))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, recipe, getattr(tuner, "optimizer_factory", None))
         self.scheduler = None
+
+    def _shard(self, module: Any) -> Any:
+        """``fully_shard`` each decoder layer of ``module.model``, then ``module`` itself (embeddings, norm, head)."""
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in decoder_layers(module.model):
+            fully_shard(layer, **self.shard_options)
+        fully_shard(module, **self.shard_options)
+        return module
+
+    def _build_reference(self, loss: Any) -> Any:
+        reference = super()._build_reference(loss)
+        if reference is None:
+            return None
+        if self.use_policy:
+            reference.autocast_dtype = None  # the mixed precision policy casts to bf16 instead
+        return self._shard(reference)
+
+    def reference_logps(self, micro_batch: dict) -> Any:
+        """Reference log-probs; with adapters, the sharded policy itself with its adapters disabled.
+
+        The policy must run through its FSDP root (``self.module``): calling the inner HF model as
+        the local engine does would meet still-sharded embeddings and head.
+        """
+        if self.reference is not None or not hasattr(self.tuner, "disabled_adapters") or getattr(self, "reference_released", False):
+            return super().reference_logps(micro_batch)
+        import torch
+
+        from toolkit.train.logps import token_logps
+
+        with torch.no_grad(), self.tuner.disabled_adapters(self.model):
+            out = token_logps(self.module, micro_batch, self.device)
+        return out.sequence_sums().detach()
 
     def _ensure_group(self) -> None:
         import torch.distributed as dist
