@@ -102,6 +102,13 @@ class FSDPEngine(LocalEngine):
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", rank=0, world_size=1)
+            self._own_group = True
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if getattr(self, "_own_group", False) and dist.is_initialized():
+            dist.destroy_process_group()
 
     def _gradient_sync(self, last: bool) -> Any:
         import contextlib
