@@ -145,6 +145,19 @@ class FSDPEngine(LocalEngine):
         if self.scheduler is not None:
             self.scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=True))
 
+    def adapter_export(self) -> Any:
+        """``ExportModel.adapter`` after training: the adapters of the newest checkpoint, read by rank 0 alone.
+
+        The live adapters are sharded (gathering them would need every rank); the runner saves a
+        checkpoint at the last step before it exports, so the newest one holds the final adapters.
+        """
+        if not hasattr(self.tuner, "adapter_from_checkpoint"):
+            return None
+        from toolkit.train.checkpoint import list_checkpoints
+
+        run_dir = Path(self.recipe.output)
+        return lambda: self.tuner.adapter_from_checkpoint(list_checkpoints(run_dir)[-1], self.source, self.recipe)
+
     def export_tensors(self) -> Iterator[tuple[str, Any]]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -191,10 +204,10 @@ class FSDPStrategy(LocalStrategy):
 
     def checkpoint_tensors(self, checkpoint: Path, source: Any, tuner: Any, recipe: Any) -> Iterator[tuple[str, Any]]:
         import torch
-        import torch.distributed.checkpoint as dcp
+
+        from toolkit.train.checkpoint import read_model_state
 
         model = load_hf_model(source, tuner, recipe, torch.device("cpu"))
-        trainable = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
-        dcp.load({"model": trainable}, checkpoint_id=str(checkpoint / "dcp"), no_dist=True)
-        tuner.load_checkpoint_state(model, trainable)
+        trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        tuner.load_checkpoint_state(model, read_model_state(checkpoint, trainable))
         yield from tuner.export_tensors(model)

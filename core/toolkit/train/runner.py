@@ -279,6 +279,9 @@ def export_after_training(recipe: Recipe, run_dir: Path, engine: Any, source: An
 
 
 def adapter_export(tuner: Any, engine: Any) -> Any:
+    """``ExportModel.adapter``: the engine's own when it has one (a sharded model), else the tuner's over ``engine.model``."""
+    if hasattr(engine, "adapter_export"):
+        return engine.adapter_export()
     exporter = getattr(tuner, "adapter_export", None)
     model = getattr(engine, "model", None)
     return exporter(model) if exporter is not None and model is not None else None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from toolkit.cli import build_cli
 from toolkit.testing import run_distributed
@@ -34,9 +35,17 @@ def test_adapters_under_fsdp_equal_local(tmp_path, tuner, precision, rel):
     for a, b in zip(local, fsdp, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=rel), (a, b)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=max(1e-3, 10 * rel)), (a, b)
+    # the adapters alone, in PEFT's format, from the sharded (DCP) checkpoint and from the local one
+    assert (tmp_path / "fsdp/checkpoints/step-3/dcp").is_dir()
     from safetensors.torch import load_file
 
-    for name in ("local", "fsdp"):  # both checkpoints hold the adapters only (FSDP's in DCP shards)
-        step = tmp_path / name / "checkpoints" / "step-3"
-        assert (step / "dcp").is_dir() == (name == "fsdp")
-    assert all("lora_" in k or "magnitude" in k for k in load_file(str(tmp_path / "local/checkpoints/step-3/model.safetensors")))
+    adapters = {}
+    for name in ("local", "fsdp"):
+        output = tmp_path / f"{name}-adapter"
+        build_cli().main(args=["export", str(tmp_path / name), "--to", "hf", "--adapter-only", "--output", str(output)],
+                         prog_name="toolkit", standalone_mode=False)
+        adapters[name] = load_file(str(output / "adapter_model.safetensors"))
+    assert adapters["local"].keys() == adapters["fsdp"].keys() and any("lora_A" in k for k in adapters["local"])
+    for key, value in adapters["local"].items():  # local bf16 checkpoints hold bf16 adapters, fsdp its fp32 masters
+        torch.testing.assert_close(adapters["fsdp"][key].float(), value.float(), rtol=10 * rel,
+                                   atol=1e-5 if precision == "fp32" else 1e-2)
