@@ -190,14 +190,18 @@ def launch(case: str, args: argparse.Namespace, model_dir: Path, result: Path) -
     log = result.with_suffix(".log")
     started = time.perf_counter()
     with log.open("w") as out:
-        # its own session: on a timeout the whole group (torchrun and its ranks) is killed, nothing else
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             code = process.wait(timeout=args.case_timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
             code = None
+            # torchrun starts its ranks in sessions of their own: SIGTERM makes it stop them (TERM, then KILL)
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=45)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
     wall = time.perf_counter() - started
     if code == 0 and result.is_file():
         return {**json.loads(result.read_text()), "wall_s": wall}
