@@ -209,7 +209,12 @@ class DatasetFormat(Registered, Protocol):
 
 
 class Engine(Protocol):
-    """A model placed by a strategy: steps, checkpoints and exports it."""
+    """A model placed by a strategy: steps, checkpoints and exports it.
+
+    Optional: ``adapter_export()`` returns the ``ExportModel.adapter`` callable (or None) when the
+    tuner cannot read adapters from ``engine.model`` itself (a sharded model); without it the
+    runner asks the tuner's ``adapter_export(engine.model)``.
+    """
 
     dp_rank: int
     dp_world_size: int
