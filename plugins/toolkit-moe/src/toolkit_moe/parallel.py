@@ -23,27 +23,42 @@ class ExpertGroup:
     group: object
     rank: int
     size: int
+    replicas: object = None
+    """The ranks holding the same experts in the other expert-parallel groups (``None`` when EP spans the world)."""
 
     def local_slice(self, num_experts: int) -> slice:
         per_rank = num_experts // self.size
         return slice(self.rank * per_rank, (self.rank + 1) * per_rank)
 
+    def shard(self):
+        """How the core engines see an expert weight split over this group (``toolkit.train.sharded.Shard``)."""
+        from toolkit.train.sharded import Shard
+
+        return Shard(group=self.group, rank=self.rank, size=self.size, replicas=self.replicas)
+
 
 def new_expert_groups(expert_parallel: int) -> ExpertGroup | None:
     """Split the world into consecutive groups of ``expert_parallel`` ranks; ``None`` for EP1.
 
-    Every rank must call this (``new_group`` is collective).
+    Ranks ``r, r + P, r + 2P, ...`` hold the same experts; when the world is larger than ``P``
+    they form the ``replicas`` group over which expert gradients are summed. Every rank must
+    call this (``new_group`` is collective).
     """
     if expert_parallel <= 1:
         return None
     world, rank = dist.get_world_size(), dist.get_rank()
-    mine = None
+    mine, replicas = None, None
     for start in range(0, world, expert_parallel):
         ranks = list(range(start, start + expert_parallel))
         group = dist.new_group(ranks)
         if rank in ranks:
             mine = ExpertGroup(group=group, rank=ranks.index(rank), size=expert_parallel)
-    return mine
+    if world > expert_parallel:
+        for offset in range(expert_parallel):
+            group = dist.new_group(list(range(offset, world, expert_parallel)))
+            if rank % expert_parallel == offset:
+                replicas = group
+    return ExpertGroup(group=mine.group, rank=mine.rank, size=mine.size, replicas=replicas)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -114,24 +129,12 @@ def grad_norm(params: list[torch.Tensor], ep: ExpertGroup | None) -> torch.Tenso
     data-parallel reduction); expert slices differ per rank, so their squares are summed over
     the group. Every rank gets the same value, hence clips by the same factor.
     """
-    grads = [p.grad for p in params if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
-    replicated = torch.zeros((), dtype=torch.float32, device=device)
-    experts = torch.zeros((), dtype=torch.float32, device=device)
-    for p in params:
-        if p.grad is not None:
-            square = p.grad.detach().float().square().sum()
-            if is_expert_parallel(p):
-                experts = experts + square
-            else:
-                replicated = replicated + square
-    if ep is not None:
-        dist.all_reduce(experts, group=ep.group)
-    return (replicated + experts).sqrt()
+    from toolkit.train import sharded
+
+    shards = {id(p): ep.shard() for p in params if is_expert_parallel(p)} if ep is not None else {}
+    return sharded.grad_norm(params, shards)
 
 
 def gather_experts(local: torch.Tensor, ep: ExpertGroup) -> torch.Tensor:
     """The full ``[E, ...]`` tensor from each rank's ``[E/P, ...]`` slice (for export)."""
-    pieces = [torch.empty_like(local) for _ in range(ep.size)]
-    dist.all_gather(pieces, local.detach().contiguous(), group=ep.group)
-    return torch.cat(pieces)
+    return ep.shard().gather(local)
