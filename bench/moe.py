@@ -5,6 +5,8 @@ Shape of Qwen3-30B-A3B with 4 layers (hidden 2048, 128 experts, top-8, expert FF
 
   hf            transformers' model (its default grouped_mm experts), its ``labels=`` loss, fused AdamW on bf16 params
   blocks        the same loop with toolkit-moe's blocks (attribution of the MoE block alone)
+  blocks+logps  the same loop with toolkit-moe's blocks and the engines' chunked label log-probs head
+                (the model side of ``toolkit`` without its fp32 master weights and clipping)
   toolkit       the ``local`` engine's train_step with --moe-enabled (chunked label log-probs, fp32 master
                 weights, fused AdamW, clipping at 1.0, aux loss): what ``toolkit sft`` runs
   megatron      ``--strategy megatron`` (toolkit-megatron's bridge and engine), EP1, 1 GPU (torchrun)
@@ -32,7 +34,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ONE_GPU = ["hf", "blocks", "toolkit", "megatron"]
+ONE_GPU = ["hf", "blocks", "blocks+logps", "toolkit", "megatron"]
 TWO_GPU = ["toolkit-ep2", "megatron-ep2"]
 TORCHRUN = {"megatron": 1, "toolkit-ep2": 2, "megatron-ep2": 2}
 
@@ -95,7 +97,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2, help="sequences per GPU")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=None)
-    parser.add_argument("--timeout", type=int, default=None, help="seconds per case")
+    parser.add_argument("--timeout", type=int, default=None, help="seconds per case (default 150; 240 with --tiny)")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -159,7 +161,7 @@ def run_case(args) -> None:
         else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    runner = {"hf": hf_loop, "blocks": hf_loop, "toolkit": toolkit_engine, "toolkit-ep2": toolkit_engine,
+    runner = {"hf": hf_loop, "blocks": hf_loop, "blocks+logps": hf_loop, "toolkit": toolkit_engine, "toolkit-ep2": toolkit_engine,
               "megatron": megatron_engine, "megatron-ep2": megatron_engine}[args.case]
     step, first_loss = runner(args, device, rank)
     seconds, peak = timed(step, args, device)
@@ -208,7 +210,7 @@ def hf_loop(args, device, rank: int):
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").to(device)
     model.config.use_cache = False
     model.train()
-    if args.case == "blocks":
+    if args.case.startswith("blocks"):
         from toolkit_moe.patch import patch_moe_blocks
 
         patch_moe_blocks(model)
@@ -216,8 +218,16 @@ def hf_loop(args, device, rank: int):
     data = batches(args, model.config.vocab_size, device, rank)
     losses = []
 
+    def task_loss(ids):
+        if args.case != "blocks+logps":
+            return model(input_ids=ids, labels=ids).loss
+        from toolkit.train.logps import label_logps
+
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
+        return -label_logps(model.lm_head, hidden[:, :-1].reshape(-1, hidden.shape[-1]), ids[:, 1:].reshape(-1)).mean()
+
     def step(i: int) -> None:
-        loss = model(input_ids=data[i % 2], labels=data[i % 2]).loss
+        loss = task_loss(data[i % 2])
         losses.append(loss.detach())
         pop = getattr(model, "toolkit_pop_aux_loss", None)  # toolkit-moe's aux loss (HF adds none without router logits)
         aux = pop()[0] if pop else None
@@ -260,6 +270,7 @@ def toolkit_engine(args, device, rank: int):
 
 def megatron_engine(args, device, rank: int):
     """``--strategy megatron`` (EP = number of processes) through toolkit-megatron's engine."""
+    import torch
     from common import full_rows
     from transformers import AutoConfig
 
@@ -267,8 +278,6 @@ def megatron_engine(args, device, rank: int):
     from toolkit.plugins import get_plugin_manager
     from toolkit.recipe import resolve_recipe
     from toolkit_megatron.strategy import MegatronConfig, MegatronEngine
-
-    import torch
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if not torch.distributed.is_initialized():
