@@ -5,12 +5,9 @@ checkpoint) reloads in transformers."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
-from test_strategy import ENV, metrics, toolkit
+from test_strategy import metrics, toolkit
 
 pytestmark = pytest.mark.slow
 
