@@ -176,10 +176,14 @@ class LocalEngine:
 
             reduce_sharded_grads([(t, self.shards[id(t)]) for t in optimized if id(t) in self.shards], 1.0 / self.dp_world_size)
             norm = grad_norm(optimized, self.shards)
+        else:
+            norm = torch.nn.utils.get_total_norm([t.grad for t in optimized if t.grad is not None])
+        value = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        # The factor max_norm / (norm + 1e-6) is clamped to 1: below the limit, skip the pass that
+        # multiplies every gradient by exactly 1 (clip_grad_norm_ always runs it).
+        if value + 1e-6 > max_norm:
             torch.nn.utils.clip_grads_with_norm_(optimized, max_norm, norm)
-            return float(norm)
-        norm = torch.nn.utils.clip_grad_norm_(optimized, max_norm)
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        return value
 
     def train_step(self, micro_batches: list[dict], loss: Any, ctx: StepContext) -> StepResult:
         self.module.train()
