@@ -97,7 +97,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2, help="sequences per GPU")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=None)
-    parser.add_argument("--timeout", type=int, default=None, help="seconds per case (default 150; 240 with --tiny)")
+    parser.add_argument("--timeout", type=int, default=None, help="seconds per case (default 300: loading 3B parameters and the first torch.compile take a while)")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -105,7 +105,7 @@ def main() -> None:
     args.seq = args.seq or (64 if args.tiny else 4096)
     args.steps = args.steps or (2 if args.tiny else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
-    args.timeout = args.timeout or (240 if args.tiny else 150)
+    args.timeout = args.timeout or 300
     if args.case:
         return run_case(args)
 
@@ -163,16 +163,20 @@ def run_case(args) -> None:
         torch.cuda.set_device(device)
     runner = {"hf": hf_loop, "blocks": hf_loop, "blocks+logps": hf_loop, "toolkit": toolkit_engine, "toolkit-ep2": toolkit_engine,
               "megatron": megatron_engine, "megatron-ep2": megatron_engine}[args.case]
-    step, first_loss = runner(args, device, rank)
+    step, losses = runner(args, device, rank)
     seconds, peak = timed(step, args, device)
     tokens = args.batch * args.seq * world
     result = {"case": args.case, "gpus": world, "tokens_per_s": tokens / seconds,
-              "step_ms": 1000 * seconds, "peak_gib": peak, "first_loss": first_loss()}
+              "step_ms": 1000 * seconds, "peak_gib": peak, "first_loss": float(losses[0])}
     if rank == 0:
         args.result.write_text(json.dumps(result))
-    if world > 1:
-        import torch.distributed as dist
+    if args.case.startswith("megatron"):
+        from toolkit_megatron.checkpoint import stop_checkpoint_workers
 
+        stop_checkpoint_workers()
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # clean exit of gloo/NCCL jobs (see docs: exit-abort trap)
         dist.barrier()
         dist.destroy_process_group()
         sys.stdout.flush()
@@ -235,7 +239,7 @@ def hf_loop(args, device, rank: int):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return step, lambda: float(losses[0])
+    return step, losses
 
 
 def toolkit_engine(args, device, rank: int):
@@ -265,7 +269,7 @@ def toolkit_engine(args, device, rank: int):
     def step(i: int) -> None:
         losses.append(engine.train_step([full_rows(data[i % 2])], loss, ctx).loss)
 
-    return step, lambda: losses[0]
+    return step, losses
 
 
 def megatron_engine(args, device, rank: int):
@@ -300,13 +304,7 @@ def megatron_engine(args, device, rank: int):
     def step(i: int) -> None:
         losses.append(engine.train_step([full_rows(data[i % 2])], loss, ctx).loss)
 
-    def first_loss() -> float:
-        from toolkit_megatron.checkpoint import stop_checkpoint_workers
-
-        stop_checkpoint_workers()
-        return losses[0]
-
-    return step, first_loss
+    return step, losses
 
 
 if __name__ == "__main__":
