@@ -85,3 +85,13 @@ def test_expert_parallel_training_equals_one_process_and_resumes(tmp_path):
     for name in ("resumed", "resumed_ep1"):
         _same_run(one, metrics(tmp_path / name), name)
         torch.testing.assert_close(logits(tmp_path / name / "export"), reference_logits, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_expert_parallel_groups_with_replicas(tmp_path):
+    """4 processes, --moe-expert-parallel 2: two expert groups whose expert gradients are summed over
+    the replica pairs (ranks 0+2, 1+3) == one process with the same global batch."""
+    run = [*EP_RUN, "--max-steps", "3", "--micro-batch-size", "1"]
+    toolkit("--output", str(tmp_path / "one"), common=run)
+    toolkit("--output", str(tmp_path / "ep2x2"), "--moe-expert-parallel", "2", nproc=4, common=run)
+    _same_run(metrics(tmp_path / "one"), metrics(tmp_path / "ep2x2"), "ep2x2")
