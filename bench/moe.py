@@ -72,7 +72,7 @@ def prepare(args) -> None:
 def launch(case: str, args, model_dir: Path, result: Path) -> dict:
     script = [str(HERE / "moe.py"), "--case", case, "--model-dir", str(model_dir), "--result", str(result),
               "--seq", str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
-              "--layers", str(args.layers), *(["--tiny"] if args.tiny else [])]
+              "--layers", str(args.layers), *(["--tiny"] if args.tiny else []), *(["--profile"] if args.profile else [])]
     nproc = TORCHRUN.get(case)
     command = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *script]
                if nproc else [sys.executable, *script])
@@ -82,6 +82,11 @@ def launch(case: str, args, model_dir: Path, result: Path) -> dict:
     except subprocess.TimeoutExpired:
         return {"case": case, "error": f"timed out after {args.timeout} s"}
     wall = time.perf_counter() - start
+    profile = result.with_suffix(".profile.txt")
+    if profile.is_file():
+        print(f"\n{case}: costliest kernels\n{profile.read_text()}", flush=True)
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], f"moe_profile_{case}.txt").write_text(profile.read_text())
     if result.is_file():
         return {**json.loads(result.read_text()), "wall_s": wall}
     tail = (done.stdout + done.stderr).strip().splitlines()[-6:]
@@ -98,6 +103,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--timeout", type=int, default=None, help="seconds per case (default 300: loading 3B parameters and the first torch.compile take a while)")
+    parser.add_argument("--profile", action="store_true", help="also print each case's 25 costliest kernels (torch.profiler, 2 steps)")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -168,6 +174,10 @@ def run_case(args) -> None:
     tokens = args.batch * args.seq * world
     result = {"case": args.case, "gpus": world, "tokens_per_s": tokens / seconds,
               "step_ms": 1000 * seconds, "peak_gib": peak, "first_loss": float(losses[0])}
+    if args.profile:
+        table = profile_steps(step, args, device)
+        if rank == 0:
+            args.result.with_suffix(".profile.txt").write_text(table)
     if rank == 0:
         args.result.write_text(json.dumps(result))
     if args.case.startswith("megatron"):
@@ -204,6 +214,21 @@ def timed(step, args, device) -> tuple[float, float]:
         torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     return (time.perf_counter() - start) / args.steps, peak
+
+
+def profile_steps(step, args, device) -> str:
+    """The 25 kernels with the most device time over two more steps."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for i in range(2):
+            step(args.warmup + args.steps + i)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60)
 
 
 def hf_loop(args, device, rank: int):
