@@ -167,8 +167,7 @@ def run_case(args) -> None:
         else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    runner = {"hf": hf_loop, "blocks": hf_loop, "blocks+logps": hf_loop, "toolkit": toolkit_engine, "toolkit-ep2": toolkit_engine,
-              "megatron": megatron_engine, "megatron-ep2": megatron_engine}[args.case]
+    runner = hf_loop if args.case in ("hf", "blocks", "blocks+logps") else engine_case
     step, losses = runner(args, device, rank)
     seconds, peak = timed(step, args, device)
     tokens = args.batch * args.seq * world
@@ -267,59 +266,29 @@ def hf_loop(args, device, rank: int):
     return step, losses
 
 
-def toolkit_engine(args, device, rank: int):
-    """The ``local`` engine exactly as ``toolkit sft --moe-enabled [--moe-expert-parallel 2]`` builds it."""
+def engine_case(args, device, rank: int):
+    """The strategy's engine exactly as ``toolkit sft`` builds it: ``local`` with ``--moe-enabled
+    [--moe-expert-parallel N]``, or ``megatron`` with ``--ep N`` (N = number of processes)."""
+    import torch
     from common import full_rows
 
     from toolkit.builtins.loaders import load_hf_directory
-    from toolkit.builtins.strategies import LocalConfig, LocalEngine
     from toolkit.contracts import StepContext
-    from toolkit.plugins import get_plugin_manager
     from toolkit.recipe import resolve_recipe
+    from toolkit.train.runner import resolve_components
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    recipe = resolve_recipe({"model": str(args.model_dir), "precision": "bf16" if device.type == "cuda" else "fp32",
-                             "lr": 1e-5, "max_grad_norm": 1.0, "seq_len": args.seq,
-                             "moe": {"enabled": True, "expert_parallel": world}})
+    values = {"model": str(args.model_dir), "precision": "bf16" if device.type == "cuda" else "fp32", "lr": 1e-5,
+              "max_grad_norm": 1.0, "seq_len": args.seq, "micro_batch_size": args.batch}
+    if args.case.startswith("megatron"):
+        values.update(strategy="megatron", expert_parallel=world)
+        if not torch.distributed.is_initialized():  # Megatron wants a process group even for one process
+            torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    else:
+        values.update(strategy="local", moe={"enabled": True, "expert_parallel": world})
+    strategy, tuner, loss, recipe = resolve_components(resolve_recipe(values), world)
     source = load_hf_directory(str(args.model_dir), args.model_dir)
-    manager = get_plugin_manager()
-    loss = manager.create("loss", "sft")
-    engine = LocalEngine(source, manager.create("tuner", "full"), loss, recipe, LocalConfig())
-    engine.set_total_steps(args.warmup + args.steps)
-    data = batches(args, source.config.vocab_size, device, rank)
-    b, t = data[0].shape
-    ctx = StepContext(label_tokens=b * (t - 1) * world, sequences=b * world, examples=b * world)
-    losses = []
-
-    def step(i: int) -> None:
-        losses.append(engine.train_step([full_rows(data[i % 2])], loss, ctx).loss)
-
-    return step, losses
-
-
-def megatron_engine(args, device, rank: int):
-    """``--strategy megatron`` (EP = number of processes) through toolkit-megatron's engine."""
-    import torch
-    from common import full_rows
-    from transformers import AutoConfig
-
-    from toolkit.contracts import ModelSource, StepContext
-    from toolkit.plugins import get_plugin_manager
-    from toolkit.recipe import resolve_recipe
-    from toolkit_megatron.strategy import MegatronConfig, MegatronEngine
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    recipe = resolve_recipe({"model": str(args.model_dir), "strategy": "megatron", "expert_parallel": world, "lr": 1e-5,
-                             "precision": "bf16" if device.type == "cuda" else "fp32", "max_grad_norm": 1.0,
-                             "seq_len": args.seq, "micro_batch_size": args.batch})
-    directory = args.model_dir
-    source = ModelSource(reference=str(directory), directory=directory, config=AutoConfig.from_pretrained(directory),
-                         tokenizer=None, weight_files=sorted(directory.glob("*.safetensors")))
-    manager = get_plugin_manager()
-    loss = manager.create("loss", "sft")
-    engine = MegatronEngine(source, manager.create("tuner", "full"), loss, recipe, MegatronConfig())
+    engine = strategy.build(source, tuner, loss, recipe)
     engine.set_total_steps(args.warmup + args.steps)
     data = batches(args, source.config.vocab_size, device, rank)
     b, t = data[0].shape

@@ -95,7 +95,7 @@ class GroupedExperts(nn.Module):
             full = getattr(self, name)
             param = nn.Parameter(full.data[local].clone(), requires_grad=full.requires_grad)
             param.toolkit_expert_parallel = True  # strategies must not average it over data parallel
-            param.toolkit_shard = group.shard()  # the core engines' contract for split parameters
+            param.toolkit_shard = group  # the core engines' contract for split parameters (a Shard)
             param.allreduce = False  # DeepSpeed's marker for expert parameters
             setattr(self, name, param)
         self._register_load_state_dict_pre_hook(self._slice_full_state)

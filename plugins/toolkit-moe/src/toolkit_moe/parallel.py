@@ -15,26 +15,21 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from toolkit.train.sharded import Shard
+
 
 @dataclass(frozen=True)
-class ExpertGroup:
-    """An expert-parallel process group and this process's place in it."""
+class ExpertGroup(Shard):
+    """An expert-parallel process group and this process's place in it.
 
-    group: object
-    rank: int
-    size: int
-    replicas: object = None
-    """The ranks holding the same experts in the other expert-parallel groups (``None`` when EP spans the world)."""
+    It is also the core's :class:`~toolkit.train.sharded.Shard` of every expert weight split over
+    the group (``replicas``: the ranks holding the same experts in the other groups, ``None`` when
+    expert parallelism spans the world), so the engines reduce, clip and gather those weights.
+    """
 
     def local_slice(self, num_experts: int) -> slice:
         per_rank = num_experts // self.size
         return slice(self.rank * per_rank, (self.rank + 1) * per_rank)
-
-    def shard(self):
-        """How the core engines see an expert weight split over this group (``toolkit.train.sharded.Shard``)."""
-        from toolkit.train.sharded import Shard
-
-        return Shard(group=self.group, rank=self.rank, size=self.size, replicas=self.replicas)
 
 
 def new_expert_groups(expert_parallel: int) -> ExpertGroup | None:
@@ -131,10 +126,10 @@ def grad_norm(params: list[torch.Tensor], ep: ExpertGroup | None) -> torch.Tenso
     """
     from toolkit.train import sharded
 
-    shards = {id(p): ep.shard() for p in params if is_expert_parallel(p)} if ep is not None else {}
+    shards = {id(p): ep for p in params if is_expert_parallel(p)} if ep is not None else {}
     return sharded.grad_norm(params, shards)
 
 
 def gather_experts(local: torch.Tensor, ep: ExpertGroup) -> torch.Tensor:
     """The full ``[E, ...]`` tensor from each rank's ``[E/P, ...]`` slice (for export)."""
-    return ep.shard().gather(local)
+    return ep.gather(local)
