@@ -63,8 +63,9 @@ def _same_run(reference: list[dict], other: list[dict], name: str) -> None:
 
 @pytest.mark.slow
 def test_expert_parallel_training_equals_one_process_and_resumes(tmp_path):
-    """--moe-expert-parallel 2 on 2 gloo ranks == 1 process == DDP (losses, clipped grad norms, drops, export);
-    a run stopped at step 3 resumes (at EP2, and from the same checkpoint at EP1) to the same end."""
+    """--moe-expert-parallel 2 on 2 gloo ranks == 1 process == DDP (losses, clipped grad norms, drops, export,
+    export from the checkpoint); a run stopped at step 3 resumes (at EP2, and from the same checkpoint at EP1)
+    to the same end."""
     toolkit("--output", str(tmp_path / "one"), "--export", "hf", common=EP_RUN)
     toolkit("--output", str(tmp_path / "ddp"), nproc=2, common=EP_RUN)
     out = toolkit("--output", str(tmp_path / "ep2"), "--moe-expert-parallel", "2", "--export", "hf", nproc=2, common=EP_RUN)
@@ -75,6 +76,10 @@ def test_expert_parallel_training_equals_one_process_and_resumes(tmp_path):
     _same_run(one, metrics(tmp_path / "ep2"), "ep2")
     reference_logits = logits(tmp_path / "one/export")
     torch.testing.assert_close(logits(tmp_path / "ep2/export"), reference_logits, rtol=1e-4, atol=1e-5)
+    # the checkpoint holds full expert tensors: `toolkit export` (one process) gives the same model
+    subprocess.run([sys.executable, "-m", "toolkit", "export", str(tmp_path / "ep2"), "--to", "hf", "--output",
+                    str(tmp_path / "from-checkpoint")], check=True, capture_output=True, env=ENV, timeout=300)
+    torch.testing.assert_close(logits(tmp_path / "from-checkpoint"), logits(tmp_path / "ep2/export"), rtol=0, atol=1e-6)
 
     toolkit("--output", str(tmp_path / "resumed"), "--moe-expert-parallel", "2", "--stop-after", "3", nproc=2, common=EP_RUN)
     assert len(metrics(tmp_path / "resumed")) == 3
