@@ -239,17 +239,24 @@ class LocalEngine:
 
         from toolkit.train.sharded import full_optimizer_state, full_tensors
 
-        # sharded tensors are gathered (every rank takes part), so a checkpoint holds the full model at any layout
+        if not self.is_main and not self.shard_names:
+            return
+        # sharded tensors are gathered on the device (every rank takes part), so a checkpoint holds
+        # the full model at any layout
         model_state = full_tensors(self.tuner.checkpoint_state(self.model), self.shard_names)
         optimizer_state = full_optimizer_state(self.optimizer, self.shards) if self.shards else self.optimizer.state_dict()
-        master_state = full_tensors(self.master.state_dict(), self.shard_names) if self.master is not None else None
+        master_state = None
+        if self.master is not None:
+            master_state = full_tensors(dict(zip(self.master.names, self.master.master)), self.shard_names)
         if self.is_main:
-            state = {k: v.detach().contiguous().cpu() for k, v in model_state.items()}
-            save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt", "tuner": self.tuner.name})
+            def host(state: dict) -> dict:
+                return {k: v.detach().contiguous().cpu() for k, v in state.items()}
+
+            save_file(host(model_state), str(directory / "model.safetensors"), metadata={"format": "pt", "tuner": self.tuner.name})
             torch.save(optimizer_state, directory / "optimizer.pt")
             torch.save(self.scheduler.state_dict() if self.scheduler else {}, directory / "scheduler.pt")
             if master_state is not None:
-                save_file(master_state, str(directory / "master.safetensors"), metadata={"format": "pt"})
+                save_file(host(master_state), str(directory / "master.safetensors"), metadata={"format": "pt"})
 
     def load_checkpoint(self, directory: Path) -> None:
         import torch
