@@ -90,6 +90,9 @@ class LocalEngine:
     attention: str = "auto"
     kernel_ops: Any = None
     compile_pending: bool = False
+    shards: dict[int, Any] = {}
+    """``id(optimized tensor) -> toolkit.train.sharded.Shard`` for parameters split over ranks (expert parallelism)."""
+    shard_names: dict[str, Any] = {}
 
     def __init__(self, source: Any, tuner: Any, loss: Any, recipe: Any, config: LocalConfig):
         import torch
@@ -97,6 +100,7 @@ class LocalEngine:
         from toolkit.train import logps, speed
         from toolkit.train.distributed import init_world
         from toolkit.train.optim import MasterWeights, build_optimizer, cast_float_parameters
+        from toolkit.train.sharded import shard_of, sharded_names
 
         self.world = init_world()
         self.dp_rank, self.dp_world_size, self.is_main = self.world.rank, self.world.world_size, self.world.is_main
@@ -114,12 +118,16 @@ class LocalEngine:
             compute_autocast = None
         self.module = self.logps_module = logps.CausalLMLogps(self.model, compute_autocast)
         self.fused_loss, self.attention = config.fused_loss, config.attention
+        self.shard_names = sharded_names(self.model)
         if self.world.distributed:
+            # sharded parameters (experts split over ranks) hold different slices per rank: DDP must not average them
+            self.module._ddp_params_and_buffers_to_ignore = list(sharded_names(self.module))
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.module = torch.nn.parallel.DistributedDataParallel(
                 self.module, device_ids=ids, find_unused_parameters=config.find_unused_parameters)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         optimized = self.master.master if self.master else self.params
+        self.shards = {id(t): shard_of(p) for t, p in zip(optimized, self.params) if shard_of(p) is not None}
         self.optimizer = build_optimizer(optimized, recipe, getattr(tuner, "optimizer_factory", None))
         self.scheduler = None
         self.reference = self._build_reference(loss) if getattr(loss, "needs_reference", False) else None
@@ -192,7 +200,16 @@ class LocalEngine:
         import torch
 
         max_norm = self.recipe.max_grad_norm if self.recipe.max_grad_norm > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.master.master if self.master else self.params, max_norm)
+        optimized = self.master.master if self.master else self.params
+        if self.shards:
+            from toolkit.train.sharded import grad_norm, reduce_sharded_grads
+
+            reduce_sharded_grads([(t, self.shards[id(t)]) for t in optimized if id(t) in self.shards], 1.0 / self.dp_world_size)
+            norm = grad_norm(optimized, self.shards)
+        else:
+            norm = torch.nn.utils.get_total_norm([t.grad for t in optimized if t.grad is not None])
+        # clip_grads_with_norm_ clamps the factor to 1 on the device: no host read inside the step
+        torch.nn.utils.clip_grads_with_norm_(optimized, max_norm, norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def train_step(self, micro_batches: list[dict], loss: Any, ctx: StepContext) -> StepResult:
@@ -272,28 +289,53 @@ class LocalEngine:
         import torch
         from safetensors.torch import save_file
 
+        from toolkit.train.sharded import full_optimizer_state, full_tensors
+
+        if not self.is_main and not self.shard_names:
+            return
+        # sharded tensors are gathered on the device (every rank takes part), so a checkpoint holds
+        # the full model at any layout
+        model_state = full_tensors(self.tuner.checkpoint_state(self.model), self.shard_names)
+        optimizer_state = full_optimizer_state(self.optimizer, self.shards) if self.shards else self.optimizer.state_dict()
+        master_state = None
+        if self.master is not None:
+            master_state = full_tensors(dict(zip(self.master.names, self.master.master)), self.shard_names)
         if self.is_main:
-            state = {k: v.detach().contiguous().cpu() for k, v in self.tuner.checkpoint_state(self.model).items()}
-            save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt", "tuner": self.tuner.name})
-            torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
+            def host(state: dict) -> dict:
+                return {k: v.detach().contiguous().cpu() for k, v in state.items()}
+
+            save_file(host(model_state), str(directory / "model.safetensors"), metadata={"format": "pt", "tuner": self.tuner.name})
+            torch.save(optimizer_state, directory / "optimizer.pt")
             torch.save(self.scheduler.state_dict() if self.scheduler else {}, directory / "scheduler.pt")
-            if self.master is not None:
-                save_file(self.master.state_dict(), str(directory / "master.safetensors"), metadata={"format": "pt"})
+            if master_state is not None:
+                save_file(host(master_state), str(directory / "master.safetensors"), metadata={"format": "pt"})
 
     def load_checkpoint(self, directory: Path) -> None:
         import torch
         from safetensors.torch import load_file
 
-        self.tuner.load_checkpoint_state(self.model, load_file(str(directory / "model.safetensors"), device=str(self.device)))
+        from toolkit.train.sharded import local_optimizer_state, local_tensors
+
+        model_state = load_file(str(directory / "model.safetensors"), device=str(self.device))
+        self.tuner.load_checkpoint_state(self.model, local_tensors(model_state, self.shard_names))
         if self.master is not None and (directory / "master.safetensors").is_file():
-            self.master.load_state_dict(load_file(str(directory / "master.safetensors"), device=str(self.device)))
-        self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", map_location=self.device, weights_only=True))
+            master_state = load_file(str(directory / "master.safetensors"), device=str(self.device))
+            self.master.load_state_dict(local_tensors(master_state, self.shard_names))
+        optimizer_state = torch.load(directory / "optimizer.pt", map_location=self.device, weights_only=True)
+        self.optimizer.load_state_dict(local_optimizer_state(self.optimizer, optimizer_state, self.shards))
         if self.scheduler is not None:
             self.scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=True))
 
     def export_tensors(self) -> Iterator[tuple[str, Any]]:
-        if self.is_main:
-            yield from self.tuner.export_tensors(self.model)
+        if not self.shard_names:
+            if self.is_main:
+                yield from self.tuner.export_tensors(self.model)
+            return
+        for name, tensor in self.tuner.export_tensors(self.model):  # every rank iterates: the gathers are collective
+            shard = self.shard_names.get(name)
+            tensor = shard.gather(tensor) if shard is not None else tensor
+            if self.is_main:
+                yield name, tensor
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         from toolkit.train.distributed import all_reduce_sum

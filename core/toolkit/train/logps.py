@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from toolkit.contracts import IGNORE_INDEX, TokenLogps
+from toolkit.train.kernels import fused
 
 LOGPS_CHUNK_TOKENS = 2048
 RECOMPUTE_LOGITS = False
@@ -73,6 +74,21 @@ class _FrozenHeadLogps(torch.autograd.Function):
         return (grad_picked[:, None].to(grad.dtype) * grad).to(ctx.hidden_dtype), None, None
 
 
+def _logsumexp(logits: torch.Tensor) -> torch.Tensor:
+    return torch.logsumexp(logits.float(), dim=-1)
+
+
+def _grad_logits(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, grad_picked: torch.Tensor) -> torch.Tensor:
+    """``(onehot(y) - softmax) * grad`` in fp32, rounded once to the logits' dtype.
+
+    Pointwise only (the one-hot is a comparison, not a scatter), so on CUDA it compiles to one
+    kernel that reads the kept logits and writes the gradient without fp32 copies of the chunk.
+    """
+    columns = torch.arange(logits.shape[-1], device=logits.device)
+    onehot = (columns[None, :] == labels[:, None]).float()
+    return ((onehot - torch.exp(logits.float() - lse[:, None])) * grad_picked[:, None].float()).to(logits.dtype)
+
+
 class _LinearHeadLogps(torch.autograd.Function):
     """Label log-probs of one chunk through a trainable bias-free linear head, logits kept for backward.
 
@@ -87,7 +103,7 @@ class _LinearHeadLogps(torch.autograd.Function):
         with torch.no_grad():
             h, w = hidden.to(dtype), weight.to(dtype)
             logits = h @ w.t()
-            lse = torch.logsumexp(logits.float(), dim=-1)
+            lse = fused("head_logsumexp", _logsumexp, logits.device)(logits)
             picked = logits.gather(-1, labels[:, None]).squeeze(-1).float() - lse
         ctx.save_for_backward(h, labels, w, logits, lse)
         ctx.dtypes = (hidden.dtype, weight.dtype)
@@ -97,9 +113,7 @@ class _LinearHeadLogps(torch.autograd.Function):
     def backward(ctx: Any, grad_picked: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor]:
         h, labels, w, logits, lse = ctx.saved_tensors
         hidden_dtype, weight_dtype = ctx.dtypes
-        grad_logits = torch.exp(logits.float() - lse[:, None]).mul_(-grad_picked[:, None])
-        grad_logits.scatter_add_(-1, labels[:, None], grad_picked[:, None].float())
-        grad_logits = grad_logits.to(h.dtype)
+        grad_logits = fused("head_grad_logits", _grad_logits, logits.device)(logits, lse, labels, grad_picked)
         grad_hidden = (grad_logits @ w).to(hidden_dtype) if ctx.needs_input_grad[0] else None
         grad_weight = (grad_logits.t() @ h).to(weight_dtype) if ctx.needs_input_grad[2] else None
         return grad_hidden, None, grad_weight

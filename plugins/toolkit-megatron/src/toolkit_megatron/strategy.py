@@ -105,12 +105,6 @@ class MegatronEngine:
         from toolkit_megatron.architectures import architecture_for
 
         self.moe = architecture_for(source.config.model_type).moe
-        if self.moe and recipe.expert_tensor_parallel != recipe.tensor_parallel and recipe.tensor_parallel > 1:
-            from toolkit.errors import ConfigError
-
-            raise ConfigError(f"--etp {recipe.expert_tensor_parallel} with --tp {recipe.tensor_parallel}: MoE training under "
-                              f"--strategy megatron needs the expert tensor-parallel size equal to --tp (other "
-                              f"combinations gave wrong expert gradients in our tests); pass --etp {recipe.tensor_parallel}")
         if getattr(loss, "needs_reference", False) and not recipe.precompute_reference:
             from toolkit.errors import ConfigError
 
@@ -136,9 +130,11 @@ class MegatronEngine:
             adapters, scale = hf_adapters(source, tuner, recipe)
             apply_lora(chunks, adapters, scale, getattr(tuner.config, "dropout", 0.0), source.config, chunks[0].vocab_size)
         if self.moe:
-            from toolkit_megatron.moe import unscaled_router_losses
+            from toolkit_megatron.moe import mark_expert_parameters, unscaled_router_losses
 
             unscaled_router_losses(chunks)
+            if recipe.expert_tensor_parallel != recipe.tensor_parallel:
+                mark_expert_parameters(chunks)
         self.chunks = chunks
         self.models, self.optimizer = self._wrap(chunks)
         self.dp_rank = ps.get_data_parallel_rank()
