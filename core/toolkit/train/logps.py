@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from toolkit.contracts import IGNORE_INDEX, TokenLogps
-from toolkit.train.kernels import fused
+from toolkit.train.kernels.compiled import fused as compiled
 
 LOGPS_CHUNK_TOKENS = 2048
 RECOMPUTE_LOGITS = False
@@ -103,7 +103,7 @@ class _LinearHeadLogps(torch.autograd.Function):
         with torch.no_grad():
             h, w = hidden.to(dtype), weight.to(dtype)
             logits = h @ w.t()
-            lse = fused("head_logsumexp", _logsumexp, logits.device)(logits)
+            lse = compiled("head_logsumexp", _logsumexp, logits.device)(logits)
             picked = logits.gather(-1, labels[:, None]).squeeze(-1).float() - lse
         ctx.save_for_backward(h, labels, w, logits, lse)
         ctx.dtypes = (hidden.dtype, weight.dtype)
@@ -113,7 +113,7 @@ class _LinearHeadLogps(torch.autograd.Function):
     def backward(ctx: Any, grad_picked: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor]:
         h, labels, w, logits, lse = ctx.saved_tensors
         hidden_dtype, weight_dtype = ctx.dtypes
-        grad_logits = fused("head_grad_logits", _grad_logits, logits.device)(logits, lse, labels, grad_picked)
+        grad_logits = compiled("head_grad_logits", _grad_logits, logits.device)(logits, lse, labels, grad_picked)
         grad_hidden = (grad_logits @ w).to(hidden_dtype) if ctx.needs_input_grad[0] else None
         grad_weight = (grad_logits.t() @ h).to(weight_dtype) if ctx.needs_input_grad[2] else None
         return grad_hidden, None, grad_weight

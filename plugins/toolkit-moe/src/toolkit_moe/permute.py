@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.train.kernels import fused
+from toolkit.train.kernels.compiled import fused as compiled
 
 
 def _gather_sum(rows: torch.Tensor, index: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -28,7 +28,7 @@ class _ReplicateRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (inverse,) = ctx.saved_tensors
-        return fused("moe_gather_sum", _gather_sum, grad.device)(grad, inverse, ctx.top_k), None, None, None
+        return compiled("moe_gather_sum", _gather_sum, grad.device)(grad, inverse, ctx.top_k), None, None, None
 
 
 class _ReduceRows(torch.autograd.Function):
@@ -36,7 +36,7 @@ class _ReduceRows(torch.autograd.Function):
     def forward(ctx, rows, order, inverse, top_k):
         ctx.save_for_backward(order)
         ctx.top_k = top_k
-        return fused("moe_gather_sum", _gather_sum, rows.device)(rows, inverse, top_k)
+        return compiled("moe_gather_sum", _gather_sum, rows.device)(rows, inverse, top_k)
 
     @staticmethod
     def backward(ctx, grad):
@@ -83,12 +83,12 @@ class _WeightedSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate_up, weight):
         ctx.save_for_backward(gate_up, weight)
-        return fused("moe_swiglu_fwd", _swiglu_forward, gate_up.device)(gate_up, weight)
+        return compiled("moe_swiglu_fwd", _swiglu_forward, gate_up.device)(gate_up, weight)
 
     @staticmethod
     def backward(ctx, grad):
         gate_up, weight = ctx.saved_tensors
-        return fused("moe_swiglu_bwd", _swiglu_backward, gate_up.device)(gate_up, weight, grad)
+        return compiled("moe_swiglu_bwd", _swiglu_backward, gate_up.device)(gate_up, weight, grad)
 
 
 def weighted_swiglu(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
