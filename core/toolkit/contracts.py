@@ -46,6 +46,8 @@ class Example:
     sequences: list[Sequence]
     kind: str = "lm"
     """``lm`` (pt/sft), ``preference`` (chosen + rejected), ``unpaired`` (KTO)."""
+    source: str = ""
+    """Where the record came from (``file, line N``), set by the data pipeline; names samples in reports."""
 
 
 @dataclass
@@ -144,8 +146,13 @@ class ExportModel:
 @dataclass
 class StepResult:
     loss: float
+    """The step loss summed over micro-batches and reduced over every rank (NaN anywhere is NaN everywhere)."""
     grad_norm: float
+    """Global gradient norm before clipping (the same value on every rank)."""
     metrics: dict[str, float]
+    applied: bool = True
+    """False when the engine found the loss or gradient norm non-finite and left weights, optimizer
+    and learning-rate schedule untouched (engines with ``skips_nonfinite_updates = True``)."""
 
 
 # ----------------------------------------------------------------------------- protocols
@@ -200,7 +207,13 @@ class DatasetFormat(Registered, Protocol):
 
 
 class Engine(Protocol):
-    """A model placed by a strategy: steps, checkpoints and exports it."""
+    """A model placed by a strategy: steps, checkpoints and exports it.
+
+    Optional class attributes the runner reads: ``skips_nonfinite_updates`` (True when
+    ``train_step`` checks the reduced loss and gradient norm before its optimizer step and
+    skips a non-finite update; needed by ``--on-nan skip``) and ``supports_rollback`` (default
+    True: ``load_checkpoint`` works in a running job; needed by ``--on-nan rollback``).
+    """
 
     dp_rank: int
     dp_world_size: int

@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 from toolkit import hookimpl
 from toolkit.config import option
 from toolkit.contracts import StepContext, StepResult
+from toolkit.train.numerics import nonfinite_quantities
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -68,6 +69,8 @@ class LocalEngine:
 
     master: Any = None
     """fp32 master weights under ``--precision bf16`` (subclasses with their own mixed precision keep None)."""
+    skips_nonfinite_updates: ClassVar[bool] = True
+    """``train_step`` checks the reduced loss and gradient norm before the optimizer step (``--on-nan skip``)."""
 
     def __init__(self, source: Any, tuner: Any, loss: Any, recipe: Any, config: LocalConfig):
         import torch
@@ -183,16 +186,20 @@ class LocalEngine:
             total += float(result.loss.detach())
             for key, value in [*result.metrics.items(), *((k, v * share) for k, v in out.aux_metrics.items())]:
                 metrics[key] = metrics.get(key, 0.0) + float(value)
-        grad_norm = self._clip_gradients()
-        self.optimizer.step()
-        if self.master is not None:
-            self.master.write_back()
-        if self.scheduler is not None:
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        # The loss is reduced before the update, so a NaN on any rank stops every rank's update;
+        # the gradient norm is global already (DDP/FSDP reduced the gradients).
         keys = sorted(metrics)
         reduced = self.all_reduce_sum([total, *(metrics[k] for k in keys)])
-        return StepResult(loss=reduced[0], grad_norm=grad_norm, metrics=dict(zip(keys, reduced[1:])))
+        grad_norm = self._clip_gradients()
+        applied = not nonfinite_quantities(reduced[0], grad_norm)
+        if applied:  # a non-finite step leaves weights, optimizer state and LR schedule as they were
+            self.optimizer.step()
+            if self.master is not None:
+                self.master.write_back()
+            if self.scheduler is not None:
+                self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss=reduced[0], grad_norm=grad_norm, metrics=dict(zip(keys, reduced[1:])), applied=applied)
 
     def evaluate(self, micro_batches: list[dict], loss: Any, ctx: StepContext) -> dict[str, float]:
         import torch

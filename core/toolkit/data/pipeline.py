@@ -81,6 +81,7 @@ def load_examples(datasets: list[str], tokenizer: Any, *, dataset_format: str = 
             where = f"{path}, line {record.get('__line__', index + 1)}"
             record = {rename.get(k, k): v for k, v in record.items() if k != "__line__"}
             example = truncate(fmt.encode(record, tokenizer, template, where=where), seq_len, stats, packing)
+            example.source = where
             if any(all(label == IGNORE_INDEX for label in seq.labels) for seq in example.sequences):
                 stats.dropped_no_labels += 1
                 continue

@@ -146,7 +146,8 @@ def run_training(recipe: Recipe) -> Path:
 
 def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: Any, source: Any, examples: list, stats: Any) -> None:
     from toolkit.data.pipeline import Batches
-    from toolkit.train.checkpoint import find_resume_checkpoint, read_state, restore_rng, save_checkpoint
+    from toolkit.train.checkpoint import find_resume_checkpoint, list_checkpoints, read_state, restore_rng, save_checkpoint
+    from toolkit.train.numerics import NonFiniteGuard
 
     eval_examples, examples = examples[: recipe.eval_samples], examples[recipe.eval_samples:]
     pad_id = source.tokenizer.pad_token_id if source.tokenizer.pad_token_id is not None else 0
@@ -170,45 +171,76 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
     for cb in callbacks:
         cb.on_train_start(info)
     eval_batches = _eval_batches(eval_examples, recipe, engine, pad_id)
-    step = start_step
+    guard = NonFiniteGuard.for_run(recipe, engine, run_dir)
+    if checkpoint is not None:
+        guard.restore(read_state(checkpoint))
+    elif recipe.on_nan == "rollback":  # something to return to before the first checkpoint
+        save_checkpoint(run_dir, 0, engine, _trainer_state(recipe, engine, batches, 0, None, total_steps, tuner, guard),
+                        recipe.keep_last)
+    step, logged = start_step, start_step
     window_tokens, window_start = 0, time.perf_counter()
+    result = None
     with StopFlag() as stop:
-        for step in range(start_step, total_steps):
-            micro_batches = batches.micro_batches(step)
-            ctx = batches.context(step)
-            lr = engine.current_lr()
-            result = engine.train_step(micro_batches, loss, ctx)
-            window_tokens += sum(int((mb["sequence_ids"] >= 0).sum()) for mb in micro_batches)
+        while step < total_steps:
             done = step + 1
-            elapsed = time.perf_counter() - window_start
-            tokens_per_s = engine.all_reduce_sum([window_tokens])[0] / max(elapsed, 1e-9)
-            metrics = {"step": done, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
-                       "tokens_per_s": tokens_per_s, "epoch": step / batches.steps_per_epoch, **result.metrics}
-            for cb in callbacks:
-                cb.on_step_end(done, metrics)
-            if done % recipe.log_every == 0 or done == total_steps:
-                if eval_batches:
-                    evaluated = engine.evaluate(eval_batches[0], loss, eval_batches[1])
-                    metrics.update({f"eval_{k}": v for k, v in evaluated.items()})
-                for cb in callbacks:
-                    cb.on_log(done, metrics)
-                window_tokens, window_start = 0, time.perf_counter()
+            if not guard.skips(step):
+                micro_batches = batches.micro_batches(step)
+                lr = engine.current_lr()
+                result = engine.train_step(micro_batches, loss, batches.context(step))
+                event = guard.check(step, result, batches)
+                if event is not None:
+                    checkpoints = list_checkpoints(run_dir)
+                    if guard.handle(event, checkpoints[-1] if checkpoints else None) == "rollback":
+                        step = _rollback(engine, checkpoints[-1])
+                        continue
+                elif done > logged:  # steps replayed after a rollback were logged already
+                    window_tokens += sum(int((mb["sequence_ids"] >= 0).sum()) for mb in micro_batches)
+                    elapsed = time.perf_counter() - window_start
+                    tokens_per_s = engine.all_reduce_sum([window_tokens])[0] / max(elapsed, 1e-9)
+                    metrics = {"step": done, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
+                               "tokens_per_s": tokens_per_s, "epoch": step / batches.steps_per_epoch, **result.metrics}
+                    for cb in callbacks:
+                        cb.on_step_end(done, metrics)
+                    if done % recipe.log_every == 0 or done == total_steps:
+                        if eval_batches:
+                            evaluated = engine.evaluate(eval_batches[0], loss, eval_batches[1])
+                            metrics.update({f"eval_{k}": v for k, v in evaluated.items()})
+                        for cb in callbacks:
+                            cb.on_log(done, metrics)
+                        window_tokens, window_start = 0, time.perf_counter()
+                    logged = done
             if recipe.stop_after and done - start_step >= recipe.stop_after and done < total_steps:
                 stop.requested = True
             stopping = engine.all_reduce_sum([1.0 if stop.requested else 0.0])[0] > 0
             if (recipe.save_every and done % recipe.save_every == 0) or done == total_steps or stopping:
-                state = {"step": done, "total_steps": total_steps, "epoch": step // batches.steps_per_epoch,
-                         "loss": result.loss, "tuner": tuner.name, "strategy": recipe.strategy,
-                         "world_size": engine.dp_world_size, "model": recipe.model}
+                state = _trainer_state(recipe, engine, batches, done, result, total_steps, tuner, guard)
                 path = save_checkpoint(run_dir, done, engine, state, recipe.keep_last)
                 if engine.is_main and stopping:
                     print(f"toolkit: stopped at step {done}; checkpoint {path}. Continue with --resume auto.", file=sys.stderr)
             if stopping:
                 break
+            step = done
     for cb in callbacks:
         cb.on_train_end(info)
     if recipe.export and not stop.requested:
         export_after_training(recipe, run_dir, engine, source, tuner)
+
+
+def _trainer_state(recipe: Recipe, engine: Any, batches: Any, done: int, result: Any, total_steps: int, tuner: Any,
+                   guard: Any) -> dict[str, Any]:
+    loss = result.loss if result is not None and math.isfinite(result.loss) else None
+    return {"step": done, "total_steps": total_steps, "epoch": max(done - 1, 0) // batches.steps_per_epoch,
+            "loss": loss, "tuner": tuner.name, "strategy": recipe.strategy, "world_size": engine.dp_world_size,
+            "model": recipe.model, **guard.state()}
+
+
+def _rollback(engine: Any, checkpoint: Path) -> int:
+    """Reload weights, optimizer, schedule and RNG from ``checkpoint``; returns the step to continue from."""
+    from toolkit.train.checkpoint import read_state, restore_rng
+
+    engine.load_checkpoint(checkpoint)
+    restore_rng(checkpoint, engine.dp_rank)
+    return read_state(checkpoint)["step"]
 
 
 def _eval_batches(eval_examples: list, recipe: Recipe, engine: Any, pad_id: int) -> tuple[list, Any] | None:
