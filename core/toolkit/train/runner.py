@@ -115,6 +115,7 @@ def run_training(recipe: Recipe) -> Path:
     """Train as the recipe says; returns the run directory. Works the same under torchrun."""
     from toolkit.builtins.loaders import resolve_model
     from toolkit.train.distributed import init_world, shutdown
+    from toolkit.train.numerics import NumericalError
 
     world = init_world()
     strategy, tuner, loss, recipe = resolve_components(recipe, world.world_size)
@@ -137,6 +138,14 @@ def run_training(recipe: Recipe) -> Path:
 
             precompute_reference_logps(engine, examples, recipe, source, run_dir)
         _train_loop(recipe, run_dir, engine, loss, tuner, source, examples, stats)
+    except NumericalError as exc:
+        if not world.distributed:
+            raise
+        # Every rank reached the same verdict on the same step: end them together, not by abort.
+        engine.close()
+        if world.is_main:
+            print(f"Error: {exc}", file=sys.stderr)
+        shutdown(exit_code=1)
     finally:
         engine.close()
     if world.distributed:
