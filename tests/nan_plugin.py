@@ -1,13 +1,16 @@
 """A test plugin that makes chosen samples produce a non-finite loss or gradient.
 
 Records with ``"poison": "loss"`` add a constant NaN to the loss (gradients stay finite);
-``"poison": "grad"`` keeps the loss finite and makes its gradient infinite. Use
+``"poison": "grad"`` keeps the loss finite and makes its gradient infinite; ``"exit"`` ends the
+process that meets the sample (a dead rank) and ``"hang"`` makes it sleep for an hour. Use
 ``--dataset-format poisoned --loss nan-sft``. Loaded in-process or as an installed
 distribution (``toolkit.testing.write_plugin_distribution``) for subprocess runs.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any, ClassVar
 
 from toolkit import hookimpl
@@ -15,7 +18,7 @@ from toolkit.builtins.formats import Messages
 from toolkit.builtins.losses import SFTLoss
 from toolkit.contracts import Example, LossOutput
 
-POISON = {"loss": 1.0, "grad": 2.0}
+POISON = {"loss": 1.0, "grad": 2.0, "exit": 3.0, "hang": 4.0}
 
 
 class PoisonedMessages(Messages):
@@ -58,6 +61,10 @@ class NanSFTLoss(SFTLoss):
             loss = loss + float("nan")
         if poison is not None and bool((poison == POISON["grad"]).any()):
             loss = _infinite_gradient(loss)
+        if poison is not None and bool((poison == POISON["exit"]).any()):
+            os._exit(3)
+        if poison is not None and bool((poison == POISON["hang"]).any()):
+            time.sleep(3600)
         return LossOutput(loss=loss, metrics=result.metrics)
 
 

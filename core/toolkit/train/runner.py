@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import signal
 import sys
@@ -114,10 +115,11 @@ def check_model_limits(recipe: Recipe, source: Any) -> None:
 def run_training(recipe: Recipe) -> Path:
     """Train as the recipe says; returns the run directory. Works the same under torchrun."""
     from toolkit.builtins.loaders import resolve_model
-    from toolkit.train.distributed import init_world, shutdown
+    from toolkit.train.distributed import init_world, is_collective_failure, shutdown, start_watchdog
     from toolkit.train.numerics import NumericalError
 
-    world = init_world()
+    world = init_world(recipe.dist_timeout)
+    watchdog = start_watchdog(recipe.dist_timeout)
     strategy, tuner, loss, recipe = resolve_components(recipe, world.world_size)
     source = resolve_model(recipe.model, recipe.trust_remote_code)
     check_model_limits(recipe, source)
@@ -146,6 +148,16 @@ def run_training(recipe: Recipe) -> Path:
         if world.is_main:
             print(f"Error: {exc}", file=sys.stderr)
         shutdown(exit_code=1)
+    except Exception as exc:
+        if watchdog is None or not is_collective_failure(exc):
+            raise
+        # A peer died or hung: say which and end now; a teardown would wait on the dead peer.
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"toolkit: error: {watchdog.describe_failure(f'a collective failed during {watchdog.activity}: {first}')}",
+              file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     finally:
         engine.close()
     if world.distributed:
@@ -156,6 +168,7 @@ def run_training(recipe: Recipe) -> Path:
 def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: Any, source: Any, examples: list, stats: Any) -> None:
     from toolkit.data.pipeline import Batches
     from toolkit.train.checkpoint import find_resume_checkpoint, list_checkpoints, read_state, restore_rng, save_checkpoint
+    from toolkit.train.distributed import start_watchdog
     from toolkit.train.numerics import NonFiniteGuard
 
     eval_examples, examples = examples[: recipe.eval_samples], examples[recipe.eval_samples:]
@@ -181,6 +194,7 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
         cb.on_train_start(info)
     eval_batches = _eval_batches(eval_examples, recipe, engine, pad_id)
     guard = NonFiniteGuard.for_run(recipe, engine, run_dir)
+    watchdog = start_watchdog(recipe.dist_timeout)
     if checkpoint is not None:
         guard.restore(read_state(checkpoint))
     elif recipe.on_nan == "rollback":  # something to return to before the first checkpoint
@@ -192,6 +206,8 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
     with StopFlag() as stop:
         while step < total_steps:
             done = step + 1
+            if watchdog is not None:
+                watchdog.arm(f"step {done}")
             if not guard.skips(step):
                 micro_batches = batches.micro_batches(step)
                 lr = engine.current_lr()
@@ -221,6 +237,8 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
             if recipe.stop_after and done - start_step >= recipe.stop_after and done < total_steps:
                 stop.requested = True
             stopping = engine.all_reduce_sum([1.0 if stop.requested else 0.0])[0] > 0
+            if watchdog is not None:  # saving may take long; a peer lost there still fails its barrier
+                watchdog.disarm()
             if (recipe.save_every and done % recipe.save_every == 0) or done == total_steps or stopping:
                 state = _trainer_state(recipe, engine, batches, done, result, total_steps, tuner, guard)
                 path = save_checkpoint(run_dir, done, engine, state, recipe.keep_last)
