@@ -14,7 +14,7 @@ import nan_plugin
 from test_numerics import write_dataset
 from toolkit.testing import free_port, write_plugin_distribution
 
-TIMEOUT = 8
+TIMEOUT = 6
 STARTUP = 40  # seconds two CPU ranks may take to import torch and build the tiny model
 
 
@@ -62,10 +62,10 @@ def test_a_dead_or_hung_rank_ends_the_job_and_is_named(tmp_path, launch, failure
     result, elapsed = launch(data)
     err = result.stderr
     assert result.returncode != 0, err[-3000:]
-    assert elapsed < STARTUP + TIMEOUT + 15, (elapsed, err[-3000:])
+    assert elapsed < STARTUP + TIMEOUT + 5 + 15, (elapsed, err[-3000:])  # 5: the hung rank's own grace period
     survivor = 1 - bad_rank
-    assert f"toolkit: error: rank {survivor}:" in err, err[-3000:]
+    assert f"toolkit: error: rank {survivor}: a collective failed during step {step}" in err, err[-3000:]
     assert f"rank {bad_rank}: last seen" in err and f"in step {step};" in err, err[-3000:]
     assert "Last collective on this rank: " in err and "Traceback" not in err.split("toolkit: error:")[0][-2000:]
     if failure == "hang":  # the hung rank ends itself too, naming what it was doing
-        assert f"toolkit: error: rank {bad_rank}: step {step} made no progress for {TIMEOUT}s" in err, err[-3000:]
+        assert f"toolkit: error: rank {bad_rank}: step {step} made no progress for {TIMEOUT + 5}s" in err, err[-3000:]

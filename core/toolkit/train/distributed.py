@@ -112,6 +112,9 @@ class Watchdog:
 
     def __init__(self, timeout: float, rank: int, world_size: int):
         self.timeout, self.rank, self.world_size = timeout, rank, world_size
+        # A grace period past the collectives' own timeout: a rank waiting on a hung peer reports
+        # its failed collective first; the hung rank ends itself a little later.
+        self.limit = timeout + max(5.0, 0.1 * timeout)
         self.last_collective = "none yet"
         self.activity = "start-up"
         self._deadline: float | None = None
@@ -119,7 +122,7 @@ class Watchdog:
 
     def arm(self, activity: str) -> None:
         self.activity = activity
-        self._deadline = time.monotonic() + self.timeout
+        self._deadline = time.monotonic() + self.limit
         self.report()
         if self._thread is None:
             self._thread = threading.Thread(target=self._watch, name="toolkit-watchdog", daemon=True)
@@ -148,10 +151,10 @@ class Watchdog:
 
     def _watch(self) -> None:
         while True:
-            time.sleep(min(1.0, self.timeout / 20))
+            time.sleep(min(1.0, self.limit / 20))
             deadline = self._deadline
             if deadline is not None and time.monotonic() > deadline:
-                message = self.describe_failure(f"{self.activity} made no progress for {self.timeout:g}s")
+                message = self.describe_failure(f"{self.activity} made no progress for {self.limit:g}s")
                 print(f"toolkit: error: {message}\nEnding the job: a rank that is dead or hung would otherwise keep "
                       "every other rank waiting.", file=sys.stderr)
                 sys.stderr.flush()

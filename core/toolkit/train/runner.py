@@ -168,7 +168,7 @@ def run_training(recipe: Recipe) -> Path:
 def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: Any, source: Any, examples: list, stats: Any) -> None:
     from toolkit.data.pipeline import Batches
     from toolkit.train.checkpoint import find_resume_checkpoint, list_checkpoints, read_state, restore_rng, save_checkpoint
-    from toolkit.train.distributed import start_watchdog
+    from toolkit.train.distributed import note_collective, start_watchdog
     from toolkit.train.numerics import NonFiniteGuard
 
     eval_examples, examples = examples[: recipe.eval_samples], examples[recipe.eval_samples:]
@@ -211,6 +211,7 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
             if not guard.skips(step):
                 micro_batches = batches.micro_batches(step)
                 lr = engine.current_lr()
+                note_collective("the engine's gradient reduction (train_step)")
                 result = engine.train_step(micro_batches, loss, batches.context(step))
                 event = guard.check(step, result, batches)
                 if event is not None:
