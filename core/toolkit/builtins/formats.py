@@ -15,6 +15,8 @@ from toolkit.errors import DataError
 def _field(record: dict[str, Any], key: str, where: str, required: bool = True) -> Any:
     if key in record and record[key] is not None:
         return record[key]
+    if required and key in record:  # null in JSON, an empty cell in CSV/Parquet
+        raise DataError(f"{where}: column {key!r} is empty; give it a value or drop the record")
     if required:
         raise DataError(f"{where}: missing column {key!r}; columns found: {', '.join(record) or 'none'}")
     return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +52,9 @@ def read_records(reference: str, limit: int = 0) -> tuple[Path, list[dict[str, A
 
         try:
             table = datasets.load_dataset(suffix[1:], data_files=str(path), split="train")
-        except Exception as exc:
-            raise DataError(f"cannot read {path}: {exc}") from None
+        except Exception as exc:  # datasets wraps the reader's error: show the cause (bad encoding, bad row)
+            cause = exc.__cause__ or exc.__context__ or exc
+            raise DataError(f"cannot read {path}: {type(cause).__name__}: {cause}") from exc
         records = [dict(r) for r in table]
     else:
         raise DataError(f"{path}: unsupported file type {suffix!r}; use .jsonl, .json, .parquet or .csv")
@@ -61,10 +63,33 @@ def read_records(reference: str, limit: int = 0) -> tuple[Path, list[dict[str, A
     return path, records
 
 
+LONE_SURROGATE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _decode(raw: bytes, path: Path, number: int) -> str:
+    try:
+        return raw.decode("utf-8-sig" if number == 1 else "utf-8")  # a byte-order mark may open the file
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}, line {number}: not valid UTF-8 (byte {exc.start + 1}: {raw[exc.start:exc.start + 1]!r}); "
+                        "save the file as UTF-8") from None
+
+
+def _check_characters(record: Any, text: str, path: Path, number: int) -> None:
+    """JSON may escape a lone UTF-16 surrogate (``\\ud800``): not a character, and tokenizers reject it."""
+    if not LONE_SURROGATE.search(text):
+        return
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise DataError(f"{path}, line {number}: a string holds a lone UTF-16 surrogate escape (such as \\ud800), "
+                        "which is not a character; fix or remove it") from None
+
+
 def _read_jsonl(path: Path, limit: int) -> list[dict[str, Any]]:
     records = []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            line = _decode(raw, path, number)
             if not line.strip():
                 continue
             try:
@@ -74,6 +99,7 @@ def _read_jsonl(path: Path, limit: int) -> list[dict[str, Any]]:
                                 "Each line of a .jsonl file must be one JSON object.") from None
             if not isinstance(record, dict):
                 raise DataError(f"{path}, line {number}: expected a JSON object, got {type(record).__name__}")
+            _check_characters(record, line, path, number)
             record["__line__"] = number
             records.append(record)
             if limit and len(records) >= limit:
@@ -82,12 +108,21 @@ def _read_jsonl(path: Path, limit: int) -> list[dict[str, Any]]:
 
 
 def _read_json(path: Path) -> list[dict[str, Any]]:
+    raw = path.read_bytes()
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise DataError(f"{path}, line {line}: not valid UTF-8 ({raw[exc.start:exc.start + 1]!r}); save the file as UTF-8") from None
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise DataError(f"{path}, line {exc.lineno}: not valid JSON ({exc.msg})") from None
     if isinstance(data, dict):
         data = next((v for v in data.values() if isinstance(v, list)), None)
     if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
         raise DataError(f"{path}: expected a list of JSON objects (or an object holding one)")
+    if LONE_SURROGATE.search(text):
+        for index, record in enumerate(data):
+            _check_characters(record, text, path, index + 1)
     return data

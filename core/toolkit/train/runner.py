@@ -176,6 +176,7 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
     batches = Batches(examples, seed=recipe.seed, seq_len=recipe.seq_len, packing=recipe.packing,
                       micro_batch_size=recipe.micro_batch_size, global_batch_size=recipe.global_batch_size,
                       dp_rank=engine.dp_rank, dp_world_size=engine.dp_world_size, pad_id=pad_id)
+    stats.left_over_per_epoch = batches.left_over_examples(0)
     total_steps = recipe.max_steps or max(1, math.ceil(recipe.epochs * batches.steps_per_epoch))
     engine.set_total_steps(total_steps)
     start_step = 0
