@@ -147,6 +147,16 @@ def test_skip_gives_up_after_max_nan_steps_in_a_row(tmp_path, nan_manager):
     assert [e["action"] for e in events(tmp_path / "run")] == ["skip", "skip", "stop"]
 
 
+def test_rollback_before_the_first_checkpoint_stops(tmp_path, nan_manager):
+    from toolkit.train.numerics import NumericalError
+    from toolkit.train.runner import run_training
+
+    data = write_dataset(tmp_path / "data.jsonl", poison="loss")
+    with pytest.raises(NumericalError, match="no checkpoint to roll back to yet"):
+        run_training(recipe_for(data, tmp_path / "run", on_nan="rollback", save_every=0))
+    assert not (tmp_path / "run/checkpoints").exists()
+
+
 def test_skip_is_refused_for_an_engine_that_updates_before_checking(tmp_path, nan_manager):
     from toolkit.errors import ConfigError
     from toolkit.train.numerics import NonFiniteGuard

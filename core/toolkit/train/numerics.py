@@ -109,7 +109,7 @@ class NonFiniteGuard:
         if action != "stop" and self.max_in_row and self._in_row >= self.max_in_row:
             action, reason = "stop", f" ({self._in_row} non-finite steps in a row, --max-nan-steps {self.max_in_row})"
         if action == "rollback" and last_checkpoint is None:
-            action, reason = "stop", " (no checkpoint to roll back to)"
+            action, reason = "stop", " (no checkpoint to roll back to yet: save earlier ones with --save-every)"
         self._record(event, action, last_checkpoint)
         if action == "stop":
             where = f"the last good checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint was saved yet"

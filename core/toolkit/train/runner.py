@@ -198,9 +198,6 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
     watchdog = start_watchdog(recipe.dist_timeout)
     if checkpoint is not None:
         guard.restore(read_state(checkpoint))
-    elif recipe.on_nan == "rollback":  # something to return to before the first checkpoint
-        save_checkpoint(run_dir, 0, engine, _trainer_state(recipe, engine, batches, 0, None, total_steps, tuner, guard),
-                        recipe.keep_last)
     step, logged = start_step, start_step
     window_tokens, window_start = 0, time.perf_counter()
     result = None
