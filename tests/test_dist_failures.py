@@ -8,10 +8,10 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 import nan_plugin
+import pytest
 from test_numerics import write_dataset
+
 from toolkit.testing import free_port, write_plugin_distribution
 
 TIMEOUT = 6

@@ -7,11 +7,11 @@ import os
 import sys
 from pathlib import Path
 
+import nan_plugin
 import pytest
 import torch
 from safetensors.torch import load_file
 
-import nan_plugin
 from toolkit.recipe import resolve_recipe
 from toolkit.testing import run_distributed, write_plugin_distribution
 
