@@ -35,6 +35,13 @@ MASTER_STEP_BYTES_PER_PARAM = 46.0
 28), clipping (read + scale the fp32 grads: 12) and the bf16 write-back (6)."""
 ACCUMULATE_BYTES_PER_PARAM = 6.0
 """Per micro-batch: read the bf16 gradient, write (or add into) the fp32 master gradient."""
+HOST_SECONDS_PER_LAYER = {"full": 4.7e-3, "lora": 8.9e-3}
+"""Host time to issue one decoder layer's forward and backward (HF modules, eager PyTorch): a step
+can never be faster than the CPU can launch it, which is what bounds short micro-batches.
+Calibrated on one H200 with bench/plan_check.py (2026-11-30): a full-SFT step of the 1.24B shape
+at 1 x 1024 tokens took 75 ms (16 layers) where its GPU work needs about 42 ms, and a LoRA step
+at 1 x 4096 tokens 142 ms against about 87 ms of GPU work (each adapter adds launches)."""
+HOST_BOUND_STRATEGIES = ("local", "fsdp", "deepspeed")
 CPU_ADAM_PARAMS_PER_S = 1e9
 PCIE_BANDWIDTH = 25e9
 EXPOSED_DP = {"megatron": 0.5, "deepspeed": 0.7, "fsdp": 0.7, "local": 1.0}
@@ -54,14 +61,20 @@ class TimeBreakdown:
     data_parallel: float = 0.0
     zero_gather: float = 0.0
     optimizer: float = 0.0
+    host: float = 0.0
+    """Seconds the CPU needs to launch the step; the step takes the longer of this and the GPU work."""
     tokens_per_step: int = 0
     micro_batches: int = 1
     efficiency: float = 0.0
 
     @property
-    def total(self) -> float:
+    def device_total(self) -> float:
         return (self.compute + self.tensor_parallel + self.context_parallel + self.expert_parallel + self.pipeline_p2p
                 + self.bubble + self.data_parallel + self.zero_gather + self.optimizer)
+
+    @property
+    def total(self) -> float:
+        return max(self.device_total, self.host)
 
     @property
     def tokens_per_second(self) -> float:
@@ -72,6 +85,8 @@ class TimeBreakdown:
                 ("EP all-to-all", self.expert_parallel), ("PP send/recv", self.pipeline_p2p),
                 ("pipeline bubble", self.bubble), ("DP grad sync", self.data_parallel),
                 ("ZeRO-3 gathers", self.zero_gather), ("optimizer step", self.optimizer)]
+        if self.host > self.device_total:
+            rows.append(("host-bound: CPU launch time", self.host))
         return [(name, value) for name, value in rows if value > 0]
 
 
@@ -186,4 +201,7 @@ def step_time(shape: ModelShape, layout: Layout, workload: Workload, cluster: Cl
         out.optimizer = sharded * moved / cluster.gpu.hbm_bandwidth
     else:
         out.optimizer = sharded * OPTIMIZER_BYTES_PER_PARAM / cluster.gpu.hbm_bandwidth
+    if layout.strategy in HOST_BOUND_STRATEGIES:
+        per_layer = HOST_SECONDS_PER_LAYER["full" if workload.tuner == "full" else "lora"]
+        out.host = micro_batches * layers_here * per_layer
     return out
