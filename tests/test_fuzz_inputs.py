@@ -165,6 +165,8 @@ def check_pipeline(path: Path, count: int, dataset_format: str, tokenizer, test:
         for seq in example.sequences:
             assert len(seq.input_ids) == len(seq.labels) <= 64 and any(label != -100 for label in seq.labels)
     tally(test, "accepted")
+    TRIED[test]["records in accepted files"] = TRIED[test].get("records in accepted files", 0) + count
+    TRIED[test]["records dropped and counted"] = TRIED[test].get("records dropped and counted", 0) + stats.dropped_no_labels
 
 
 # ----------------------------------------------------------------------------- dataset properties

@@ -99,7 +99,9 @@ class ShareGPT:
     def encode(self, record: dict[str, Any], tokenizer: Any, template: ChatTemplate, where: str = "record") -> Example:
         turns = _field(record, self.config.column, where)
         if not isinstance(turns, list):
-            raise DataError(f"{where}: {self.config.column!r} must be a list of {{from, value}} turns")
+            hint = " (a CSV cell holds only text: keep conversations in .jsonl, .json or .parquet)" if isinstance(turns, str) else ""
+            raise DataError(f"{where}: {self.config.column!r} must be a list of {{from, value}} turns, got "
+                            f"{type(turns).__name__}{hint}")
         messages = []
         for i, turn in enumerate(turns):
             role = SHAREGPT_ROLES.get(str(turn.get("from", "")).lower()) if isinstance(turn, dict) else None

@@ -82,7 +82,8 @@ def shift_labels(ids: list[int], trained: list[bool]) -> list[int]:
 def normalise_messages(messages: Any, where: str) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages:
         got = "an empty list" if isinstance(messages, list) else type(messages).__name__
-        raise DataError(f"{where}: expected a non-empty list of messages, got {got}")
+        hint = " (a CSV cell holds only text: keep conversations in .jsonl, .json or .parquet)" if isinstance(messages, str) else ""
+        raise DataError(f"{where}: expected a non-empty list of messages, got {got}{hint}")
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
