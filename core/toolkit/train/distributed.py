@@ -210,6 +210,19 @@ def peer_report(rank: int, world_size: int) -> str:
     return "Other ranks:\n" + "\n".join(text for _, text in sorted(rows))
 
 
+def end_if_peer_lost(exc: BaseException) -> None:
+    """When ``exc`` is a collective that failed because a peer died or hung, print which rank and
+    collective, and exit now: a teardown would wait on the lost peer. Otherwise return."""
+    if _WATCHDOG is None or not is_collective_failure(exc):
+        return
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    message = _WATCHDOG.describe_failure(f"a collective failed during {_WATCHDOG.activity}: {first}")
+    print(f"toolkit: error: {message}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
 def is_collective_failure(exc: BaseException) -> bool:
     """A peer closed the connection or a collective timed out (gloo/NCCL), rather than a bug here."""
     import torch.distributed as dist

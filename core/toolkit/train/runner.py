@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import shutil
 import signal
 import sys
@@ -115,11 +114,11 @@ def check_model_limits(recipe: Recipe, source: Any) -> None:
 def run_training(recipe: Recipe) -> Path:
     """Train as the recipe says; returns the run directory. Works the same under torchrun."""
     from toolkit.builtins.loaders import resolve_model
-    from toolkit.train.distributed import init_world, is_collective_failure, shutdown, start_watchdog
+    from toolkit.train.distributed import end_if_peer_lost, init_world, shutdown, start_watchdog
     from toolkit.train.numerics import NumericalError
 
     world = init_world(recipe.dist_timeout)
-    watchdog = start_watchdog(recipe.dist_timeout)
+    start_watchdog(recipe.dist_timeout)
     strategy, tuner, loss, recipe = resolve_components(recipe, world.world_size)
     source = resolve_model(recipe.model, recipe.trust_remote_code)
     check_model_limits(recipe, source)
@@ -149,15 +148,8 @@ def run_training(recipe: Recipe) -> Path:
             print(f"Error: {exc}", file=sys.stderr)
         shutdown(exit_code=1)
     except Exception as exc:
-        if watchdog is None or not is_collective_failure(exc):
-            raise
-        # A peer died or hung: say which and end now; a teardown would wait on the dead peer.
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"toolkit: error: {watchdog.describe_failure(f'a collective failed during {watchdog.activity}: {first}')}",
-              file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        end_if_peer_lost(exc)  # returns only when the error is not a dead or hung peer
+        raise
     finally:
         engine.close()
     if world.distributed:
@@ -198,9 +190,8 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
     watchdog = start_watchdog(recipe.dist_timeout)
     if checkpoint is not None:
         guard.restore(read_state(checkpoint))
-    step, logged = start_step, start_step
-    window_tokens, window_start = 0, time.perf_counter()
-    result = None
+    log = _StepLog(recipe, engine, loss, callbacks, eval_batches, total_steps, batches.steps_per_epoch, start_step)
+    step, result = start_step, None
     with StopFlag() as stop:
         while step < total_steps:
             done = step + 1
@@ -217,22 +208,8 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
                     if guard.handle(event, checkpoints[-1] if checkpoints else None) == "rollback":
                         step = _rollback(engine, checkpoints[-1])
                         continue
-                elif done > logged:  # steps replayed after a rollback were logged already
-                    window_tokens += sum(int((mb["sequence_ids"] >= 0).sum()) for mb in micro_batches)
-                    elapsed = time.perf_counter() - window_start
-                    tokens_per_s = engine.all_reduce_sum([window_tokens])[0] / max(elapsed, 1e-9)
-                    metrics = {"step": done, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
-                               "tokens_per_s": tokens_per_s, "epoch": step / batches.steps_per_epoch, **result.metrics}
-                    for cb in callbacks:
-                        cb.on_step_end(done, metrics)
-                    if done % recipe.log_every == 0 or done == total_steps:
-                        if eval_batches:
-                            evaluated = engine.evaluate(eval_batches[0], loss, eval_batches[1])
-                            metrics.update({f"eval_{k}": v for k, v in evaluated.items()})
-                        for cb in callbacks:
-                            cb.on_log(done, metrics)
-                        window_tokens, window_start = 0, time.perf_counter()
-                    logged = done
+                elif done > log.logged:  # steps replayed after a rollback were logged already
+                    log.record(step, micro_batches, result, lr)
             if recipe.stop_after and done - start_step >= recipe.stop_after and done < total_steps:
                 stop.requested = True
             stopping = engine.all_reduce_sum([1.0 if stop.requested else 0.0])[0] > 0
@@ -250,6 +227,34 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
         cb.on_train_end(info)
     if recipe.export and not stop.requested:
         export_after_training(recipe, run_dir, engine, source, tuner)
+
+
+class _StepLog:
+    """Metrics of each trained step to the callbacks; tokens/s over the steps since the last log line."""
+
+    def __init__(self, recipe: Recipe, engine: Any, loss: Any, callbacks: list, eval_batches: Any, total_steps: int,
+                 steps_per_epoch: int, start_step: int):
+        self.recipe, self.engine, self.loss, self.callbacks, self.eval_batches = recipe, engine, loss, callbacks, eval_batches
+        self.total_steps, self.steps_per_epoch, self.logged = total_steps, steps_per_epoch, start_step
+        self.window_tokens, self.window_start = 0, time.perf_counter()
+
+    def record(self, step: int, micro_batches: list, result: Any, lr: float) -> None:
+        done, engine = step + 1, self.engine
+        self.window_tokens += sum(int((mb["sequence_ids"] >= 0).sum()) for mb in micro_batches)
+        elapsed = time.perf_counter() - self.window_start
+        tokens_per_s = engine.all_reduce_sum([self.window_tokens])[0] / max(elapsed, 1e-9)
+        metrics = {"step": done, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
+                   "tokens_per_s": tokens_per_s, "epoch": step / self.steps_per_epoch, **result.metrics}
+        for cb in self.callbacks:
+            cb.on_step_end(done, metrics)
+        if done % self.recipe.log_every == 0 or done == self.total_steps:
+            if self.eval_batches:
+                evaluated = engine.evaluate(self.eval_batches[0], self.loss, self.eval_batches[1])
+                metrics.update({f"eval_{k}": v for k, v in evaluated.items()})
+            for cb in self.callbacks:
+                cb.on_log(done, metrics)
+            self.window_tokens, self.window_start = 0, time.perf_counter()
+        self.logged = done
 
 
 def _trainer_state(recipe: Recipe, engine: Any, batches: Any, done: int, result: Any, total_steps: int, tuner: Any,
