@@ -47,15 +47,10 @@ def read_records(reference: str, limit: int = 0) -> tuple[Path, list[dict[str, A
         records = _read_jsonl(path, limit)
     elif suffix == ".json":
         records = _read_json(path)
-    elif suffix in (".parquet", ".csv"):
-        import datasets
-
-        try:
-            table = datasets.load_dataset(suffix[1:], data_files=str(path), split="train")
-        except Exception as exc:  # datasets wraps the reader's error: show the cause (bad encoding, bad row)
-            cause = exc.__cause__ or exc.__context__ or exc
-            raise DataError(f"cannot read {path}: {type(cause).__name__}: {cause}") from exc
-        records = [dict(r) for r in table]
+    elif suffix == ".csv":
+        records = _read_csv(path)
+    elif suffix == ".parquet":
+        records = _read_parquet(path)
     else:
         raise DataError(f"{path}: unsupported file type {suffix!r}; use .jsonl, .json, .parquet or .csv")
     if limit:
@@ -126,3 +121,39 @@ def _read_json(path: Path) -> list[dict[str, Any]]:
         for index, record in enumerate(data):
             _check_characters(record, text, path, index + 1)
     return data
+
+
+def _read_csv(path: Path) -> list[dict[str, Any]]:
+    """Every cell as the text it holds: no type guessing ("0.10" stays "0.10", "NA" and "null" stay
+    text), an empty cell is an empty string, and errors name the physical line."""
+    import csv
+
+    csv.field_size_limit(2**31 - 1)  # long documents are legitimate cells
+    records = []
+    try:
+        with path.open(encoding="utf-8-sig", newline="") as handle:
+            reader = csv.DictReader(handle)
+            for row in reader:
+                extra = row.pop(None, None)
+                if extra:
+                    raise DataError(f"{path}, line {reader.line_num}: {len(extra)} more cells than the header has columns")
+                row = {k: ("" if v is None else v) for k, v in row.items()}
+                row["__line__"] = reader.line_num
+                records.append(row)
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not valid UTF-8 ({exc.object[exc.start:exc.start + 1]!r} at byte {exc.start}); "
+                        "save the file as UTF-8") from None
+    except csv.Error as exc:
+        raise DataError(f"{path}: not a readable CSV file ({exc})") from None
+    return records
+
+
+def _read_parquet(path: Path) -> list[dict[str, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(f"cannot read {path} as Parquet: {exc}") from None
+    return [{**row, "__line__": index + 1} for index, row in enumerate(table.to_pylist())]
