@@ -145,7 +145,8 @@ def with_ids(records_: list[dict]) -> list[dict]:
 def check_pipeline(path: Path, count: int, dataset_format: str, tokenizer, test: str, last_line: int | None = None) -> None:
     """The property: a ToolkitError naming the file (and a line of it), or every record accounted for."""
     if last_line is None:  # a CSV record's line is its physical line (header first, cells may span lines)
-        last_line = path.read_bytes().count(b"\n") + 1 if path.suffix == ".csv" else count
+        raw = path.read_bytes()
+        last_line = raw.count(b"\n") + raw.count(b"\r") + 1 if path.suffix == ".csv" else count
     from toolkit.data.pipeline import load_examples
 
     try:
