@@ -58,6 +58,12 @@ def read_records(reference: str, limit: int = 0) -> tuple[Path, list[dict[str, A
     return path, records
 
 
+def json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type (``null``, not ``NoneType``)."""
+    names = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array"}
+    return names.get(type(value), type(value).__name__)
+
+
 LONE_SURROGATE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
@@ -93,7 +99,7 @@ def _read_jsonl(path: Path, limit: int) -> list[dict[str, Any]]:
                 raise DataError(f"{path}, line {number}: not valid JSON ({exc.msg} at column {exc.colno}). "
                                 "Each line of a .jsonl file must be one JSON object.") from None
             if not isinstance(record, dict):
-                raise DataError(f"{path}, line {number}: expected a JSON object, got {type(record).__name__}")
+                raise DataError(f"{path}, line {number}: expected a JSON object, got {json_type(record)}")
             _check_characters(record, line, path, number)
             record["__line__"] = number
             records.append(record)
