@@ -95,11 +95,12 @@ def test_refuses_to_reuse_a_run_directory_then_infers(tmp_path):
 def test_fsdp_equals_local_resumes_and_exports(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    batch = ["--micro-batch-size", "2", "--global-batch-size", "4"]
+    batch = ["--micro-batch-size", "2", "--global-batch-size", "4", "--max-steps", "5"]
     toolkit("sft", *COMMON, "--output", str(tmp_path / "local"), *batch, "--export", "hf")
     fsdp = tmp_path / "fsdp"
     toolkit("sft", *COMMON, "--output", str(fsdp), *batch, "--strategy", "fsdp", "--stop-after", "2", nproc=2)
     toolkit("sft", *COMMON, "--output", str(fsdp), *batch, "--strategy", "fsdp", "--resume", "auto", "--export", "hf", nproc=2)
+    assert len(metrics(fsdp)) == 5
     for a, b in zip(metrics(tmp_path / "local"), metrics(fsdp), strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
     ids = torch.arange(5, 40)[None]

@@ -191,6 +191,15 @@ class Tuner(Registered, Protocol):
 
 
 class Loss(Registered, Protocol):
+    """A task objective over :class:`TokenLogps`.
+
+    Optional class attribute ``uniform_token_gradient = True``: the loss's gradient with respect to
+    every label log-prob of a micro-batch is one and the same number (token-averaged cross-entropy).
+    Engines may then make the output head's gradients in forward (``--local-fused-loss``); a loss
+    that weights tokens differently must not declare it. Engines read it from the class that defines
+    ``__call__``, so overriding ``__call__`` in a subclass drops the promise unless it is repeated.
+    """
+
     consumes: ClassVar[Literal["logps", "scores"]]
     needs_reference: ClassVar[bool]
     example_kinds: ClassVar[tuple[str, ...]]
@@ -209,10 +218,15 @@ class DatasetFormat(Registered, Protocol):
 class Engine(Protocol):
     """A model placed by a strategy: steps, checkpoints and exports it.
 
+    Optional: ``adapter_export()`` returns the ``ExportModel.adapter`` callable (or None) when the
+    tuner cannot read adapters from ``engine.model`` itself (a sharded model); without it the
+    runner asks the tuner's ``adapter_export(engine.model)``.
+
     Optional class attributes the runner reads: ``skips_nonfinite_updates`` (True when
-    ``train_step`` checks the reduced loss and gradient norm before its optimizer step and
-    skips a non-finite update; needed by ``--on-nan skip``) and ``supports_rollback`` (default
-    True: ``load_checkpoint`` works in a running job; needed by ``--on-nan rollback``).
+    ``train_step`` can check the reduced loss and gradient norm before its optimizer step and
+    skip a non-finite update; needed by ``--on-nan skip``, which sets ``engine.skip_nonfinite =
+    True``) and ``supports_rollback`` (default True: ``load_checkpoint`` works in a running job;
+    needed by ``--on-nan rollback``).
     """
 
     dp_rank: int

@@ -145,6 +145,10 @@ def toolkit_patch_model(model: Any, source: Any, recipe: Any) -> None:
     your options ask for it. Example: toolkit-moe swaps the sparse MoE blocks for its own.
     A patched model that produces an auxiliary loss exposes ``model.toolkit_pop_aux_loss()``
     returning ``(loss_or_None, metrics)`` for the last forward; engines add that loss.
+    A parameter the plugin splits over ranks (dim 0, e.g. experts) carries
+    ``param.toolkit_shard = toolkit.train.sharded.Shard(...)``: the ``local`` engine then leaves it
+    out of DDP, sums its gradient over the replicas, counts it once in the gradient norm and
+    gathers it for checkpoints and export.
     """
 
 

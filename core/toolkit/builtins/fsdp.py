@@ -35,7 +35,7 @@ class FSDPEngine(LocalEngine):
 
     def __init__(self, source: Any, tuner: Any, loss: Any, recipe: Any, config: FSDPConfig):
         import torch
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
         from toolkit.train import logps
         from toolkit.train.distributed import init_world
@@ -46,22 +46,52 @@ class FSDPEngine(LocalEngine):
         self.device = self.world.device
         self.recipe, self.tuner, self.source, self.config = recipe, tuner, source, config
         self.model = load_hf_model(source, tuner, recipe, self.device)
-        # a frozen reference (DPO) is a full, unsharded copy made before sharding
-        self.reference = self._build_reference(loss) if getattr(loss, "needs_reference", False) else None
-        kwargs: dict[str, Any] = {"reshard_after_forward": config.reshard_after_forward}
+        self.shard_options: dict[str, Any] = {"reshard_after_forward": config.reshard_after_forward}
         if config.cpu_offload:
-            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
-        use_policy = config.mixed_precision and recipe.precision == "bf16"
-        if use_policy:
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            self.shard_options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+        self.use_policy = config.mixed_precision and recipe.precision == "bf16"
+        if self.use_policy:
+            self.shard_options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         self._ensure_group()
-        for layer in decoder_layers(self.model):
-            fully_shard(layer, **kwargs)
-        self.module = logps.CausalLMLogps(self.model, None if use_policy else autocast_dtype(recipe.precision))
-        fully_shard(self.module, **kwargs)
+        # a frozen reference (DPO with full/freeze tuning) is copied before the policy is sharded, then sharded too
+        self.reference = self._build_reference(loss) if getattr(loss, "needs_reference", False) else None
+        self.module = self._shard(logps.CausalLMLogps(self.model, None if self.use_policy else autocast_dtype(recipe.precision)))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, recipe, getattr(tuner, "optimizer_factory", None))
         self.scheduler = None
+
+    def _shard(self, module: Any) -> Any:
+        """``fully_shard`` each decoder layer of ``module.model``, then ``module`` itself (embeddings, norm, head)."""
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in decoder_layers(module.model):
+            fully_shard(layer, **self.shard_options)
+        fully_shard(module, **self.shard_options)
+        return module
+
+    def _build_reference(self, loss: Any) -> Any:
+        reference = super()._build_reference(loss)
+        if reference is None:
+            return None
+        if self.use_policy:
+            reference.autocast_dtype = None  # the mixed precision policy casts to bf16 instead
+        return self._shard(reference)
+
+    def reference_logps(self, micro_batch: dict) -> Any:
+        """Reference log-probs; with adapters, the sharded policy itself with its adapters disabled.
+
+        The policy must run through its FSDP root (``self.module``): calling the inner HF model as
+        the local engine does would meet still-sharded embeddings and head.
+        """
+        if self.reference is not None or not hasattr(self.tuner, "disabled_adapters") or getattr(self, "reference_released", False):
+            return super().reference_logps(micro_batch)
+        import torch
+
+        from toolkit.train.logps import token_logps
+
+        with torch.no_grad(), self.tuner.disabled_adapters(self.model):
+            out = token_logps(self.module, micro_batch, self.device)
+        return out.sequence_sums().detach()
 
     def _ensure_group(self) -> None:
         import torch.distributed as dist
@@ -72,6 +102,13 @@ class FSDPEngine(LocalEngine):
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", rank=0, world_size=1)
+            self._own_group = True
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if getattr(self, "_own_group", False) and dist.is_initialized():
+            dist.destroy_process_group()
 
     def _gradient_sync(self, last: bool) -> Any:
         import contextlib
@@ -107,6 +144,19 @@ class FSDPEngine(LocalEngine):
                        options=StateDictOptions(strict=False))
         if self.scheduler is not None:
             self.scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=True))
+
+    def adapter_export(self) -> Any:
+        """``ExportModel.adapter`` after training: the adapters of the newest checkpoint, read by rank 0 alone.
+
+        The live adapters are sharded (gathering them would need every rank); the runner saves a
+        checkpoint at the last step before it exports, so the newest one holds the final adapters.
+        """
+        if not hasattr(self.tuner, "adapter_from_checkpoint"):
+            return None
+        from toolkit.train.checkpoint import list_checkpoints
+
+        run_dir = Path(self.recipe.output)
+        return lambda: self.tuner.adapter_from_checkpoint(list_checkpoints(run_dir)[-1], self.source, self.recipe)
 
     def export_tensors(self) -> Iterator[tuple[str, Any]]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -154,10 +204,10 @@ class FSDPStrategy(LocalStrategy):
 
     def checkpoint_tensors(self, checkpoint: Path, source: Any, tuner: Any, recipe: Any) -> Iterator[tuple[str, Any]]:
         import torch
-        import torch.distributed.checkpoint as dcp
+
+        from toolkit.train.checkpoint import read_model_state
 
         model = load_hf_model(source, tuner, recipe, torch.device("cpu"))
-        trainable = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
-        dcp.load({"model": trainable}, checkpoint_id=str(checkpoint / "dcp"), no_dist=True)
-        tuner.load_checkpoint_state(model, trainable)
+        trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        tuner.load_checkpoint_state(model, read_model_state(checkpoint, trainable))
         yield from tuner.export_tensors(model)

@@ -23,6 +23,8 @@ class SFTLoss:
     needs_reference: ClassVar[bool] = False
     example_kinds: ClassVar[tuple[str, ...]] = ("lm",)
     train_on: ClassVar[str] = "assistant"
+    uniform_token_gradient: ClassVar[bool] = True
+    """d loss / d logp is ``-1 / label_tokens`` for every label: engines may fuse the head's gradient into forward."""
 
     def __init__(self, config: CrossEntropyConfig | None = None):
         self.config = config or CrossEntropyConfig()

@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from toolkit import hookimpl
 from toolkit.config import option
@@ -20,6 +20,22 @@ class LocalConfig:
     logps_chunk_tokens: int = option(2048, help="Tokens per chunk when computing label log-probs (bounds logits memory).")
     recompute_logits: bool = option(False, help="Recompute each chunk's logits in backward instead of keeping them in the compute dtype (less memory, slower).")
     master_weights: bool = option(True, help="--precision bf16: bf16 parameters with fp32 master weights (false: fp32 parameters under bf16 autocast).")
+    kernels: Literal["none", "torch", "triton", "liger", "auto"] = option(
+        "none", help="Fused RMSNorm, SwiGLU and RoPE for llama/mistral/qwen2/qwen3 (and the fused loss's softmax): "
+        "triton (the toolkit's kernels), liger (liger-kernel), torch (reference ops, CPU), auto (triton on a GPU, "
+        "else none), none (HF's modules). Falls back to torch, saying so, where a backend cannot run.")
+    fused_loss: bool = option(
+        False, help="pt/sft losses: make the output head's input and weight gradients in forward while each chunk's "
+        "logits exist (fused linear + cross-entropy), keeping nothing of vocabulary size for backward.")
+    compile: bool = option(
+        False, help="torch.compile each decoder layer (static shapes). The first step compiles; if that fails the run "
+        "continues eagerly with a message. Takes the place of --local-kernels inside the layers.")
+    attention: Literal["auto", "cudnn", "flash", "efficient"] = option(
+        "auto", help="The torch SDPA kernel to try first for HF's sdpa attention: auto (torch's own order), cudnn, "
+        "flash or efficient; inputs a kernel cannot take fall through to the next one.")
+    fp8: bool = option(
+        False, help="float8 training of the decoder's linear layers (torchao, dynamic tensorwise scaling; output head "
+        "excluded): Hopper/Ada GPUs, full or freeze tuner. Best with --local-compile.")
 
 
 def wants_scores(recipe: Any) -> bool:
@@ -70,14 +86,27 @@ class LocalEngine:
     master: Any = None
     """fp32 master weights under ``--precision bf16`` (subclasses with their own mixed precision keep None)."""
     skips_nonfinite_updates: ClassVar[bool] = True
-    """``train_step`` checks the reduced loss and gradient norm before the optimizer step (``--on-nan skip``)."""
+    """``train_step`` can check the reduced loss and gradient norm before the optimizer step (``--on-nan skip``)."""
+    skip_nonfinite: bool = False
+    """Set by the runner under ``--on-nan skip``: read the step's values before the update (one host read
+    either way; before the update the GPU waits for it while the optimizer's kernels are queued)."""
+    logps_module: Any = None
+    """The unwrapped :class:`~toolkit.train.logps.CausalLMLogps` (``None`` in subclasses: no fused loss there)."""
+    fused_loss: bool = False
+    attention: str = "auto"
+    kernel_ops: Any = None
+    compile_pending: bool = False
+    shards: dict[int, Any] = {}
+    """``id(optimized tensor) -> toolkit.train.sharded.Shard`` for parameters split over ranks (expert parallelism)."""
+    shard_names: dict[str, Any] = {}
 
     def __init__(self, source: Any, tuner: Any, loss: Any, recipe: Any, config: LocalConfig):
         import torch
 
-        from toolkit.train import logps
+        from toolkit.train import logps, speed
         from toolkit.train.distributed import init_world
         from toolkit.train.optim import MasterWeights, build_optimizer, cast_float_parameters
+        from toolkit.train.sharded import shard_of, sharded_names
 
         self.world = init_world()
         self.dp_rank, self.dp_world_size, self.is_main = self.world.rank, self.world.world_size, self.world.is_main
@@ -86,19 +115,25 @@ class LocalEngine:
         logps.LOGPS_CHUNK_TOKENS = config.logps_chunk_tokens
         logps.RECOMPUTE_LOGITS = config.recompute_logits
         self.model = load_hf_model(source, tuner, recipe, self.device)
+        self.kernel_ops, self.compile_pending = speed.apply_speed_options(self.model, config, self.device)
         self.master = None
         compute_autocast = autocast_dtype(recipe.precision)
         if recipe.precision == "bf16" and config.master_weights:
             self.master = MasterWeights([(n, p) for n, p in self.model.named_parameters() if p.requires_grad])
             cast_float_parameters(self.model, torch.bfloat16)
             compute_autocast = None
-        self.module = logps.CausalLMLogps(self.model, compute_autocast)
+        self.module = self.logps_module = logps.CausalLMLogps(self.model, compute_autocast)
+        self.fused_loss, self.attention = config.fused_loss, config.attention
+        self.shard_names = sharded_names(self.model)
         if self.world.distributed:
+            # sharded parameters (experts split over ranks) hold different slices per rank: DDP must not average them
+            self.module._ddp_params_and_buffers_to_ignore = list(sharded_names(self.module))
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.module = torch.nn.parallel.DistributedDataParallel(
                 self.module, device_ids=ids, find_unused_parameters=config.find_unused_parameters)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         optimized = self.master.master if self.master else self.params
+        self.shards = {id(t): shard_of(p) for t, p in zip(optimized, self.params) if shard_of(p) is not None}
         self.optimizer = build_optimizer(optimized, recipe, getattr(tuner, "optimizer_factory", None))
         self.scheduler = None
         self.reference = self._build_reference(loss) if getattr(loss, "needs_reference", False) else None
@@ -146,8 +181,13 @@ class LocalEngine:
     # ------------------------------------------------------------------ stepping
     def _forward_loss(self, micro_batch: dict, loss: Any, ctx: StepContext) -> Any:
         from toolkit.train.logps import token_logps
+        from toolkit.train.speed import fused_head_ops, sdpa_preference
 
-        out = token_logps(self.module, micro_batch, self.device)
+        if self.logps_module is not None:
+            # only a loss that gives every label log-prob the same gradient may take the fused head
+            self.logps_module.fused_ops = fused_head_ops(loss, self.kernel_ops) if self.fused_loss else None
+        with sdpa_preference(self.attention):
+            out = token_logps(self.module, micro_batch, self.device)
         if getattr(loss, "needs_reference", False) and out.reference_logps is None:
             out.reference_logps = self.reference_logps(micro_batch)
         return out, loss(out, ctx)
@@ -161,16 +201,49 @@ class LocalEngine:
         skip = self.world.distributed and not last and self.master is None
         return self.module.no_sync() if skip else contextlib.nullcontext()
 
-    def _clip_gradients(self) -> float:
+    def _clip_gradients(self) -> Any:
+        """Clip to ``--max-grad-norm``; the norm before clipping, as a device tensor (no host read)."""
         import torch
 
         max_norm = self.recipe.max_grad_norm if self.recipe.max_grad_norm > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.master.master if self.master else self.params, max_norm)
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        optimized = self.master.master if self.master else self.params
+        if self.shards:
+            from toolkit.train.sharded import grad_norm, reduce_sharded_grads
+
+            reduce_sharded_grads([(t, self.shards[id(t)]) for t in optimized if id(t) in self.shards], 1.0 / self.dp_world_size)
+            norm = grad_norm(optimized, self.shards)
+        else:
+            norm = torch.nn.utils.get_total_norm([t.grad for t in optimized if t.grad is not None])
+        # clip_grads_with_norm_ clamps the factor to 1 on the device: no host read inside the step
+        torch.nn.utils.clip_grads_with_norm_(optimized, max_norm, norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def train_step(self, micro_batches: list[dict], loss: Any, ctx: StepContext) -> StepResult:
+        if not self.compile_pending:
+            return self._train_step(micro_batches, loss, ctx)
+        from toolkit.train.kernels.patch import compile_failed_message, uncompile_decoder_layers
+
+        try:
+            result = self._train_step(micro_batches, loss, ctx)
+        except Exception as exc:  # the first step compiles the layers; a compiler failure must not end the run
+            if not type(exc).__module__.startswith(("torch._dynamo", "torch._inductor")):
+                raise
+            import sys
+
+            print(f"toolkit: {compile_failed_message(exc)}; continuing without compilation", file=sys.stderr)
+            uncompile_decoder_layers(self.model)
+            self.model.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=True)
+            result = self._train_step(micro_batches, loss, ctx)
+        self.compile_pending = False
+        return result
+
+    def _train_step(self, micro_batches: list[dict], loss: Any, ctx: StepContext) -> StepResult:
+        """One optimizer step. Losses and metrics stay on the device; they are read once, after the
+        optimizer step is queued, so the GPU never waits for the host inside the step."""
         self.module.train()
-        total, metrics = 0.0, {}
+        total: Any = 0.0
+        metrics: dict[str, Any] = {}
         share = 1.0 / (len(micro_batches) * self.dp_world_size)  # averages per-forward values over the step
         for index, micro_batch in enumerate(micro_batches):
             with self._gradient_sync(index == len(micro_batches) - 1):
@@ -178,28 +251,33 @@ class LocalEngine:
                 objective = result.loss
                 if out.aux_loss is not None:
                     objective = objective + out.aux_loss * share
-                    metrics["aux_loss"] = metrics.get("aux_loss", 0.0) + float(out.aux_loss.detach()) * share
+                    metrics["aux_loss"] = metrics.get("aux_loss", 0.0) + out.aux_loss.detach() * share
                 # DDP/FSDP average gradients over ranks; the loss contract wants their sum.
                 (objective * self.dp_world_size).backward()
             if self.master is not None:
                 self.master.accumulate_grads()
-            total += float(result.loss.detach())
+            total = total + result.loss.detach()
             for key, value in [*result.metrics.items(), *((k, v * share) for k, v in out.aux_metrics.items())]:
-                metrics[key] = metrics.get(key, 0.0) + float(value)
-        # The loss is reduced before the update, so a NaN on any rank stops every rank's update;
-        # the gradient norm is global already (DDP/FSDP reduced the gradients).
-        keys = sorted(metrics)
-        reduced = self.all_reduce_sum([total, *(metrics[k] for k in keys)])
+                metrics[key] = metrics.get(key, 0.0) + (value.detach() if hasattr(value, "detach") else value)
         grad_norm = self._clip_gradients()
-        applied = not nonfinite_quantities(reduced[0], grad_norm)
-        if applied:  # a non-finite step leaves weights, optimizer state and LR schedule as they were
+        keys = sorted(metrics)
+        from toolkit.train.distributed import read_step_values
+
+        def read() -> list[float]:
+            return read_step_values([total, *(metrics[k] for k in keys)], [grad_norm], self.device)
+
+        # The loss is summed over ranks (a NaN on one rank is a NaN on all); the norm is global already.
+        values = read() if self.skip_nonfinite else None
+        applied = values is None or not nonfinite_quantities(values[0], values[-1])
+        if applied:  # a skipped step leaves weights, optimizer state and LR schedule as they were
             self.optimizer.step()
             if self.master is not None:
                 self.master.write_back()
             if self.scheduler is not None:
                 self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss=reduced[0], grad_norm=grad_norm, metrics=dict(zip(keys, reduced[1:])), applied=applied)
+        values = values or read()
+        return StepResult(loss=values[0], grad_norm=values[-1], metrics=dict(zip(keys, values[1:-1])), applied=applied)
 
     def evaluate(self, micro_batches: list[dict], loss: Any, ctx: StepContext) -> dict[str, float]:
         import torch
@@ -224,28 +302,53 @@ class LocalEngine:
         import torch
         from safetensors.torch import save_file
 
+        from toolkit.train.sharded import full_optimizer_state, full_tensors
+
+        if not self.is_main and not self.shard_names:
+            return
+        # sharded tensors are gathered on the device (every rank takes part), so a checkpoint holds
+        # the full model at any layout
+        model_state = full_tensors(self.tuner.checkpoint_state(self.model), self.shard_names)
+        optimizer_state = full_optimizer_state(self.optimizer, self.shards) if self.shards else self.optimizer.state_dict()
+        master_state = None
+        if self.master is not None:
+            master_state = full_tensors(dict(zip(self.master.names, self.master.master)), self.shard_names)
         if self.is_main:
-            state = {k: v.detach().contiguous().cpu() for k, v in self.tuner.checkpoint_state(self.model).items()}
-            save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt", "tuner": self.tuner.name})
-            torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
+            def host(state: dict) -> dict:
+                return {k: v.detach().contiguous().cpu() for k, v in state.items()}
+
+            save_file(host(model_state), str(directory / "model.safetensors"), metadata={"format": "pt", "tuner": self.tuner.name})
+            torch.save(optimizer_state, directory / "optimizer.pt")
             torch.save(self.scheduler.state_dict() if self.scheduler else {}, directory / "scheduler.pt")
-            if self.master is not None:
-                save_file(self.master.state_dict(), str(directory / "master.safetensors"), metadata={"format": "pt"})
+            if master_state is not None:
+                save_file(host(master_state), str(directory / "master.safetensors"), metadata={"format": "pt"})
 
     def load_checkpoint(self, directory: Path) -> None:
         import torch
         from safetensors.torch import load_file
 
-        self.tuner.load_checkpoint_state(self.model, load_file(str(directory / "model.safetensors"), device=str(self.device)))
+        from toolkit.train.sharded import local_optimizer_state, local_tensors
+
+        model_state = load_file(str(directory / "model.safetensors"), device=str(self.device))
+        self.tuner.load_checkpoint_state(self.model, local_tensors(model_state, self.shard_names))
         if self.master is not None and (directory / "master.safetensors").is_file():
-            self.master.load_state_dict(load_file(str(directory / "master.safetensors"), device=str(self.device)))
-        self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", map_location=self.device, weights_only=True))
+            master_state = load_file(str(directory / "master.safetensors"), device=str(self.device))
+            self.master.load_state_dict(local_tensors(master_state, self.shard_names))
+        optimizer_state = torch.load(directory / "optimizer.pt", map_location=self.device, weights_only=True)
+        self.optimizer.load_state_dict(local_optimizer_state(self.optimizer, optimizer_state, self.shards))
         if self.scheduler is not None:
             self.scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=True))
 
     def export_tensors(self) -> Iterator[tuple[str, Any]]:
-        if self.is_main:
-            yield from self.tuner.export_tensors(self.model)
+        if not self.shard_names:
+            if self.is_main:
+                yield from self.tuner.export_tensors(self.model)
+            return
+        for name, tensor in self.tuner.export_tensors(self.model):  # every rank iterates: the gathers are collective
+            shard = self.shard_names.get(name)
+            tensor = shard.gather(tensor) if shard is not None else tensor
+            if self.is_main:
+                yield name, tensor
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         from toolkit.train.distributed import all_reduce_sum
@@ -280,6 +383,8 @@ class LocalStrategy:
             problems.append(f"--zero {recipe.zero} needs --strategy deepspeed (pip install toolkit-deepspeed)")
         if recipe.sequence_parallel:
             problems.append("--sequence-parallel needs --strategy megatron with --tp > 1")
+        if getattr(self.config, "fp8", False) and recipe.tuner not in ("full", "freeze"):
+            problems.append(f"--local-fp8 trains the decoder's linear layers in float8: it needs --tuner full or freeze, not {recipe.tuner}")
         return problems
 
     def build(self, source: Any, tuner: Any, loss: Any, recipe: Any) -> LocalEngine:

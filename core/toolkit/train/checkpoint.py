@@ -97,5 +97,28 @@ def _python_rng() -> list[Any]:
     return [version, list(state), gauss]
 
 
+def read_model_state(checkpoint: Path, templates: dict[str, Any]) -> dict[str, Any]:
+    """The saved trainable tensors of a checkpoint, read in one process without a process group.
+
+    ``model.safetensors`` (``local`` checkpoints) is returned whole; the ``dcp/`` shards of an
+    ``fsdp`` checkpoint are gathered, whatever the number of ranks that wrote them, into tensors
+    shaped like ``templates`` (name -> tensor giving shape and dtype).
+    """
+    weights = checkpoint / "model.safetensors"
+    if weights.is_file():
+        from safetensors.torch import load_file
+
+        return load_file(str(weights))
+    if not (checkpoint / "dcp").is_dir():
+        raise ToolkitError(f"{checkpoint} holds neither model.safetensors nor dcp/ (a torch.distributed.checkpoint); "
+                           "its strategy reads it itself: export it with `toolkit export` from the run directory")
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    state = {name: torch.empty(tensor.shape, dtype=tensor.dtype) for name, tensor in templates.items()}
+    dcp.load({"model": state}, checkpoint_id=str(checkpoint / "dcp"), no_dist=True)
+    return state
+
+
 def read_state(checkpoint: Path) -> dict[str, Any]:
     return json.loads((checkpoint / STATE_FILE).read_text())

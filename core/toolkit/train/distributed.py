@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -68,6 +69,30 @@ def all_reduce_sum(values: list[float], device: object = None, name: str = "all_
     tensor = torch.tensor(values, dtype=torch.float64, device=device or "cpu")
     dist.all_reduce(tensor)
     return tensor.tolist()
+
+
+def read_step_values(summed: list[Any], kept: list[Any], device: Any) -> list[float]:
+    """``summed`` all-reduced over ranks, then ``kept`` as they are, read to the host in one synchronisation.
+
+    Items are device tensors (0-dim) or Python numbers; engines call this once per step, after the
+    step's work is queued, so the GPU never idles waiting for the host in the middle of a step.
+    """
+    import torch
+    import torch.distributed as dist
+
+    def on_device(values: list[Any]) -> Any:
+        numbers = torch.tensor([0.0 if torch.is_tensor(v) else float(v) for v in values], dtype=torch.float64)
+        if device is not None and torch.device(device).type == "cuda":
+            numbers = numbers.pin_memory().to(device, non_blocking=True)
+        tensors = [v.detach().reshape(()).to(device=numbers.device, dtype=torch.float64) if torch.is_tensor(v)
+                   else numbers.new_zeros(()) for v in values]
+        return (torch.stack(tensors) + numbers) if values else numbers
+
+    reduced = on_device(summed)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and summed:
+        note_collective("read_step_values (the step's loss and metrics)")
+        dist.all_reduce(reduced)
+    return torch.cat([reduced, on_device(kept)]).tolist()
 
 
 def barrier() -> None:

@@ -12,18 +12,28 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from toolkit.contracts import IGNORE_INDEX, TokenLogps
+from toolkit.train.kernels.compiled import fused as compiled
 
 LOGPS_CHUNK_TOKENS = 2048
 RECOMPUTE_LOGITS = False
 """True: recompute each chunk's logits in backward (least memory); False: keep them in the compute dtype (faster)."""
 
 
-def attention_mask_for(sequence_ids: torch.Tensor) -> torch.Tensor | None:
+def plain_causal(sequence_ids: torch.Tensor) -> bool:
+    """Whether every row is one unpadded sequence (then plain causal attention is exact).
+
+    Reads the tensor on the host: call it on the micro-batch's CPU copy to keep the GPU queue full.
+    """
+    return bool((sequence_ids == sequence_ids[:, :1]).all()) and bool((sequence_ids >= 0).all())
+
+
+def attention_mask_for(sequence_ids: torch.Tensor, plain: bool | None = None) -> torch.Tensor | None:
     """Block-causal boolean mask ``[B, 1, T, T]`` from sequence ids; ``None`` when plain causal suffices.
 
-    Padding positions (-1) attend only to themselves so no row of the softmax is empty.
+    Padding positions (-1) attend only to themselves so no row of the softmax is empty. ``plain``:
+    the answer of :func:`plain_causal` when the caller already knows it.
     """
-    if bool((sequence_ids == sequence_ids[:, :1]).all()) and bool((sequence_ids >= 0).all()):
+    if plain if plain is not None else plain_causal(sequence_ids):
         return None
     length = sequence_ids.shape[1]
     same = sequence_ids[:, :, None] == sequence_ids[:, None, :]
@@ -48,14 +58,11 @@ class _FrozenHeadLogps(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module) -> torch.Tensor:
+        from toolkit.train.kernels.reference import logps_and_grad
+
         with torch.no_grad():
-            logits = head(hidden)
-            logps = torch.log_softmax(logits.float(), dim=-1)
-            picked = logps.gather(-1, labels[:, None]).squeeze(-1)
             # onehot(y) - softmax, formed in fp32 like autograd's own gradient, then one GEMM.
-            direction = logps.exp_().neg_().scatter_add_(-1, labels[:, None], logps.new_ones(labels.shape[0], 1))
-            direction = direction.to(logits.dtype)
-            del logits, logps
+            picked, direction = logps_and_grad(head(hidden), labels)
             grad = direction @ head.weight.to(direction.dtype)
         ctx.save_for_backward(grad)
         ctx.hidden_dtype = hidden.dtype
@@ -65,6 +72,21 @@ class _FrozenHeadLogps(torch.autograd.Function):
     def backward(ctx: Any, grad_picked: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (grad,) = ctx.saved_tensors
         return (grad_picked[:, None].to(grad.dtype) * grad).to(ctx.hidden_dtype), None, None
+
+
+def _logsumexp(logits: torch.Tensor) -> torch.Tensor:
+    return torch.logsumexp(logits.float(), dim=-1)
+
+
+def _grad_logits(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, grad_picked: torch.Tensor) -> torch.Tensor:
+    """``(onehot(y) - softmax) * grad`` in fp32, rounded once to the logits' dtype.
+
+    Pointwise only (the one-hot is a comparison, not a scatter), so on CUDA it compiles to one
+    kernel that reads the kept logits and writes the gradient without fp32 copies of the chunk.
+    """
+    columns = torch.arange(logits.shape[-1], device=logits.device)
+    onehot = (columns[None, :] == labels[:, None]).float()
+    return ((onehot - torch.exp(logits.float() - lse[:, None])) * grad_picked[:, None].float()).to(logits.dtype)
 
 
 class _LinearHeadLogps(torch.autograd.Function):
@@ -81,7 +103,7 @@ class _LinearHeadLogps(torch.autograd.Function):
         with torch.no_grad():
             h, w = hidden.to(dtype), weight.to(dtype)
             logits = h @ w.t()
-            lse = torch.logsumexp(logits.float(), dim=-1)
+            lse = compiled("head_logsumexp", _logsumexp, logits.device)(logits)
             picked = logits.gather(-1, labels[:, None]).squeeze(-1).float() - lse
         ctx.save_for_backward(h, labels, w, logits, lse)
         ctx.dtypes = (hidden.dtype, weight.dtype)
@@ -91,9 +113,7 @@ class _LinearHeadLogps(torch.autograd.Function):
     def backward(ctx: Any, grad_picked: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor]:
         h, labels, w, logits, lse = ctx.saved_tensors
         hidden_dtype, weight_dtype = ctx.dtypes
-        grad_logits = torch.exp(logits.float() - lse[:, None]).mul_(-grad_picked[:, None])
-        grad_logits.scatter_add_(-1, labels[:, None], grad_picked[:, None].float())
-        grad_logits = grad_logits.to(h.dtype)
+        grad_logits = compiled("head_grad_logits", _grad_logits, logits.device)(logits, lse, labels, grad_picked)
         grad_hidden = (grad_logits @ w).to(hidden_dtype) if ctx.needs_input_grad[0] else None
         grad_weight = (grad_logits.t() @ h).to(weight_dtype) if ctx.needs_input_grad[2] else None
         return grad_hidden, None, grad_weight
@@ -112,15 +132,23 @@ def frozen_head(head: nn.Module) -> bool:
 
 
 def label_logps(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk: int | None = None,
-                recompute: bool | None = None) -> torch.Tensor:
+                recompute: bool | None = None, fused_ops: Any = None) -> torch.Tensor:
     """``log p(labels)`` for ``hidden [N, H]``, a chunk of tokens at a time (never full fp32 logits).
 
-    Under gradient: a frozen head makes its input gradient in forward; a trainable plain head keeps
-    each chunk's logits in the compute dtype for backward; anything else (or ``recompute``)
-    recomputes each chunk's logits in backward, holding none.
+    Under gradient: with ``fused_ops`` (a kernel backend; only for losses whose gradient is the same
+    for every label log-prob) a plain head makes its input and weight gradients in forward
+    (:mod:`toolkit.train.fused_head`); otherwise a frozen head makes its input gradient in forward;
+    a trainable plain head keeps each chunk's logits in the compute dtype for backward; anything
+    else (or ``recompute``) recomputes each chunk's logits in backward, holding none.
     """
     chunk = chunk or LOGPS_CHUNK_TOKENS
     recompute = RECOMPUTE_LOGITS if recompute is None else recompute
+    plain_head = trainable_linear_head(head) or frozen_head(head)
+    if fused_ops is not None and plain_head and torch.is_grad_enabled() and hidden.shape[0] > 0 and (
+            hidden.requires_grad or head.weight.requires_grad):
+        from toolkit.train.fused_head import fused_label_logps
+
+        return fused_label_logps(head, hidden, labels, chunk, fused_ops)
     pieces = []
     fused = frozen_head(head)
     keep_logits = not recompute and trainable_linear_head(head)
@@ -151,14 +179,23 @@ def unwrap(model: nn.Module) -> nn.Module:
 class CausalLMLogps(nn.Module):
     """Wraps an HF causal LM so its forward returns label log-probs (what DDP/FSDP/DeepSpeed wrap)."""
 
+    fused_ops: Any = None
+    """A kernel backend while the engine runs a loss with a uniform token gradient: the head's gradients are
+    made in forward (:mod:`toolkit.train.fused_head`); ``None``: the plain chunked path."""
+
     def __init__(self, model: nn.Module, autocast_dtype: torch.dtype | None = None):
         super().__init__()
         self.model = model
         self.autocast_dtype = autocast_dtype
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
-                sequence_ids: torch.Tensor) -> tuple[Any, ...]:
-        """``(logps, aux, aux_metrics)``; a sequence-classification model (reward modeling) adds ``scores [sequences]``."""
+                sequence_ids: torch.Tensor, label_index: torch.Tensor | None = None,
+                plain: bool | None = None) -> tuple[Any, ...]:
+        """``(logps, aux, aux_metrics)``; a sequence-classification model (reward modeling) adds ``scores [sequences]``.
+
+        ``label_index`` (flat positions of the trained labels) and ``plain`` (see :func:`plain_causal`),
+        when the caller worked them out on the host, spare two device-to-host synchronisations.
+        """
         inner = unwrap(self.model)
         decoder, head = inner.get_decoder(), inner.get_output_embeddings()
         if head is None and isinstance(getattr(inner, "score", None), nn.Module):
@@ -171,12 +208,14 @@ class CausalLMLogps(nn.Module):
             if patched_aux is None and getattr(inner.config, "output_router_logits", None) is not None and hasattr(inner.config, "router_aux_loss_coef"):
                 kwargs["output_router_logits"] = True
             out = decoder(input_ids=input_ids, position_ids=position_ids,
-                          attention_mask=attention_mask_for(sequence_ids), use_cache=False, **kwargs)
+                          attention_mask=attention_mask_for(sequence_ids, plain), use_cache=False, **kwargs)
             hidden = out.last_hidden_state
-            mask = labels != IGNORE_INDEX
-            picked = label_logps(head, hidden[mask], labels[mask])
-        logps = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
-        logps = logps.masked_scatter(mask, picked)
+            if label_index is None:
+                label_index = (labels != IGNORE_INDEX).flatten().nonzero().squeeze(1)
+            picked = label_logps(head, hidden.flatten(0, 1).index_select(0, label_index),
+                                 labels.flatten().index_select(0, label_index), fused_ops=self.fused_ops)
+        logps = torch.zeros(labels.numel(), dtype=torch.float32, device=labels.device)
+        logps = logps.index_copy(0, label_index, picked).view(labels.shape)
         aux, aux_metrics = router_aux_loss(inner, out, sequence_ids)
         return logps, aux, aux_metrics
 
@@ -217,14 +256,32 @@ def router_aux_loss(inner: nn.Module, out: Any, sequence_ids: torch.Tensor) -> t
     return coef * load_balancing_loss_func(router_logits, experts, top_k, attention), {}
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a host tensor to ``device`` without waiting for the GPU (pinned, non-blocking); as is otherwise."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        try:
+            return tensor.pin_memory().to(device, non_blocking=True)
+        except RuntimeError:  # no pinned memory to be had: a plain (synchronising) copy is still correct
+            return tensor.to(device)
+    return tensor.to(device)
+
+
 def token_logps(module: nn.Module, batch: dict[str, Any], device: torch.device) -> TokenLogps:
-    """Run a :class:`CausalLMLogps` (possibly DDP-wrapped) on a micro-batch and build :class:`TokenLogps`."""
-    ids = batch["input_ids"].to(device)
-    labels = batch["labels"].to(device)
-    outputs = module(ids, labels, batch["position_ids"].to(device), batch["sequence_ids"].to(device))
+    """Run a :class:`CausalLMLogps` (possibly DDP-wrapped) on a micro-batch and build :class:`TokenLogps`.
+
+    What needs the host (label positions, whether the mask is plain causal) is read from the
+    micro-batch where it lives, so a host-side batch costs the GPU no synchronisation.
+    """
+    labels_host, sequence_ids_host = batch["labels"], batch["sequence_ids"]
+    label_index = (labels_host != IGNORE_INDEX).flatten().nonzero().squeeze(1)
+    plain = plain_causal(sequence_ids_host)
+    ids = to_device(batch["input_ids"], device)
+    labels = to_device(labels_host, device)
+    sequence_ids = to_device(sequence_ids_host, device)
+    outputs = module(ids, labels, to_device(batch["position_ids"], device), sequence_ids, to_device(label_index, device), plain)
     logps, aux, aux_metrics = outputs[:3]
     scores = outputs[3] if len(outputs) > 3 else None
-    meta = {k: v.to(device) for k, v in batch["sequence_meta"].items()}
-    return TokenLogps(logps=logps, mask=labels != IGNORE_INDEX, sequence_ids=batch["sequence_ids"].to(device),
+    meta = {k: to_device(v, device) for k, v in batch["sequence_meta"].items()}
+    return TokenLogps(logps=logps, mask=labels != IGNORE_INDEX, sequence_ids=sequence_ids,
                       num_sequences=batch["num_sequences"], sequence_meta=meta,
                       reference_logps=meta.get("reference_logps"), aux_loss=aux, aux_metrics=aux_metrics, scores=scores)

@@ -82,6 +82,8 @@ class NonFiniteGuard:
         if policy == "rollback" and not getattr(engine, "supports_rollback", True):
             raise ConfigError(f"--on-nan rollback: --strategy {strategy} cannot reload a checkpoint in a running job; "
                               "use --on-nan stop and resume with --resume auto.")
+        if policy == "skip":
+            engine.skip_nonfinite = True  # the engine reads the step's values before its update
         return cls(policy, recipe.max_nan_steps, run_dir, engine.is_main)
 
     def restore(self, trainer_state: dict[str, Any]) -> None:

@@ -65,6 +65,9 @@ class MasterWeights:
         import torch
 
         with torch.no_grad():
+            if self.params and hasattr(torch, "_foreach_copy_"):
+                torch._foreach_copy_(self.params, self.master)  # one launch per dtype/device group, not per tensor
+                return
             for param, master in zip(self.params, self.master):
                 param.copy_(master)
 

@@ -126,6 +126,7 @@ def run_training(recipe: Recipe) -> Path:
     if problems:
         raise ConfigError(problems, source=f"--tuner {recipe.tuner}")
     run_dir = prepare_run_dir(recipe, world.is_main)
+    recipe = keep_global_batch_size(recipe, run_dir, world.is_main)
     from toolkit.data.pipeline import load_examples
 
     examples, stats = load_examples(
@@ -262,7 +263,7 @@ def _trainer_state(recipe: Recipe, engine: Any, batches: Any, done: int, result:
     loss = result.loss if result is not None and math.isfinite(result.loss) else None
     return {"step": done, "total_steps": total_steps, "epoch": max(done - 1, 0) // batches.steps_per_epoch,
             "loss": loss, "tuner": tuner.name, "strategy": recipe.strategy, "world_size": engine.dp_world_size,
-            "model": recipe.model, **guard.state()}
+            "global_batch_size": batches.global_batch_size, "model": recipe.model, **guard.state()}
 
 
 def _rollback(engine: Any, checkpoint: Path) -> int:
@@ -272,6 +273,30 @@ def _rollback(engine: Any, checkpoint: Path) -> int:
     engine.load_checkpoint(checkpoint)
     restore_rng(checkpoint, engine.dp_rank)
     return read_state(checkpoint)["step"]
+
+
+def keep_global_batch_size(recipe: Recipe, run_dir: Path, is_main: bool) -> Recipe:
+    """A resumed run keeps its checkpoint's global batch size, whatever its number of ranks.
+
+    Step N trains on rows ``[N * global_batch, (N + 1) * global_batch)`` of the epoch's order, so the
+    same global batch size continues the data exactly where the checkpoint stopped; more or fewer
+    ranks only change how each step's rows are split into micro-batches (gradient accumulation).
+    """
+    import dataclasses
+
+    from toolkit.train.checkpoint import find_resume_checkpoint, read_state
+
+    checkpoint = find_resume_checkpoint(run_dir, recipe.resume) if recipe.resume else None
+    saved = read_state(checkpoint).get("global_batch_size") if checkpoint is not None else None
+    if not saved or recipe.global_batch_size == saved:
+        return recipe
+    if recipe.global_batch_size:
+        raise ConfigError(f"--global-batch-size {recipe.global_batch_size} differs from the {saved} of the checkpoint "
+                          f"{checkpoint}; a resumed run keeps its global batch size (it fixes which rows each step "
+                          f"trains on): pass --global-batch-size {saved} or leave the flag out")
+    if is_main:
+        print(f"toolkit: resuming with the checkpoint's global batch size {saved}", file=sys.stderr)
+    return dataclasses.replace(recipe, global_batch_size=saved)
 
 
 def _eval_batches(eval_examples: list, recipe: Recipe, engine: Any, pad_id: int) -> tuple[list, Any] | None:
@@ -316,6 +341,9 @@ def export_after_training(recipe: Recipe, run_dir: Path, engine: Any, source: An
 
 
 def adapter_export(tuner: Any, engine: Any) -> Any:
+    """``ExportModel.adapter``: the engine's own when it has one (a sharded model), else the tuner's over ``engine.model``."""
+    if hasattr(engine, "adapter_export"):
+        return engine.adapter_export()
     exporter = getattr(tuner, "adapter_export", None)
     model = getattr(engine, "model", None)
     return exporter(model) if exporter is not None and model is not None else None

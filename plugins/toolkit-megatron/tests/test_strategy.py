@@ -110,3 +110,14 @@ def test_packed_rows_under_context_parallelism_equal_local(tmp_path):
     toolkit("sft", *packed, "--output", str(tmp_path / "local"))
     toolkit("sft", *packed, "--output", str(tmp_path / "cp2"), "--strategy", "megatron", "--cp", "2", nproc=2)
     assert_same_steps(metrics(tmp_path / "local"), metrics(tmp_path / "cp2"))
+
+
+def test_overlapped_grad_reduce_with_distributed_optimizer_equals_local(tmp_path):
+    """DP2 with two micro-batches per rank: Megatron's bucketed reduction runs once, after the last one."""
+    batch = ["--global-batch-size", "8", "--max-steps", "3"]
+    toolkit("sft", *COMMON, *batch, "--output", str(tmp_path / "local"))
+    toolkit("sft", *COMMON, *batch, "--output", str(tmp_path / "dp2"), "--strategy", "megatron",
+            "--megatron-overlap-grad-reduce", "--megatron-distributed-optimizer", nproc=2)
+    local, dp2 = metrics(tmp_path / "local"), metrics(tmp_path / "dp2")
+    assert len(local) == 3
+    assert_same_steps(local, dp2)

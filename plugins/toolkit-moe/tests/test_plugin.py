@@ -51,8 +51,8 @@ def test_training_with_patched_blocks_follows_hf(tmp_path) -> None:
     assert ours[0]["aux_loss"] != hf[0]["aux_loss"]
 
 
-def test_expert_parallel_in_engines_is_refused_clearly(tmp_path) -> None:
+def test_expert_parallel_is_refused_under_fsdp(tmp_path) -> None:
     from toolkit.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="expert_parallel 2"):
-        _train(tmp_path, "ep", moe={"enabled": True, "expert_parallel": 2})
+    with pytest.raises(ConfigError, match="not --strategy fsdp"):
+        _train(tmp_path, "ep", strategy="fsdp", moe={"enabled": True, "expert_parallel": 2})

@@ -62,6 +62,25 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Rotate ``x [s, b, h, d]`` by ``positions [b, s]``; cos/sin cast to ``x``'s dtype before multiplying, like HF."""
+    freqs = positions.t()[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = (emb.cos() * scaling).to(x.dtype)[:, :, None, :]
+    sin = (emb.sin() * scaling).to(x.dtype)[:, :, None, :]
+    return x * cos + _rotate_half(x) * sin
+
+
+_compiled_rope: Any = None
+
+
+def compiled_apply_rope() -> Any:
+    global _compiled_rope
+    if _compiled_rope is None:
+        _compiled_rope = torch.compile(apply_rope, dynamic=False)
+    return _compiled_rope
+
+
 class _AllGatherSeq(torch.autograd.Function):
     """All-gather along dim 0 over a group; backward sums the gradient and keeps this rank's slice."""
 
@@ -87,7 +106,7 @@ class SDPAAttention(torch.nn.Module):
     def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  cp_comm_type: str | None = None, pg_collection: Any = None, rope: Rope | None = None,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, compiled_rope: bool = False):
         super().__init__()
         from megatron.core import parallel_state
 
@@ -95,6 +114,7 @@ class SDPAAttention(torch.nn.Module):
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
         self.rope = rope
+        self.rope_fn = compiled_apply_rope() if compiled_rope else apply_rope
         self.sliding_window = sliding_window
         self.register_buffer("inv_freq", torch.tensor(rope.inv_freq, dtype=torch.float32) if rope else None,
                              persistent=False)
@@ -103,12 +123,7 @@ class SDPAAttention(torch.nn.Module):
         self.cp_rank = parallel_state.get_context_parallel_rank() if self.cp_size > 1 else 0
 
     def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x [s, b, h, d]; positions [b, s] -> cos/sin [s, b, 1, d], cast like HF before multiplying.
-        freqs = positions.t()[..., None].float() * self.inv_freq.to(x.device)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.rope.scaling).to(x.dtype)[:, :, None, :]
-        sin = (emb.sin() * self.rope.scaling).to(x.dtype)[:, :, None, :]
-        return x * cos + _rotate_half(x) * sin
+        return self.rope_fn(x, positions, self.inv_freq.to(x.device), self.rope.scaling)
 
     def _mask(self, index_q: torch.Tensor, index_k: torch.Tensor, meta: torch.Tensor | None) -> torch.Tensor:
         """Boolean ``[b, 1, sq, sk]`` mask: causal by token index within equal sequence ids."""

@@ -3,20 +3,45 @@
 Each tensor-parallel rank holds logits for ``V/tp`` vocabulary entries; the log-softmax
 normaliser and the label's logit are reduced over the TP group (Megatron's
 ``reduce_from_tensor_model_parallel_region``: all-reduce forward, identity backward), so the
-full-vocabulary logits never exist on one rank. Padded vocabulary rows are masked out.
+full-vocabulary logits never exist on one rank. Padded vocabulary rows are masked out. The
+default kernel never makes a full-size fp32 copy of the logits (:class:`VocabParallelLogps`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from toolkit.contracts import IGNORE_INDEX, StepContext, TokenLogps
 
+LogpsKernel = Literal["chunked", "compiled", "reference"]
+CHUNK_TOKENS = 1024
+"""Tokens per chunk of the fused log-probs: one fp32 ``[chunk, V/tp]`` temporary at a time."""
 
-def vocab_parallel_logps(logits: torch.Tensor, labels: torch.Tensor, real_vocab: int) -> torch.Tensor:
-    """``log p(labels)`` in fp32 from this rank's logits shard ``[B, T, V/tp]`` (labels >= 0)."""
+
+def vocab_parallel_logps(logits: torch.Tensor, labels: torch.Tensor, real_vocab: int,
+                         kernel: LogpsKernel = "chunked") -> torch.Tensor:
+    """``log p(labels)`` in fp32 from this rank's logits shard ``[B, T, V/tp]`` (labels >= 0).
+
+    ``chunked``: :class:`VocabParallelLogps` (fp32 math a chunk of tokens at a time, the logits
+    kept in their own dtype for backward); ``compiled``: the same with its two chunk kernels
+    under ``torch.compile``; ``reference``: plain autograd over fp32 logits (several full-size
+    fp32 temporaries; what the engine did first, kept to measure against).
+    """
+    if kernel == "reference":
+        return _reference_logps(logits, labels, real_vocab)
+    from megatron.core import parallel_state as ps
+
+    shard = logits.shape[-1]
+    start = ps.get_tensor_model_parallel_rank() * shard
+    group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
+    flat = VocabParallelLogps.apply(logits.reshape(-1, shard), labels.reshape(-1), start, real_vocab, group,
+                                    kernel == "compiled")
+    return flat.view(labels.shape)
+
+
+def _reference_logps(logits: torch.Tensor, labels: torch.Tensor, real_vocab: int) -> torch.Tensor:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
@@ -35,6 +60,93 @@ def vocab_parallel_logps(logits: torch.Tensor, labels: torch.Tensor, real_vocab:
     picked = shifted.gather(-1, index[..., None]).squeeze(-1) * local
     picked = reduce_from_tensor_model_parallel_region(picked)
     return picked - sum_exp.log()
+
+
+def _chunk_lse(logits: torch.Tensor, valid: int) -> torch.Tensor:
+    """fp32 log-sum-exp over the first ``valid`` columns of a ``[n, V/tp]`` chunk (the rest is vocabulary padding).
+
+    The max is taken in the logits' dtype (exact) and ``logits - max`` promotes to fp32 in the same
+    kernel, so no separate fp32 copy of the chunk is made.
+    """
+    if valid == 0:
+        return torch.full(logits.shape[:1], float("-inf"), dtype=torch.float32, device=logits.device)
+    shard = logits[:, :valid]
+    peak = shard.amax(dim=-1, keepdim=True).float()
+    return torch.sub(shard, peak).exp_().sum(dim=-1).log_().add_(peak.squeeze(-1))
+
+
+def _chunk_grad(logits: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, index: torch.Tensor, local: torch.Tensor,
+                valid: int) -> torch.Tensor:
+    """``grad * (onehot(label) - softmax)`` of one chunk in fp32 (in-place steps); padding columns get 0."""
+    probs = torch.sub(logits, lse[:, None]).exp_()  # promotes to fp32 while subtracting
+    if valid < logits.shape[1]:
+        probs[:, valid:] = 0.0
+    out = probs.mul_(-grad[:, None])
+    return out.scatter_add_(1, index[:, None], torch.where(local, grad, 0.0)[:, None])
+
+
+def _chunk_grad_pointwise(logits: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, index: torch.Tensor,
+                          local: torch.Tensor, valid: int) -> torch.Tensor:
+    """:func:`_chunk_grad` as one pointwise expression in the logits' dtype (``torch.compile`` fuses it into one kernel)."""
+    columns = torch.arange(logits.shape[1], device=logits.device)
+    probs = torch.where(columns < valid, torch.exp(logits.float() - lse[:, None]), 0.0)
+    onehot = ((columns[None] == index[:, None]) & local[:, None]).float()
+    return (grad[:, None] * (onehot - probs)).to(logits.dtype)
+
+
+_COMPILED: dict[str, Any] = {}
+
+
+def _kernels(compiled: bool) -> tuple[Any, Any]:
+    if not compiled:
+        return _chunk_lse, _chunk_grad
+    if not _COMPILED:
+        _COMPILED["lse"] = torch.compile(_chunk_lse, dynamic=False)
+        _COMPILED["grad"] = torch.compile(_chunk_grad_pointwise, dynamic=False)
+    return _COMPILED["lse"], _COMPILED["grad"]
+
+
+class VocabParallelLogps(torch.autograd.Function):
+    """Label log-probs from a vocabulary shard ``[N, V/tp]``, fp32 math one chunk of tokens at a time.
+
+    Forward keeps only the logits (in their dtype, bf16 under mixed precision: no full-size fp32
+    copy) and the per-token fp32 log-sum-exp; the TP ranks combine their local log-sum-exps and
+    label logits with one all-gather and one all-reduce of ``N`` values. Backward writes
+    ``grad * (onehot - softmax)`` into the saved logits in place (nothing reads them after this
+    node) and needs no communication: each rank's gradient is for its own shard.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, start: int, real_vocab: int, group: Any,
+                compiled: bool) -> torch.Tensor:
+        rows, shard = logits.shape
+        valid = max(0, min(shard, real_vocab - start))
+        local = (labels >= start) & (labels < start + shard)
+        index = (labels - start).clamp(0, shard - 1)
+        lse_fn, _ = _kernels(compiled)
+        lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        for begin in range(0, rows, CHUNK_TOKENS):
+            lse[begin:begin + CHUNK_TOKENS] = lse_fn(logits[begin:begin + CHUNK_TOKENS], valid)
+        picked = torch.where(local, logits.gather(1, index[:, None]).squeeze(1).float(), 0.0)
+        if group is not None:
+            parts = [torch.empty_like(lse) for _ in range(torch.distributed.get_world_size(group))]
+            torch.distributed.all_gather(parts, lse, group=group)
+            lse = torch.logsumexp(torch.stack(parts), dim=0)
+            torch.distributed.all_reduce(picked, group=group)
+        ctx.save_for_backward(logits, lse, index, local)
+        ctx.valid, ctx.compiled = valid, compiled
+        return picked - lse
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        logits, lse, index, local = ctx.saved_tensors
+        _, grad_fn = _kernels(ctx.compiled)
+        grad = grad.float().contiguous()
+        for begin in range(0, logits.shape[0], CHUNK_TOKENS):
+            end = begin + CHUNK_TOKENS
+            logits[begin:end] = grad_fn(logits[begin:end], lse[begin:end], grad[begin:end], index[begin:end],
+                                        local[begin:end], ctx.valid)  # one copy, converting to the logits' dtype
+        return logits, None, None, None, None, None
 
 
 class _GatherCP(torch.autograd.Function):
@@ -60,7 +172,7 @@ class _GatherCP(torch.autograd.Function):
         return grad[:, ctx.mine], None
 
 
-def make_loss_func(loss: Any, ctx: StepContext) -> Any:
+def make_loss_func(loss: Any, ctx: StepContext, kernel: LogpsKernel = "chunked") -> Any:
     """Megatron's ``loss_func`` for one micro-batch: logits shard -> TokenLogps -> the core Loss."""
     from megatron.core import parallel_state as ps
 
@@ -70,7 +182,7 @@ def make_loss_func(loss: Any, ctx: StepContext) -> Any:
         labels = micro["labels"]
         mask = labels != IGNORE_INDEX
         local_labels = cp_slice(labels.clamp(min=0))
-        logps = vocab_parallel_logps(logits, local_labels, micro["real_vocab"])
+        logps = vocab_parallel_logps(logits, local_labels, micro["real_vocab"], kernel)
         if ps.get_context_parallel_world_size() > 1:
             logps = _GatherCP.apply(logps, labels.shape[1])
         logps = logps * mask

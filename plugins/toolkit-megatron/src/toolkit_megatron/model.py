@@ -152,7 +152,8 @@ def transformer_config(hf_config: Any, layout: Layout, dtype: Any, **overrides: 
     return TransformerConfig(**options)
 
 
-def layer_spec(hf_config: Any, config: Any, attention: AttentionKind = "sdpa", vp_stage: int | None = None) -> Any:
+def layer_spec(hf_config: Any, config: Any, attention: AttentionKind = "sdpa", vp_stage: int | None = None,
+               compiled_rope: bool = False) -> Any:
     """Megatron's local layer spec with our SDPA core attention and sequence-parallel RMSNorm."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -180,7 +181,8 @@ def layer_spec(hf_config: Any, config: Any, attention: AttentionKind = "sdpa", v
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear,
                     core_attention=ModuleSpec(module=core, params={
-                        "rope": Rope.from_hf_config(hf_config), "sliding_window": arch.sliding_window(hf_config)}),
+                        "rope": Rope.from_hf_config(hf_config), "sliding_window": arch.sliding_window(hf_config),
+                        "compiled_rope": compiled_rope}),
                     linear_proj=RowParallelLinear,
                     q_layernorm=qk_norm,
                     k_layernorm=qk_norm,
@@ -210,8 +212,11 @@ def _moe_spec(config: Any) -> Any:
 
 
 def build_model(hf_config: Any, layout: Layout, dtype: Any = None, attention: AttentionKind = "sdpa",
-                vocab_size: int | None = None, **config_overrides: Any) -> list[Any]:
-    """One ``GPTModel`` per virtual pipeline stage of this rank (process groups must exist)."""
+                vocab_size: int | None = None, compiled_rope: bool = False, **config_overrides: Any) -> list[Any]:
+    """One ``GPTModel`` per virtual pipeline stage of this rank (process groups must exist).
+
+    ``compiled_rope``: rotary embeddings under ``torch.compile`` (one fused kernel per tensor).
+    """
     import torch
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -225,7 +230,7 @@ def build_model(hf_config: Any, layout: Layout, dtype: Any = None, attention: At
             vp_stage = stage if layout.virtual > 1 else None
             model = GPTModel(
                 config=config,
-                transformer_layer_spec=layer_spec(hf_config, config, attention, vp_stage),
+                transformer_layer_spec=layer_spec(hf_config, config, attention, vp_stage, compiled_rope),
                 vocab_size=vocab,
                 max_sequence_length=getattr(hf_config, "max_position_embeddings", 4096),
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),

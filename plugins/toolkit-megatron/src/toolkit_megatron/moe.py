@@ -49,6 +49,26 @@ def unscaled_router_losses(chunks: list[Any]) -> None:
                 module.calculate_per_token_loss = False
 
 
+def mark_expert_parameters(chunks: list[Any]) -> int:
+    """Mark the routed experts' weights as expert parameters (``allreduce = False``) at EP1 too.
+
+    megatron-core 0.16's parallel linears mark expert weights only when ``--ep > 1``; otherwise
+    Megatron's DDP and optimizer treat them as dense. That is right while ``--etp == --tp`` (the
+    expert data-parallel group is then the data-parallel group), but with ``--etp 1 --tp 2`` the
+    two TP ranks hold the same full experts and route different tokens (sequence parallel), so
+    the expert gradients must be summed over the expert data-parallel group, which spans the TP
+    ranks; as dense weights they were reduced over the (smaller) data-parallel group only, and
+    each TP rank kept the gradient of its own tokens. Returns the number of weights marked.
+    """
+    marked = 0
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if ".mlp.experts." in name and getattr(param, "allreduce", True):
+                param.allreduce = False
+                marked += 1
+    return marked
+
+
 @contextlib.contextmanager
 def router_loss_scale(scale: float) -> Iterator[None]:
     """Weigh every router loss by ``scale`` for one schedule run (the schedule's own reset is ignored)."""

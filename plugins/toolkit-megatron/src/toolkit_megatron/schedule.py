@@ -27,23 +27,31 @@ def cp_slice(tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
     return tensor.index_select(dim, index)
 
 
-def run_schedule(models: list[Any], micro_batches: list[dict], loss_func: Callable | None, *, forward_only: bool) -> list[Any]:
+def run_schedule(models: list[Any], micro_batches: list[dict], loss_func: Callable | None, *, forward_only: bool,
+                 fp32_logits: bool = True) -> list[Any]:
     """Run every micro-batch through the model chunks; returns what the last stage collected.
 
     ``loss_func(micro_batch, output)`` receives this rank's logits shard ``[B, T/cp, V/tp]``
     and returns Megatron's ``(loss, num_tokens, reduced)`` triple; with ``loss_func=None`` the
-    last stage collects the logits themselves (inference/tests).
+    last stage collects the logits themselves (inference/tests). ``fp32_logits=False`` keeps a
+    bf16 model's logits in bf16 (Megatron's ``Float16Module`` upcasts them by default: a
+    full-size fp32 copy of ``[B, T, V/tp]``).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.module import Float16Module
 
     batch, tokens = micro_batches[0]["input_ids"].shape
     chunks = len(models)
+    if not fp32_logits and isinstance(getattr(models[-1], "module", None), Float16Module):
+        extra_kwargs = {"fp32_output": False}
+    else:
+        extra_kwargs = {}
 
     def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
         micro = next(data_iterator)
         input_ids = cp_slice(micro["input_ids"])
         extra = {"padding_mask": cp_slice(micro["padding_mask"])} if "padding_mask" in micro else {}
-        output = model(input_ids, None, micro.get("meta"), **extra)
+        output = model(input_ids, None, micro.get("meta"), **extra, **extra_kwargs)
         if loss_func is None:
             return output, None
         return output, lambda out, non_loss_data=False: loss_func(micro, out)

@@ -28,6 +28,14 @@ class MegatronConfig:
     moe_dispatcher: Literal["alltoall", "allgather"] = option("alltoall", help="MoE token dispatcher: alltoall (tokens sent to their experts' ranks) or allgather (every rank gathers all tokens).")
     moe_aux_loss_coeff: float | None = option(None, help="MoE load-balancing loss coefficient; default: the HF config's router_aux_loss_coef.")
     moe_z_loss_coeff: float | None = option(None, help="MoE router z-loss coefficient; default: the HF config's router_z_loss_coef, else off.")
+    logps_kernel: Literal["chunked", "compiled", "reference"] = option(
+        "chunked", help="Label log-probs: chunked (fp32 a chunk of tokens at a time, bf16 logits kept), compiled "
+                        "(the same under torch.compile), reference (plain autograd over full fp32 logits).")
+    fused_adam: bool = option(True, help="Use torch's fused AdamW kernel (Megatron's fallback without TE/Apex is the foreach one).")
+    foreach_clipping: bool = option(True, help="Gradient clipping with torch foreach kernels instead of Megatron's per-tensor fallback loops.")
+    compile_elementwise: bool = option(False, help="torch.compile the elementwise pieces: rotary embeddings and SwiGLU "
+                                               "(Megatron's bias_activation_fusion, compiled by Megatron itself).")
+    overlap_grad_reduce: bool = option(False, help="Overlap the data-parallel gradient reduction with backward (Megatron DDP buckets).")
 
 
 class MegatronStrategy:
@@ -100,12 +108,6 @@ class MegatronEngine:
         from toolkit_megatron.architectures import architecture_for
 
         self.moe = architecture_for(source.config.model_type).moe
-        if self.moe and recipe.expert_tensor_parallel != recipe.tensor_parallel and recipe.tensor_parallel > 1:
-            from toolkit.errors import ConfigError
-
-            raise ConfigError(f"--etp {recipe.expert_tensor_parallel} with --tp {recipe.tensor_parallel}: MoE training under "
-                              f"--strategy megatron needs the expert tensor-parallel size equal to --tp (other "
-                              f"combinations gave wrong expert gradients in our tests); pass --etp {recipe.tensor_parallel}")
         if getattr(loss, "needs_reference", False) and not recipe.precompute_reference:
             from toolkit.errors import ConfigError
 
@@ -120,7 +122,10 @@ class MegatronEngine:
             overrides.update(router_options(source.config, config.moe_aux_loss_coeff, config.moe_z_loss_coeff, config.moe_dispatcher))
         if recipe.gradient_checkpointing:
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-        chunks = build_model(source.config, self.layout, dtype=self.dtype, attention=config.attention, **overrides)
+        if config.compile_elementwise:
+            overrides["bias_activation_fusion"] = True
+        chunks = build_model(source.config, self.layout, dtype=self.dtype, attention=config.attention,
+                             compiled_rope=config.compile_elementwise, **overrides)
         load_hf_weights(chunks, source.config, SafetensorsReader.from_directory(source.directory))
         if tuner is not None and tuner.name in ("lora", "dora"):
             from toolkit_megatron.lora import apply_lora, hf_adapters
@@ -128,9 +133,11 @@ class MegatronEngine:
             adapters, scale = hf_adapters(source, tuner, recipe)
             apply_lora(chunks, adapters, scale, getattr(tuner.config, "dropout", 0.0), source.config, chunks[0].vocab_size)
         if self.moe:
-            from toolkit_megatron.moe import unscaled_router_losses
+            from toolkit_megatron.moe import mark_expert_parameters, unscaled_router_losses
 
             unscaled_router_losses(chunks)
+            if recipe.expert_tensor_parallel != recipe.tensor_parallel:
+                mark_expert_parameters(chunks)
         self.chunks = chunks
         self.models, self.optimizer = self._wrap(chunks)
         self.dp_rank = ps.get_data_parallel_rank()
@@ -149,7 +156,7 @@ class MegatronEngine:
 
         recipe = self.recipe
         tconfig = chunks[0].config
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=self.config.overlap_grad_reduce,
                                                    use_distributed_optimizer=self.config.distributed_optimizer)
         models = []
         with cpu_compat():
@@ -159,11 +166,20 @@ class MegatronEngine:
                                                       disable_bucketing=index > 0))
             # The schedule would divide gradients by the step's token count; the loss already did.
             tconfig.finalize_model_grads_func = lambda model, *args, **kwargs: finalize_model_grads(model, None)
+            if self.config.overlap_grad_reduce:  # reduce once per step: hooks stay off until the last micro-batch
+                no_sync, start = [m.no_sync for m in models], [m.start_grad_sync for m in models]
+                tconfig.no_sync_func = no_sync[0] if len(models) == 1 else no_sync
+                tconfig.grad_sync_func = start[0] if len(models) == 1 else start
             opt_config = OptimizerConfig(optimizer="adam", lr=recipe.lr, weight_decay=recipe.weight_decay,
                                          adam_beta1=recipe.adam_beta1, adam_beta2=recipe.adam_beta2, adam_eps=recipe.adam_eps,
                                          clip_grad=recipe.max_grad_norm, bf16=tconfig.bf16, params_dtype=tconfig.params_dtype,
                                          use_distributed_optimizer=self.config.distributed_optimizer)
             optimizer = get_megatron_optimizer(opt_config, models)
+        from toolkit_megatron.optim import foreach_clipping, fuse_adam
+
+        foreach_clipping(self.config.foreach_clipping)
+        if self.config.fused_adam:
+            fuse_adam(optimizer)
         return models, optimizer
 
     # ------------------------------------------------------------------ schedule
@@ -196,7 +212,8 @@ class MegatronEngine:
             batches = with_padding_masks(batches, self.layout)
             router = router_loss_scale(share)
         with router:
-            collected = run_schedule(self.models, batches, make_loss_func(loss, ctx), forward_only=forward_only)
+            collected = run_schedule(self.models, batches, make_loss_func(loss, ctx, self.config.logps_kernel),
+                                     forward_only=forward_only, fp32_logits=self.config.logps_kernel == "reference")
         counted = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0 \
             and ps.get_context_parallel_rank() == 0
         keys = sorted({k for item in collected for k in item}) if counted else []
@@ -343,10 +360,14 @@ class MegatronEngine:
         import torch
 
         for inner in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            for state in inner.optimizer.state.values():
-                if "step" in state:
+            for group in inner.optimizer.param_groups:
+                for param in group["params"]:
+                    state = inner.optimizer.state.get(param, {})
+                    if "step" not in state:
+                        continue
                     step = state["step"]
-                    state["step"] = torch.tensor(float(self.steps_done), dtype=step.dtype, device=step.device) \
+                    device = param.device if group.get("fused") else getattr(step, "device", None)  # fused: steps on the device
+                    state["step"] = torch.tensor(float(self.steps_done), dtype=step.dtype, device=device) \
                         if isinstance(step, torch.Tensor) else self.steps_done
 
     def _materialise_optimizer_state(self) -> None:

@@ -28,4 +28,4 @@ def toolkit_patch_model(model: Any, source: Any, recipe: Any) -> None:
 
     options = thing_options(recipe, MoeArchitecture)
     if options.enabled:
-        MoeArchitecture(options).patch(model, source)
+        MoeArchitecture(options).patch(model, source, strategy=recipe.strategy)

@@ -20,7 +20,7 @@ class MoeConfig:
     z_loss_coef: float = option(0.0, help="Router z-loss weight (ST-MoE); 0 disables it.")
     experts_backend: Literal["auto", "grouped_mm", "loop"] = option(
         "auto", help="Expert matmuls: grouped_mm (torch grouped GEMM, CUDA), loop (one matmul per expert), auto picks.")
-    expert_parallel: int = option(1, help="Spread experts over this many ranks with all-to-all (library API; see docs/moe.md).")
+    expert_parallel: int = option(1, help="Spread experts over groups of this many ranks (all-to-all; --strategy local under torchrun).")
 
     def check(self) -> list[str]:
         problems = []
@@ -44,16 +44,45 @@ class MoeArchitecture:
     def __init__(self, config: MoeConfig | None = None):
         self.config = config or MoeConfig()
 
-    def patch(self, model: Any, source: Any = None) -> int:
-        """Patch ``model`` according to ``self.config``; returns the number of replaced blocks."""
-        from toolkit.errors import ConfigError
+    def patch(self, model: Any, source: Any = None, strategy: str | None = None) -> int:
+        """Patch ``model`` according to ``self.config``; returns the number of replaced blocks.
+
+        Under torchrun with ``expert_parallel > 1`` the experts are split over groups of that many
+        ranks (``strategy`` must be ``local``).
+        """
         from toolkit_moe.patch import patch_moe_blocks
 
-        if self.config.expert_parallel > 1:
-            raise ConfigError(
-                f"moe.expert_parallel {self.config.expert_parallel}: expert parallelism is available through "
-                "toolkit_moe.patch_moe_blocks(expert_group=new_expert_groups(N)) but the local/fsdp/deepspeed engines "
-                "do not yet skip expert weights in data-parallel reduction; use --moe-expert-parallel 1 "
-                "(or --strategy megatron --ep N)", source="--moe-expert-parallel")
+        expert_group = self._expert_group(strategy)
         return patch_moe_blocks(model, capacity_factor=self.config.capacity_factor, aux_loss_coef=self.config.aux_loss_coef,
-                                z_loss_coef=self.config.z_loss_coef, experts_backend=self.config.experts_backend)
+                                z_loss_coef=self.config.z_loss_coef, experts_backend=self.config.experts_backend,
+                                expert_group=expert_group)
+
+    def _expert_group(self, strategy: str | None) -> Any:
+        """The expert-parallel group of this process, ``None`` when experts are not split."""
+        size = self.config.expert_parallel
+        if size <= 1:
+            return None
+        import warnings
+
+        import torch.distributed as dist
+
+        from toolkit.errors import ConfigError
+        from toolkit_moe.parallel import new_expert_groups
+
+        if strategy not in (None, "local"):
+            raise ConfigError(
+                f"--moe-expert-parallel {size} works with --strategy local (one process per GPU under torchrun, DDP for "
+                f"the rest of the model), not --strategy {strategy}: FSDP/ZeRO would shard and average the expert slices "
+                "over all ranks. Use --strategy local, or --strategy megatron --ep N.", source="--moe-expert-parallel")
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if world == 1:
+            # One process holds every expert (also when a checkpoint is exported): same model, nothing to split.
+            warnings.warn(f"--moe-expert-parallel {size} in a single process: all experts stay here", stacklevel=2)
+            return None
+        if world % size:
+            raise ConfigError(f"--moe-expert-parallel {size} must divide the number of processes ({world})",
+                              source="--moe-expert-parallel")
+        group = new_expert_groups(size)
+        if dist.get_rank() == 0:
+            print(f"toolkit-moe: experts split over groups of {size} ranks (expert parallelism)", flush=True)
+        return group

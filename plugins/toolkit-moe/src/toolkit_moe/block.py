@@ -88,13 +88,14 @@ class GroupedExperts(nn.Module):
         return expert_ffn(rows, row_weights, counts, self.gate_up_proj, self.down_proj, self.act_fn,
                           use_grouped_mm=self._use_grouped_mm(rows))
 
-    def keep_slice(self, local: slice) -> None:
-        """Keep experts ``local`` of the full weights (expert parallelism); full state dicts still load."""
-        self.local = local
+    def keep_slice(self, group: ExpertGroup, num_experts: int) -> None:
+        """Keep this rank's experts of the full weights (expert parallelism); full state dicts still load."""
+        self.local = local = group.local_slice(num_experts)
         for name in ("gate_up_proj", "down_proj"):
             full = getattr(self, name)
             param = nn.Parameter(full.data[local].clone(), requires_grad=full.requires_grad)
             param.toolkit_expert_parallel = True  # strategies must not average it over data parallel
+            param.toolkit_shard = group  # the core engines' contract for split parameters (a Shard)
             param.allreduce = False  # DeepSpeed's marker for expert parameters
             setattr(self, name, param)
         self._register_load_state_dict_pre_hook(self._slice_full_state)
@@ -137,7 +138,7 @@ class MoeBlock(nn.Module):
 
             raise LayoutError(f"{self.num_experts} experts cannot be split over {group.size} expert-parallel ranks (--moe-expert-parallel): "
                               f"choose an expert-parallel size that divides {self.num_experts}")
-        self.experts.keep_slice(group.local_slice(self.num_experts))
+        self.experts.keep_slice(group, self.num_experts)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape

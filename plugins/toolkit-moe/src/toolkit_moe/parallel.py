@@ -15,14 +15,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from toolkit.train.sharded import Shard
+
 
 @dataclass(frozen=True)
-class ExpertGroup:
-    """An expert-parallel process group and this process's place in it."""
+class ExpertGroup(Shard):
+    """An expert-parallel process group and this process's place in it.
 
-    group: object
-    rank: int
-    size: int
+    It is also the core's :class:`~toolkit.train.sharded.Shard` of every expert weight split over
+    the group (``replicas``: the ranks holding the same experts in the other groups, ``None`` when
+    expert parallelism spans the world), so the engines reduce, clip and gather those weights.
+    """
 
     def local_slice(self, num_experts: int) -> slice:
         per_rank = num_experts // self.size
@@ -32,18 +35,25 @@ class ExpertGroup:
 def new_expert_groups(expert_parallel: int) -> ExpertGroup | None:
     """Split the world into consecutive groups of ``expert_parallel`` ranks; ``None`` for EP1.
 
-    Every rank must call this (``new_group`` is collective).
+    Ranks ``r, r + P, r + 2P, ...`` hold the same experts; when the world is larger than ``P``
+    they form the ``replicas`` group over which expert gradients are summed. Every rank must
+    call this (``new_group`` is collective).
     """
     if expert_parallel <= 1:
         return None
     world, rank = dist.get_world_size(), dist.get_rank()
-    mine = None
+    mine, replicas = None, None
     for start in range(0, world, expert_parallel):
         ranks = list(range(start, start + expert_parallel))
         group = dist.new_group(ranks)
         if rank in ranks:
             mine = ExpertGroup(group=group, rank=ranks.index(rank), size=expert_parallel)
-    return mine
+    if world > expert_parallel:
+        for offset in range(expert_parallel):
+            group = dist.new_group(list(range(offset, world, expert_parallel)))
+            if rank % expert_parallel == offset:
+                replicas = group
+    return ExpertGroup(group=mine.group, rank=mine.rank, size=mine.size, replicas=replicas)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -114,24 +124,12 @@ def grad_norm(params: list[torch.Tensor], ep: ExpertGroup | None) -> torch.Tenso
     data-parallel reduction); expert slices differ per rank, so their squares are summed over
     the group. Every rank gets the same value, hence clips by the same factor.
     """
-    grads = [p.grad for p in params if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
-    replicated = torch.zeros((), dtype=torch.float32, device=device)
-    experts = torch.zeros((), dtype=torch.float32, device=device)
-    for p in params:
-        if p.grad is not None:
-            square = p.grad.detach().float().square().sum()
-            if is_expert_parallel(p):
-                experts = experts + square
-            else:
-                replicated = replicated + square
-    if ep is not None:
-        dist.all_reduce(experts, group=ep.group)
-    return (replicated + experts).sqrt()
+    from toolkit.train import sharded
+
+    shards = {id(p): ep for p in params if is_expert_parallel(p)} if ep is not None else {}
+    return sharded.grad_norm(params, shards)
 
 
 def gather_experts(local: torch.Tensor, ep: ExpertGroup) -> torch.Tensor:
     """The full ``[E, ...]`` tensor from each rank's ``[E/P, ...]`` slice (for export)."""
-    pieces = [torch.empty_like(local) for _ in range(ep.size)]
-    dist.all_gather(pieces, local.detach().contiguous(), group=ep.group)
-    return torch.cat(pieces)
+    return ep.gather(local)

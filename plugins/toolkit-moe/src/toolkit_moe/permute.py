@@ -7,10 +7,15 @@ scatter-add with a sort on CUDA; here each backward is the other direction's gat
 
 from __future__ import annotations
 
-import os
-import warnings
-
 import torch
+
+from toolkit.train.kernels.compiled import fused as compiled
+
+
+def _gather_sum(rows: torch.Tensor, index: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``rows[index]`` summed over groups of ``top_k`` consecutive indices (one kernel on CUDA: the
+    ``[N*k, H]`` gathered copy is never written)."""
+    return rows[index].view(-1, top_k, rows.shape[-1]).sum(1)
 
 
 class _ReplicateRows(torch.autograd.Function):
@@ -23,7 +28,7 @@ class _ReplicateRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (inverse,) = ctx.saved_tensors
-        return grad[inverse].view(-1, ctx.top_k, grad.shape[-1]).sum(1), None, None, None
+        return compiled("moe_gather_sum", _gather_sum, grad.device)(grad, inverse, ctx.top_k), None, None, None
 
 
 class _ReduceRows(torch.autograd.Function):
@@ -31,7 +36,7 @@ class _ReduceRows(torch.autograd.Function):
     def forward(ctx, rows, order, inverse, top_k):
         ctx.save_for_backward(order)
         ctx.top_k = top_k
-        return rows[inverse].view(-1, top_k, rows.shape[-1]).sum(1)
+        return compiled("moe_gather_sum", _gather_sum, rows.device)(rows, inverse, top_k)
 
     @staticmethod
     def backward(ctx, grad):
@@ -72,44 +77,18 @@ def _swiglu_backward(gate_up: torch.Tensor, weight: torch.Tensor, grad: torch.Te
     return torch.cat([grad_gate, grad_up], -1).to(gate_up.dtype), grad_weight.to(weight.dtype)
 
 
-_KERNELS: dict[str, object] = {}
-
-
-def _kernel(name: str, fn, device: torch.device):
-    """``fn`` compiled into one fused kernel on CUDA; eager elsewhere, with TOOLKIT_MOE_COMPILE=0,
-    or for good once compiling fails (compilation is lazy, so the first call is guarded)."""
-    if device.type != "cuda" or os.environ.get("TOOLKIT_MOE_COMPILE", "1") == "0":
-        return fn
-    if name not in _KERNELS:
-        compiled = torch.compile(fn, dynamic=True)
-
-        def first_call(*args):
-            try:
-                out = compiled(*args)
-                _KERNELS[name] = compiled
-            except Exception as exc:  # noqa: BLE001 - compilation is an optimisation only
-                warnings.warn(f"toolkit-moe: torch.compile of {name} failed ({type(exc).__name__}: {exc}); using eager ops",
-                              stacklevel=2)
-                _KERNELS[name] = fn
-                out = fn(*args)
-            return out
-
-        _KERNELS[name] = first_call
-    return _KERNELS[name]
-
-
 class _WeightedSwiGLU(torch.autograd.Function):
     """``silu(gate) * up * weight`` saving only its inputs (the router weight folds in here)."""
 
     @staticmethod
     def forward(ctx, gate_up, weight):
         ctx.save_for_backward(gate_up, weight)
-        return _kernel("swiglu_fwd", _swiglu_forward, gate_up.device)(gate_up, weight)
+        return compiled("moe_swiglu_fwd", _swiglu_forward, gate_up.device)(gate_up, weight)
 
     @staticmethod
     def backward(ctx, grad):
         gate_up, weight = ctx.saved_tensors
-        return _kernel("swiglu_bwd", _swiglu_backward, gate_up.device)(gate_up, weight, grad)
+        return compiled("moe_swiglu_bwd", _swiglu_backward, gate_up.device)(gate_up, weight, grad)
 
 
 def weighted_swiglu(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

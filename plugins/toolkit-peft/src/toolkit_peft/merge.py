@@ -203,20 +203,20 @@ def adapter_from_checkpoint(tuner: Any, checkpoint: Path, source: Any) -> tuple[
     """The adapter in a checkpoint, in PEFT's format: adapters are injected into a meta-device model
     (no base weights are read) and the checkpoint tensors are assigned in place of the meta ones."""
     import torch
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    from toolkit.train.checkpoint import read_model_state
     from toolkit_peft.adapters import unwrap
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(source.config, trust_remote_code=source.trust_remote_code)
         model = tuner.apply(model, source)
-    state = load_file(str(checkpoint / "model.safetensors"))
-    trainable = {name for name, param in unwrap(model).named_parameters() if param.requires_grad}
-    if set(state) != trainable:
+    trainable = {name: param for name, param in unwrap(model).named_parameters() if param.requires_grad}
+    state = read_model_state(checkpoint, trainable)  # model.safetensors, or an fsdp checkpoint's dcp/ shards
+    if set(state) != set(trainable):
         raise ToolkitError(
-            f"{checkpoint / 'model.safetensors'} does not hold this tuner's adapters (missing "
-            f"{sorted(trainable - set(state))[:3]}, unexpected {sorted(set(state) - trainable)[:3]}); was the run's "
+            f"{checkpoint} does not hold this tuner's adapters (missing "
+            f"{sorted(set(trainable) - set(state))[:3]}, unexpected {sorted(set(state) - set(trainable))[:3]}); was the run's "
             "tuner configuration changed?"
         )
     unwrap(model).load_state_dict(state, strict=False, assign=True)

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Fill .whl/ (git-ignored; carry it to the GPU machine, where bench/gpu_setup.sh installs it) with what the
+# GPU image lacks for bench/fsdp_2gpu.py and the other multi-strategy benches. Run here, with registry access:
+#   bash bench/wheels.sh            (PYTHON=... picks the interpreter whose pip is used; default .venv/bin/python)
+# - megatron-core: a cp312 wheel from the registry.
+# - deepspeed: published as an sdist only; built here into a pure-Python wheel with DS_BUILD_OPS=0 (no op
+#   compiled; the toolkit's deepspeed engine steps torch's AdamW, fused on GPU, so ZeRO-3 needs no DeepSpeed op).
+# - deepspeed's imports that the image may lack (hjson, msgpack, einops, py-cpuinfo, pydantic and its pins),
+#   as cp312 / pure-Python wheels in .whl/deps/: gpu_setup.sh installs each one only if it does not import.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+GPU_PLATFORM=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64)
+mkdir -p .whl/deps
+if ! ls .whl/megatron_core-*.whl >/dev/null 2>&1; then
+  "$PY" -m pip download -q --no-deps "${GPU_PLATFORM[@]}" -d .whl 'megatron-core==0.19.2'
+fi
+if ! ls .whl/deepspeed-*.whl >/dev/null 2>&1; then
+  DS_BUILD_OPS=0 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w .whl 'deepspeed==0.19.8'
+fi
+"$PY" -m pip download -q "${GPU_PLATFORM[@]}" -d .whl/deps hjson msgpack einops py-cpuinfo 'pydantic>=2'
+ls -la .whl .whl/deps

@@ -1,0 +1,112 @@
+"""The engine's speed kernels equal the plain paths they replace: chunked label log-probs (value and
+gradient, padded vocabulary, fp32 and bf16), the pointwise gradient torch.compile fuses, foreach
+gradient clipping against Megatron's local fallbacks, fused AdamW against torch's default AdamW."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def tp1():
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from toolkit_megatron.model import Layout, initialize_parallel
+
+    created = not dist.is_initialized()
+    if created:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29655")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    initialize_parallel(Layout())
+    yield
+    parallel_state.destroy_model_parallel()
+    if created:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("real_vocab", [50, 43])
+def test_chunked_logps_equal_reference(tp1, monkeypatch, dtype, real_vocab):
+    from toolkit_megatron import logps
+
+    monkeypatch.setattr(logps, "CHUNK_TOKENS", 7)  # 30 tokens: four full chunks and a short one
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 10, 50, generator=generator) * 4).to(dtype)
+    labels = torch.randint(0, real_vocab, (3, 10), generator=generator)
+    weights = torch.randn(3, 10, generator=generator)
+    results = {}
+    for kernel in ("reference", "chunked"):
+        leaf = logits.clone().requires_grad_(True)
+        out = logps.vocab_parallel_logps(leaf * 1, labels, real_vocab, kernel)  # `* 1`: the kernel writes its input's grad in place
+        (out * weights).sum().backward()
+        results[kernel] = out.detach(), leaf.grad.float()
+    assert results["chunked"][0].dtype == torch.float32
+    torch.testing.assert_close(results["chunked"][0], results["reference"][0], rtol=0, atol=2e-6)
+    torch.testing.assert_close(results["chunked"][1], results["reference"][1], rtol=0, atol=1e-5 if dtype == torch.float32 else 1e-2)
+    assert torch.all(results["chunked"][1][..., real_vocab:] == 0), "padded vocabulary entries got a gradient"
+    expected = torch.log_softmax(logits.float()[..., :real_vocab], dim=-1).gather(-1, labels[..., None]).squeeze(-1)
+    torch.testing.assert_close(results["chunked"][0], expected, rtol=0, atol=2e-6)
+
+
+def test_pointwise_gradient_equals_inplace_gradient():
+    from toolkit_megatron.logps import _chunk_grad, _chunk_grad_pointwise, _chunk_lse
+
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(9, 40, generator=generator).bfloat16()
+    index = torch.randint(0, 40, (9,), generator=generator)
+    local = torch.rand(9, generator=generator) > 0.3
+    grad = torch.randn(9, generator=generator)
+    lse = _chunk_lse(logits, 37)
+    torch.testing.assert_close(_chunk_grad_pointwise(logits, lse, grad, index, local, 37).float(),
+                               _chunk_grad(logits, lse, grad, index, local, 37).float(), rtol=0, atol=1e-2)
+
+
+def test_foreach_clipping_equals_megatron_local_kernels():
+    from megatron.core.utils import local_multi_tensor_l2_norm, local_multi_tensor_scale
+
+    from toolkit_megatron.compat import cpu_compat
+    from toolkit_megatron.optim import _l2_norm, _scale
+
+    generator = torch.Generator().manual_seed(2)
+    tensors = [torch.randn(shape, generator=generator) for shape in ((5, 3), (7,), (2, 2, 2))]
+    with cpu_compat():
+        expected, _ = local_multi_tensor_l2_norm(0, None, [tensors], False)
+    got, _ = _l2_norm(0, None, [tensors], False)
+    torch.testing.assert_close(got, expected.to(got.device), rtol=1e-6, atol=0)
+    in_place = [t.clone() for t in tensors]
+    _scale(0, None, [in_place, in_place], 0.25)
+    copied = [torch.empty_like(t) for t in tensors]
+    _scale(0, None, [tensors, copied], 0.25)
+    reference = [torch.empty_like(t) for t in tensors]
+    local_multi_tensor_scale(0, None, [tensors, reference], 0.25)
+    for a, b, c in zip(in_place, copied, reference, strict=True):
+        assert torch.equal(a, c) and torch.equal(b, c)
+
+
+def test_fused_adam_switch_matches_default_adamw():
+    from toolkit_megatron.optim import fuse_adam
+
+    class Wrapped:  # the shape of Megatron's optimizer wrappers: the torch optimizer in .optimizer
+        def __init__(self, params):
+            self.optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
+
+    generator = torch.Generator().manual_seed(3)
+    start = torch.randn(10, 4, generator=generator)
+    grads = [torch.randn(10, 4, generator=generator) for _ in range(3)]
+    results = []
+    for fused in (False, True):
+        param = torch.nn.Parameter(start.clone())
+        wrapped = Wrapped([param])
+        if fused:
+            assert fuse_adam(wrapped)
+            assert wrapped.optimizer.param_groups[0]["fused"] is True
+        for grad in grads:
+            param.grad = grad.clone()
+            wrapped.optimizer.step()
+        results.append(param.detach().clone())
+    torch.testing.assert_close(results[1], results[0], rtol=1e-6, atol=1e-7)
