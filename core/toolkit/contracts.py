@@ -46,6 +46,8 @@ class Example:
     sequences: list[Sequence]
     kind: str = "lm"
     """``lm`` (pt/sft), ``preference`` (chosen + rejected), ``unpaired`` (KTO)."""
+    source: str = ""
+    """Where the record came from (``file, line N``), set by the data pipeline; names samples in reports."""
 
 
 @dataclass
@@ -144,8 +146,13 @@ class ExportModel:
 @dataclass
 class StepResult:
     loss: float
+    """The step loss summed over micro-batches and reduced over every rank (NaN anywhere is NaN everywhere)."""
     grad_norm: float
+    """Global gradient norm before clipping (the same value on every rank)."""
     metrics: dict[str, float]
+    applied: bool = True
+    """False when the engine found the loss or gradient norm non-finite and left weights, optimizer
+    and learning-rate schedule untouched (engines with ``skips_nonfinite_updates = True``)."""
 
 
 # ----------------------------------------------------------------------------- protocols
@@ -214,6 +221,12 @@ class Engine(Protocol):
     Optional: ``adapter_export()`` returns the ``ExportModel.adapter`` callable (or None) when the
     tuner cannot read adapters from ``engine.model`` itself (a sharded model); without it the
     runner asks the tuner's ``adapter_export(engine.model)``.
+
+    Optional class attributes the runner reads: ``skips_nonfinite_updates`` (True when
+    ``train_step`` can check the reduced loss and gradient norm before its optimizer step and
+    skip a non-finite update; needed by ``--on-nan skip``, which sets ``engine.skip_nonfinite =
+    True``) and ``supports_rollback`` (default True: ``load_checkpoint`` works in a running job;
+    needed by ``--on-nan rollback``).
     """
 
     dp_rank: int

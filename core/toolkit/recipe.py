@@ -67,6 +67,9 @@ class Recipe:
                                                           "for checkpoints too big to read back).")
     overwrite: bool = option(False, help="Allow reusing an output directory that holds a different run.")
     log_every: int = option(1, help="Log metrics every N steps.")
+    on_nan: Literal["stop", "skip", "rollback"] = option("stop", help="A step with a non-finite loss or gradient norm: stop (name the step, samples and last checkpoint), skip its update, or rollback to the last checkpoint and skip its batch.")
+    max_nan_steps: int = option(3, help="With --on-nan skip or rollback: stop after this many non-finite steps in a row (0: never).")
+    dist_timeout: float = option(600.0, help="Seconds a collective may wait for the other ranks before the job ends naming the rank and the collective.")
     export: str | None = option(None, help="Export at the end with this exporter (hf, vllm, ...).")
     trust_remote_code: bool = option(False, help="Allow model code from the model directory.")
     precompute_reference: bool = option(False, help="Losses with a reference model (dpo, kto...): compute reference "
@@ -81,11 +84,14 @@ class Recipe:
                      "expert_tensor_parallel", "micro_batch_size", "seq_len", "keep_last", "log_every"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("max_steps", "global_batch_size", "save_every", "stop_after", "warmup_steps", "max_samples", "eval_samples"):
+        for name in ("max_steps", "global_batch_size", "save_every", "stop_after", "warmup_steps", "max_samples", "eval_samples",
+                     "max_nan_steps"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be 0 or more, got {getattr(self, name)}")
         if self.lr <= 0:
             problems.append(f"lr must be positive, got {self.lr}")
+        if not self.dist_timeout > 0:
+            problems.append(f"dist_timeout must be a positive number of seconds, got {self.dist_timeout}")
         if self.zero not in (0, 1, 2, 3):
             problems.append(f"zero must be 0, 1, 2 or 3, got {self.zero}")
         if not self.dataset:

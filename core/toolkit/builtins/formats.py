@@ -15,6 +15,8 @@ from toolkit.errors import DataError
 def _field(record: dict[str, Any], key: str, where: str, required: bool = True) -> Any:
     if key in record and record[key] is not None:
         return record[key]
+    if required and key in record:  # null in JSON, an empty cell in CSV/Parquet
+        raise DataError(f"{where}: column {key!r} is empty; give it a value or drop the record")
     if required:
         raise DataError(f"{where}: missing column {key!r}; columns found: {', '.join(record) or 'none'}")
     return None
@@ -97,7 +99,9 @@ class ShareGPT:
     def encode(self, record: dict[str, Any], tokenizer: Any, template: ChatTemplate, where: str = "record") -> Example:
         turns = _field(record, self.config.column, where)
         if not isinstance(turns, list):
-            raise DataError(f"{where}: {self.config.column!r} must be a list of {{from, value}} turns")
+            hint = " (a CSV cell holds only text: keep conversations in .jsonl, .json or .parquet)" if isinstance(turns, str) else ""
+            raise DataError(f"{where}: {self.config.column!r} must be a list of {{from, value}} turns, got "
+                            f"{type(turns).__name__}{hint}")
         messages = []
         for i, turn in enumerate(turns):
             role = SHAREGPT_ROLES.get(str(turn.get("from", "")).lower()) if isinstance(turn, dict) else None

@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Literal
 from toolkit import hookimpl
 from toolkit.config import option
 from toolkit.contracts import StepContext, StepResult
+from toolkit.train.numerics import nonfinite_quantities
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -84,6 +85,11 @@ class LocalEngine:
 
     master: Any = None
     """fp32 master weights under ``--precision bf16`` (subclasses with their own mixed precision keep None)."""
+    skips_nonfinite_updates: ClassVar[bool] = True
+    """``train_step`` can check the reduced loss and gradient norm before the optimizer step (``--on-nan skip``)."""
+    skip_nonfinite: bool = False
+    """Set by the runner under ``--on-nan skip``: read the step's values before the update (one host read
+    either way; before the update the GPU waits for it while the optimizer's kernels are queued)."""
     logps_module: Any = None
     """The unwrapped :class:`~toolkit.train.logps.CausalLMLogps` (``None`` in subclasses: no fused loss there)."""
     fused_loss: bool = False
@@ -254,17 +260,24 @@ class LocalEngine:
             for key, value in [*result.metrics.items(), *((k, v * share) for k, v in out.aux_metrics.items())]:
                 metrics[key] = metrics.get(key, 0.0) + (value.detach() if hasattr(value, "detach") else value)
         grad_norm = self._clip_gradients()
-        self.optimizer.step()
-        if self.master is not None:
-            self.master.write_back()
-        if self.scheduler is not None:
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         keys = sorted(metrics)
         from toolkit.train.distributed import read_step_values
 
-        values = read_step_values([total, *(metrics[k] for k in keys)], [grad_norm], self.device)
-        return StepResult(loss=values[0], grad_norm=values[-1], metrics=dict(zip(keys, values[1:-1])))
+        def read() -> list[float]:
+            return read_step_values([total, *(metrics[k] for k in keys)], [grad_norm], self.device)
+
+        # The loss is summed over ranks (a NaN on one rank is a NaN on all); the norm is global already.
+        values = read() if self.skip_nonfinite else None
+        applied = values is None or not nonfinite_quantities(values[0], values[-1])
+        if applied:  # a skipped step leaves weights, optimizer state and LR schedule as they were
+            self.optimizer.step()
+            if self.master is not None:
+                self.master.write_back()
+            if self.scheduler is not None:
+                self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        values = values or read()
+        return StepResult(loss=values[0], grad_norm=values[-1], metrics=dict(zip(keys, values[1:-1])), applied=applied)
 
     def evaluate(self, micro_batches: list[dict], loss: Any, ctx: StepContext) -> dict[str, float]:
         import torch

@@ -22,6 +22,8 @@ class DataStats:
     examples: int = 0
     truncated: int = 0
     dropped_no_labels: int = 0
+    left_over_per_epoch: int = 0
+    """Examples of each epoch after its last full global batch (set by the runner; different ones each epoch)."""
     per_file: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> str:
@@ -30,6 +32,9 @@ class DataStats:
             text += f"; {self.truncated} sequences truncated to --seq-len"
         if self.dropped_no_labels:
             text += f"; {self.dropped_no_labels} examples dropped (no trainable tokens left)"
+        if self.left_over_per_epoch:
+            text += (f"; {self.left_over_per_epoch} examples per epoch left over after the last full global batch "
+                     "(other ones each epoch)")
         return text
 
 
@@ -80,7 +85,13 @@ def load_examples(datasets: list[str], tokenizer: Any, *, dataset_format: str = 
         for index, record in enumerate(records):
             where = f"{path}, line {record.get('__line__', index + 1)}"
             record = {rename.get(k, k): v for k, v in record.items() if k != "__line__"}
-            example = truncate(fmt.encode(record, tokenizer, template, where=where), seq_len, stats, packing)
+            try:
+                example = truncate(fmt.encode(record, tokenizer, template, where=where), seq_len, stats, packing)
+            except DataError as exc:  # every record-level problem names the file and line
+                if where in str(exc):
+                    raise
+                raise DataError(f"{where}: {exc}") from exc
+            example.source = where
             if any(all(label == IGNORE_INDEX for label in seq.labels) for seq in example.sequences):
                 stats.dropped_no_labels += 1
                 continue
@@ -180,6 +191,10 @@ class Batches:
             random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
             self._epoch_cache = (epoch, build_units(self.examples, order, self.seq_len, self.packing))
         return self._epoch_cache[1]
+
+    def left_over_examples(self, epoch: int) -> int:
+        """Examples of an epoch that no step takes: those after its last full global batch."""
+        return sum(len(unit) for unit in self.units(epoch)[self.steps_per_epoch * self.global_batch_size:])
 
     def step_units(self, step: int) -> list[list[int]]:
         epoch, index = divmod(step, self.steps_per_epoch)

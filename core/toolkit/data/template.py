@@ -39,16 +39,22 @@ class ChatTemplate:
         for index, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            prefix = self.render(messages[:index], add_generation_prompt=True)
+            prefix = self.render(messages[:index], add_generation_prompt=True) if index else self.generation_prompt()
             upto = self.render(messages[: index + 1])
             if not upto.startswith(prefix):
                 raise DataError("the chat template renders a conversation prefix differently from the whole; "
-                                "cannot locate assistant replies for label masking")
+                                "cannot locate assistant replies for label masking"
+                                + (" (the conversation starts with an assistant message)" if not index else ""))
             reply = upto[len(prefix):]
             # The reply span ends after the template's end-of-turn marker but not its trailing newline.
             stripped = reply.rstrip("\n")
             spans.append((len(prefix), len(prefix) + len(stripped)))
         return self.render(messages), spans
+
+    def generation_prompt(self) -> str:
+        """What the template adds to open an assistant turn (templates refuse to render an empty conversation)."""
+        probe = [{"role": "user", "content": "x"}]
+        return self.render(probe, add_generation_prompt=True)[len(self.render(probe)):]
 
     def encode_messages(self, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
         text, spans = self.assistant_spans(messages)
@@ -75,7 +81,9 @@ def shift_labels(ids: list[int], trained: list[bool]) -> list[int]:
 
 def normalise_messages(messages: Any, where: str) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: expected a non-empty list of messages, got {type(messages).__name__}")
+        got = "an empty list" if isinstance(messages, list) else type(messages).__name__
+        hint = " (a CSV cell holds only text: keep conversations in .jsonl, .json or .parquet)" if isinstance(messages, str) else ""
+        raise DataError(f"{where}: expected a non-empty list of messages, got {got}{hint}")
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message or "content" not in message:

@@ -1,9 +1,13 @@
-"""Process-group setup from torchrun's environment, and a clean exit for gloo jobs."""
+"""Process-group setup from torchrun's environment, a clean exit for gloo jobs, and the watchdog
+that ends a job whose peer died or hung (naming the rank and the last collective)."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,11 +31,16 @@ class World:
 _WORLD: World | None = None
 
 
-def init_world() -> World:
-    """Initialise torch.distributed when launched by torchrun (gloo on CPU, NCCL on GPU)."""
+def init_world(timeout: float | None = None) -> World:
+    """Initialise torch.distributed when launched by torchrun (gloo on CPU, NCCL on GPU).
+
+    ``timeout`` (seconds, ``--dist-timeout``) bounds how long any collective waits for the others.
+    """
     global _WORLD
     if _WORLD is not None:
         return _WORLD
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
 
@@ -44,17 +53,19 @@ def init_world() -> World:
     else:
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        kwargs = {"timeout": timedelta(seconds=timeout)} if timeout else {}
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", **kwargs)
     _WORLD = World(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
     return _WORLD
 
 
-def all_reduce_sum(values: list[float], device: object = None) -> list[float]:
+def all_reduce_sum(values: list[float], device: object = None, name: str = "all_reduce_sum") -> list[float]:
     import torch
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return list(values)
+    note_collective(name)
     tensor = torch.tensor(values, dtype=torch.float64, device=device or "cpu")
     dist.all_reduce(tensor)
     return tensor.tolist()
@@ -79,6 +90,7 @@ def read_step_values(summed: list[Any], kept: list[Any], device: Any) -> list[fl
 
     reduced = on_device(summed)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and summed:
+        note_collective("read_step_values (the step's loss and metrics)")
         dist.all_reduce(reduced)
     return torch.cat([reduced, on_device(kept)]).tolist()
 
@@ -87,6 +99,7 @@ def barrier() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        note_collective("barrier")
         dist.barrier()
 
 
@@ -106,3 +119,142 @@ def shutdown(exit_code: int | None = None) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(exit_code)
+
+
+# ----------------------------------------------------------------------------- watchdog
+
+PROGRESS_KEY = "toolkit/progress/rank{}"
+
+
+class Watchdog:
+    """Ends this process when what it is doing (a training step and its collectives) makes no
+    progress within ``timeout`` seconds, printing the rank, the last collective and what every
+    other rank last reported through the process group's store.
+
+    Gloo and NCCL raise on the rank that waits for a dead or hung peer; this covers the rank that
+    hangs itself (outside a collective too), so the whole job ends without relying on the launcher.
+    """
+
+    def __init__(self, timeout: float, rank: int, world_size: int):
+        self.timeout, self.rank, self.world_size = timeout, rank, world_size
+        # A grace period past the collectives' own timeout: a rank waiting on a hung peer reports
+        # its failed collective first; the hung rank ends itself a little later.
+        self.limit = timeout + max(5.0, 0.1 * timeout)
+        self.last_collective = "none yet"
+        self.activity = "start-up"
+        self._deadline: float | None = None
+        self._thread: threading.Thread | None = None
+
+    def arm(self, activity: str) -> None:
+        self.activity = activity
+        self._deadline = time.monotonic() + self.limit
+        self.report()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch, name="toolkit-watchdog", daemon=True)
+            self._thread.start()
+
+    def disarm(self) -> None:
+        self._deadline = None
+
+    def note(self, collective: str) -> None:
+        self.last_collective = f"{collective} during {self.activity}"
+        self.report()
+
+    def report(self) -> None:
+        """Publish this rank's progress (best effort: a store that is gone must not end the run)."""
+        store = _store()
+        if store is not None:
+            try:
+                store.set(PROGRESS_KEY.format(self.rank), json.dumps({"activity": self.activity, "collective": self.last_collective,
+                                                                      "time": time.time()}))
+            except Exception:
+                pass
+
+    def describe_failure(self, what: str) -> str:
+        return (f"rank {self.rank}: {what} (--dist-timeout {self.timeout:g}s). Last collective on this rank: "
+                f"{self.last_collective}.\n{peer_report(self.rank, self.world_size)}")
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.limit / 20))
+            deadline = self._deadline
+            if deadline is not None and time.monotonic() > deadline:
+                message = self.describe_failure(f"{self.activity} made no progress for {self.limit:g}s")
+                print(f"toolkit: error: {message}\nEnding the job: a rank that is dead or hung would otherwise keep "
+                      "every other rank waiting.", file=sys.stderr)
+                sys.stderr.flush()
+                os._exit(1)
+
+
+_WATCHDOG: Watchdog | None = None
+
+
+def start_watchdog(timeout: float) -> Watchdog | None:
+    """The process-wide watchdog of a distributed run (None on one process)."""
+    global _WATCHDOG
+    world = init_world()
+    if not world.distributed:
+        return None
+    if _WATCHDOG is None:
+        _WATCHDOG = Watchdog(timeout, world.rank, world.world_size)
+    return _WATCHDOG
+
+
+def note_collective(name: str) -> None:
+    if _WATCHDOG is not None:
+        _WATCHDOG.note(name)
+
+
+def _store() -> object | None:
+    try:
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
+    except Exception:
+        return None
+
+
+def peer_report(rank: int, world_size: int) -> str:
+    """What each other rank last published, oldest first: the first lines name the rank that stopped."""
+    store = _store()
+    rows = []
+    for other in range(world_size):
+        if other == rank:
+            continue
+        key = PROGRESS_KEY.format(other)
+        try:
+            state = json.loads(store.get(key)) if store is not None and store.check([key]) else None
+        except Exception:
+            state = None
+        if state is None:
+            rows.append((0.0, f"  rank {other}: no report (dead before its first step, or the store is gone)"))
+        else:
+            age = time.time() - state["time"]
+            rows.append((state["time"], f"  rank {other}: last seen {age:.0f}s ago in {state['activity']}; "
+                                        f"last collective: {state['collective']}"))
+    return "Other ranks:\n" + "\n".join(text for _, text in sorted(rows))
+
+
+def end_if_peer_lost(exc: BaseException) -> None:
+    """When ``exc`` is a collective that failed because a peer died or hung, print which rank and
+    collective, and exit now: a teardown would wait on the lost peer. Otherwise return."""
+    if _WATCHDOG is None or not is_collective_failure(exc):
+        return
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    message = _WATCHDOG.describe_failure(f"a collective failed during {_WATCHDOG.activity}: {first}")
+    print(f"toolkit: error: {message}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """A peer closed the connection or a collective timed out (gloo/NCCL), rather than a bug here."""
+    import torch.distributed as dist
+
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        marker in text for marker in ("Connection closed by peer", "Connection reset by peer", "Timed out waiting",
+                                      "timed out", "Broken pipe", "NCCL communicator was aborted", "Socket Timeout"))

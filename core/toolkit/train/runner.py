@@ -114,9 +114,11 @@ def check_model_limits(recipe: Recipe, source: Any) -> None:
 def run_training(recipe: Recipe) -> Path:
     """Train as the recipe says; returns the run directory. Works the same under torchrun."""
     from toolkit.builtins.loaders import resolve_model
-    from toolkit.train.distributed import init_world, shutdown
+    from toolkit.train.distributed import end_if_peer_lost, init_world, shutdown, start_watchdog
+    from toolkit.train.numerics import NumericalError
 
-    world = init_world()
+    world = init_world(recipe.dist_timeout)
+    start_watchdog(recipe.dist_timeout)
     strategy, tuner, loss, recipe = resolve_components(recipe, world.world_size)
     source = resolve_model(recipe.model, recipe.trust_remote_code)
     check_model_limits(recipe, source)
@@ -138,6 +140,17 @@ def run_training(recipe: Recipe) -> Path:
 
             precompute_reference_logps(engine, examples, recipe, source, run_dir)
         _train_loop(recipe, run_dir, engine, loss, tuner, source, examples, stats)
+    except NumericalError as exc:
+        if not world.distributed:
+            raise
+        # Every rank reached the same verdict on the same step: end them together, not by abort.
+        engine.close()
+        if world.is_main:
+            print(f"Error: {exc}", file=sys.stderr)
+        shutdown(exit_code=1)
+    except Exception as exc:
+        end_if_peer_lost(exc)  # returns only when the error is not a dead or hung peer
+        raise
     finally:
         engine.close()
     if world.distributed:
@@ -147,13 +160,16 @@ def run_training(recipe: Recipe) -> Path:
 
 def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: Any, source: Any, examples: list, stats: Any) -> None:
     from toolkit.data.pipeline import Batches
-    from toolkit.train.checkpoint import agree_on_resume, read_state, restore_rng, save_checkpoint
+    from toolkit.train.checkpoint import agree_on_resume, list_checkpoints, read_state, restore_rng, save_checkpoint
+    from toolkit.train.distributed import note_collective, start_watchdog
+    from toolkit.train.numerics import NonFiniteGuard
 
     eval_examples, examples = examples[: recipe.eval_samples], examples[recipe.eval_samples:]
     pad_id = source.tokenizer.pad_token_id if source.tokenizer.pad_token_id is not None else 0
     batches = Batches(examples, seed=recipe.seed, seq_len=recipe.seq_len, packing=recipe.packing,
                       micro_batch_size=recipe.micro_batch_size, global_batch_size=recipe.global_batch_size,
                       dp_rank=engine.dp_rank, dp_world_size=engine.dp_world_size, pad_id=pad_id)
+    stats.left_over_per_epoch = batches.left_over_examples(0)
     total_steps = recipe.max_steps or max(1, math.ceil(recipe.epochs * batches.steps_per_epoch))
     engine.set_total_steps(total_steps)
     start_step = 0
@@ -171,46 +187,92 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
     for cb in callbacks:
         cb.on_train_start(info)
     eval_batches = _eval_batches(eval_examples, recipe, engine, pad_id)
-    step = start_step
-    window_tokens, window_start = 0, time.perf_counter()
+    guard = NonFiniteGuard.for_run(recipe, engine, run_dir)
+    watchdog = start_watchdog(recipe.dist_timeout)
+    if checkpoint is not None:
+        guard.restore(read_state(checkpoint))
+    log = _StepLog(recipe, engine, loss, callbacks, eval_batches, total_steps, batches.steps_per_epoch, start_step)
+    step, result = start_step, None
     with StopFlag() as stop:
-        for step in range(start_step, total_steps):
-            micro_batches = batches.micro_batches(step)
-            ctx = batches.context(step)
-            lr = engine.current_lr()
-            result = engine.train_step(micro_batches, loss, ctx)
-            window_tokens += sum(int((mb["sequence_ids"] >= 0).sum()) for mb in micro_batches)
+        while step < total_steps:
             done = step + 1
-            elapsed = time.perf_counter() - window_start
-            tokens_per_s = engine.all_reduce_sum([window_tokens])[0] / max(elapsed, 1e-9)
-            metrics = {"step": done, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
-                       "tokens_per_s": tokens_per_s, "epoch": step / batches.steps_per_epoch, **result.metrics}
-            for cb in callbacks:
-                cb.on_step_end(done, metrics)
-            if done % recipe.log_every == 0 or done == total_steps:
-                if eval_batches:
-                    evaluated = engine.evaluate(eval_batches[0], loss, eval_batches[1])
-                    metrics.update({f"eval_{k}": v for k, v in evaluated.items()})
-                for cb in callbacks:
-                    cb.on_log(done, metrics)
-                window_tokens, window_start = 0, time.perf_counter()
+            if watchdog is not None:
+                watchdog.arm(f"step {done}")
+            if not guard.skips(step):
+                micro_batches = batches.micro_batches(step)
+                lr = engine.current_lr()
+                note_collective("the engine's gradient reduction (train_step)")
+                result = engine.train_step(micro_batches, loss, batches.context(step))
+                event = guard.check(step, result, batches)
+                if event is not None:
+                    checkpoints = list_checkpoints(run_dir, recipe.checkpoint_verify)
+                    if guard.handle(event, checkpoints[-1] if checkpoints else None) == "rollback":
+                        step = _rollback(engine, checkpoints[-1])
+                        continue
+                elif done > log.logged:  # steps replayed after a rollback were logged already
+                    log.record(step, micro_batches, result, lr)
             if recipe.stop_after and done - start_step >= recipe.stop_after and done < total_steps:
                 stop.requested = True
             stopping = engine.all_reduce_sum([1.0 if stop.requested else 0.0])[0] > 0
+            if watchdog is not None:  # saving may take long; a peer lost there still fails its barrier
+                watchdog.disarm()
             if (recipe.save_every and done % recipe.save_every == 0) or done == total_steps or stopping:
-                state = {"step": done, "total_steps": total_steps, "epoch": step // batches.steps_per_epoch,
-                         "loss": result.loss, "tuner": tuner.name, "strategy": recipe.strategy,
-                         "world_size": engine.dp_world_size, "global_batch_size": batches.global_batch_size,
-                         "model": recipe.model}
+                state = _trainer_state(recipe, engine, batches, done, result, total_steps, tuner, guard)
                 path = save_checkpoint(run_dir, done, engine, state, recipe.keep_last)
                 if engine.is_main and stopping:
                     print(f"toolkit: stopped at step {done}; checkpoint {path}. Continue with --resume auto.", file=sys.stderr)
             if stopping:
                 break
+            step = done
     for cb in callbacks:
         cb.on_train_end(info)
     if recipe.export and not stop.requested:
         export_after_training(recipe, run_dir, engine, source, tuner)
+
+
+class _StepLog:
+    """Metrics of each trained step to the callbacks; tokens/s over the steps since the last log line."""
+
+    def __init__(self, recipe: Recipe, engine: Any, loss: Any, callbacks: list, eval_batches: Any, total_steps: int,
+                 steps_per_epoch: int, start_step: int):
+        self.recipe, self.engine, self.loss, self.callbacks, self.eval_batches = recipe, engine, loss, callbacks, eval_batches
+        self.total_steps, self.steps_per_epoch, self.logged = total_steps, steps_per_epoch, start_step
+        self.window_tokens, self.window_start = 0, time.perf_counter()
+
+    def record(self, step: int, micro_batches: list, result: Any, lr: float) -> None:
+        done, engine = step + 1, self.engine
+        self.window_tokens += sum(int((mb["sequence_ids"] >= 0).sum()) for mb in micro_batches)
+        elapsed = time.perf_counter() - self.window_start
+        tokens_per_s = engine.all_reduce_sum([self.window_tokens])[0] / max(elapsed, 1e-9)
+        metrics = {"step": done, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
+                   "tokens_per_s": tokens_per_s, "epoch": step / self.steps_per_epoch, **result.metrics}
+        for cb in self.callbacks:
+            cb.on_step_end(done, metrics)
+        if done % self.recipe.log_every == 0 or done == self.total_steps:
+            if self.eval_batches:
+                evaluated = engine.evaluate(self.eval_batches[0], self.loss, self.eval_batches[1])
+                metrics.update({f"eval_{k}": v for k, v in evaluated.items()})
+            for cb in self.callbacks:
+                cb.on_log(done, metrics)
+            self.window_tokens, self.window_start = 0, time.perf_counter()
+        self.logged = done
+
+
+def _trainer_state(recipe: Recipe, engine: Any, batches: Any, done: int, result: Any, total_steps: int, tuner: Any,
+                   guard: Any) -> dict[str, Any]:
+    loss = result.loss if result is not None and math.isfinite(result.loss) else None
+    return {"step": done, "total_steps": total_steps, "epoch": max(done - 1, 0) // batches.steps_per_epoch,
+            "loss": loss, "tuner": tuner.name, "strategy": recipe.strategy, "world_size": engine.dp_world_size,
+            "global_batch_size": batches.global_batch_size, "model": recipe.model, **guard.state()}
+
+
+def _rollback(engine: Any, checkpoint: Path) -> int:
+    """Reload weights, optimizer, schedule and RNG from ``checkpoint``; returns the step to continue from."""
+    from toolkit.train.checkpoint import read_state, restore_rng
+
+    engine.load_checkpoint(checkpoint)
+    restore_rng(checkpoint, engine.dp_rank)
+    return read_state(checkpoint)["step"]
 
 
 def keep_global_batch_size(recipe: Recipe, run_dir: Path, is_main: bool) -> Recipe:

@@ -85,6 +85,9 @@ def _layout(recipe: Any) -> Any:
 class MegatronEngine:
     """Model chunks of this rank wrapped in Megatron DDP, with Megatron's optimizer."""
 
+    skips_nonfinite_updates: ClassVar[bool] = True
+    """``train_step`` checks the loss and gradient norm between Megatron's norm and its update."""
+
     def __init__(self, source: Any, tuner: Any, loss: Any, recipe: Any, config: MegatronConfig):
         import torch
         from megatron.core import parallel_state as ps
@@ -241,9 +244,33 @@ class MegatronEngine:
         self.optimizer.zero_grad()
         total, metrics = self._run(micro_batches, loss, ctx, forward_only=False)
         with cpu_compat():
-            _, grad_norm, _ = self.optimizer.step()
-        self.steps_done += 1
-        return StepResult(loss=total, grad_norm=float(grad_norm or 0.0), metrics=metrics)
+            grad_norm, applied = self._guarded_optimizer_step(total)
+        if applied:  # a skipped update leaves the LR schedule where it was too
+            self.steps_done += 1
+        return StepResult(loss=total, grad_norm=grad_norm, metrics=metrics, applied=applied)
+
+    def _guarded_optimizer_step(self, loss: float) -> tuple[float, bool]:
+        """Megatron's ``optimizer.step()`` with a check between the gradient norm and the update:
+        a non-finite loss (already reduced over ranks) or norm (reduced over model-parallel ranks)
+        leaves weights and optimizer state untouched (``--on-nan skip``)."""
+        import math
+
+        import torch
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        with torch.no_grad():
+            if self.optimizer.prepare_grads():  # fp16 loss scaling found an inf
+                return float("inf"), False
+            grad_norm = float(self.optimizer.get_grad_norm())
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                return grad_norm, False
+            for inner in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                parameters = [] if getattr(inner, "is_stub_optimizer", False) else inner.get_parameters()
+                if parameters and inner.config.clip_grad > 0.0:
+                    decoupled = getattr(inner.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)
+                    clip_grad_by_total_norm_fp32(parameters, max_norm=inner.config.clip_grad, total_norm=grad_norm,
+                                                 use_decoupled_grad=decoupled)
+            return grad_norm, bool(self.optimizer.step_with_ready_grads())
 
     def evaluate(self, micro_batches: list[dict], loss: Any, ctx: StepContext) -> dict[str, float]:
         import torch

@@ -1,0 +1,71 @@
+"""A rank that dies or hangs ends the whole torchrun job within --dist-timeout, naming the rank and the last collective."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nan_plugin
+import pytest
+from test_numerics import write_dataset
+
+from toolkit.testing import free_port, write_plugin_distribution
+
+TIMEOUT = 6
+STARTUP = 40  # seconds two CPU ranks may take to import torch and build the tiny model
+
+
+def poisoned_position(data: Path) -> tuple[int, int]:
+    """(1-based step, data-parallel rank) that meets the poisoned sample with 2 ranks, computed independently."""
+    from toolkit.builtins.loaders import resolve_model
+    from toolkit.data.pipeline import Batches, load_examples
+
+    examples, _ = load_examples([str(data)], resolve_model("tiny-llama").tokenizer, dataset_format="poisoned", seq_len=64)
+    for rank in range(2):
+        batches = Batches(examples, seed=42, seq_len=64, packing=False, micro_batch_size=1, global_batch_size=2,
+                          dp_rank=rank, dp_world_size=2, pad_id=0)
+        for step in range(batches.steps_per_epoch):
+            if any(mb["sequence_meta"].get("poison") is not None and bool(mb["sequence_meta"]["poison"].any())
+                   for mb in batches.micro_batches(step)):
+                return step + 1, rank
+    raise AssertionError("no poisoned sample")
+
+
+@pytest.fixture
+def launch(tmp_path, toolkit_manager):
+    toolkit_manager(("nan-plugin", nan_plugin), installed=False)
+    site = tmp_path / "site"
+    write_plugin_distribution(site, "toolkit-nan-test", Path(nan_plugin.__file__).read_text(), module="toolkit_nan_test")
+
+    def run(data: Path) -> tuple[subprocess.CompletedProcess, float]:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+                   "-m", "toolkit", "train", "--model", "tiny-llama", "--dataset", str(data), "--dataset-format", "poisoned",
+                   "--loss", "nan-sft", "--output", str(tmp_path / "run"), "--seq-len", "64", "--max-steps", "6",
+                   "--micro-batch-size", "1", "--global-batch-size", "2", "--dist-timeout", str(TIMEOUT)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), *sys.path]), "TOOLKIT_PLUGINS": "nan-test",
+               "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        start = time.monotonic()
+        result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=STARTUP + TIMEOUT + 60)
+        return result, time.monotonic() - start
+
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("failure", ["exit", "hang"])
+def test_a_dead_or_hung_rank_ends_the_job_and_is_named(tmp_path, launch, failure):
+    data = write_dataset(tmp_path / "data.jsonl", poison=failure)
+    step, bad_rank = poisoned_position(data)
+    result, elapsed = launch(data)
+    err = result.stderr
+    assert result.returncode != 0, err[-3000:]
+    assert elapsed < STARTUP + TIMEOUT + 5 + 15, (elapsed, err[-3000:])  # 5: the hung rank's own grace period
+    survivor = 1 - bad_rank
+    assert f"toolkit: error: rank {survivor}: a collective failed during step {step}" in err, err[-3000:]
+    assert f"rank {bad_rank}: last seen" in err and f"in step {step};" in err, err[-3000:]
+    assert "Last collective on this rank: " in err and "Traceback" not in err.split("toolkit: error:")[0][-2000:]
+    if failure == "hang":  # the hung rank ends itself too, naming what it was doing
+        assert f"toolkit: error: rank {bad_rank}: step {step} made no progress for {TIMEOUT + 5}s" in err, err[-3000:]
