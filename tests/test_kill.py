@@ -1,5 +1,6 @@
-"""scripts/kill_test.py, short: a local run SIGKILLed twice (aimed at random moments, most inside checkpoint
-writes), one disk-full round and one corrupted checkpoint, then finished; its weights equal an uninterrupted run."""
+"""scripts/kill_test.py, short: a local run and a megatron TP2 run (2 gloo processes) SIGKILLed twice (aimed at
+random moments, most inside checkpoint writes), one disk-full round and one corrupted checkpoint, then finished;
+their weights equal an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "kill_test.py"
 
@@ -21,8 +24,11 @@ def run_kill_test(tmp_path: Path, *args: str) -> dict:
     return json.loads(summary.read_text())
 
 
-def test_local_run_survives_kills_corruption_and_a_full_disk_bit_identically(tmp_path):
-    summary = run_kill_test(tmp_path, "--mode", "local", "--kills", "2", "--seed", "3", "--steps", "8",
+@pytest.mark.parametrize("mode", ["local", "megatron-tp2"])
+def test_run_survives_kills_corruption_and_a_full_disk_bit_identically(tmp_path, mode):
+    if mode == "megatron-tp2":
+        pytest.importorskip("toolkit_megatron")
+    summary = run_kill_test(tmp_path, "--mode", mode, "--kills", "2", "--seed", "3", "--steps", "8",
                             "--corrupt-every", "2", "--disk-full-round", "1")
     assert summary["passed"] and summary["bit_identical"] and summary["metrics_identical"]
     assert summary["kills"] == 2 and summary["steps_logged"] == 8
