@@ -83,10 +83,12 @@ def _grad_logits(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, 
 
     Pointwise only (the one-hot is a comparison, not a scatter), so on CUDA it compiles to one
     kernel that reads the kept logits and writes the gradient without fp32 copies of the chunk.
+    Written in place so that eager (CPU) holds one fp32 copy of the chunk, as the planner counts.
     """
     columns = torch.arange(logits.shape[-1], device=logits.device)
-    onehot = (columns[None, :] == labels[:, None]).float()
-    return ((onehot - torch.exp(logits.float() - lse[:, None])) * grad_picked[:, None].float()).to(logits.dtype)
+    grad = logits.float().sub_(lse[:, None]).exp_().neg_()
+    grad.add_(columns[None, :] == labels[:, None])
+    return grad.mul_(grad_picked[:, None].float()).to(logits.dtype)
 
 
 class _LinearHeadLogps(torch.autograd.Function):
