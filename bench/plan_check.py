@@ -138,7 +138,12 @@ def main() -> None:
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--cases", default=None, help="comma-separated case numbers to run (default: all)")
+    parser.add_argument("--from-json", default=None, metavar="PLAN_CHECK_JSON",
+                        help="measure nothing: report the measurements of an earlier run against this planner")
     args = parser.parse_args()
+    if args.from_json:
+        rereport(args.from_json)
+        return
 
     import torch
 
@@ -159,6 +164,19 @@ def main() -> None:
         for index in chosen:
             rows.append(run_case(index, cases[index], config, args, gpu_kind))
     report(rows, device, gpu_kind, steps)
+
+
+def rereport(path: str) -> None:
+    """The measured columns of an earlier run (its plan_check.json), the estimates recomputed."""
+    try:
+        earlier = json.loads(open(path).read())
+        cases = {case.name: case for case in (TINY_CASES if earlier["device"] == "cpu" else GPU_CASES)}
+        config = SHAPE_TINY if earlier["device"] == "cpu" else SHAPE_1B
+        rows = [{"case": row["case"], "measured": row["measured"],
+                 "estimate": estimate(config, cases[row["case"]], earlier["gpu_kind"])} for row in earlier["rows"]]
+    except (OSError, ValueError, KeyError) as exc:
+        raise SystemExit(f"--from-json {path}: not a plan_check.json of this script ({type(exc).__name__}: {exc})")
+    report(rows, earlier["device"], earlier["gpu_kind"], earlier["steps"])
 
 
 def save_model(config: dict, directory: str) -> None:
@@ -193,7 +211,7 @@ def report(rows: list[dict], device: str, gpu_kind: str, steps: int) -> None:
 
     header = (f"{'configuration':26} {'mem est':>8} {'mem meas':>8} {'err':>7} {'act est':>8} {'act meas':>8} {'err':>7} "
               f"{'tok/s est':>10} {'tok/s meas':>10} {'err':>7}")
-    print(f"device: {torch.cuda.get_device_name(0) if device == 'cuda' else 'cpu'} (planner GPU kind {gpu_kind}); {'MiB' if device == 'cpu' else 'GiB'}")
+    print(f"device: {torch.cuda.get_device_name(0) if device == 'cuda' and torch.cuda.is_available() else device} (planner GPU kind {gpu_kind}); {'MiB' if device == 'cpu' else 'GiB'}")
     print(header)
     for row in rows:
         m, e = row["measured"], row["estimate"]
@@ -214,8 +232,9 @@ def report(rows: list[dict], device: str, gpu_kind: str, steps: int) -> None:
     discordant = [(rows[i]["case"], rows[j]["case"]) for i, j in pairs
                   if (est_speed[i] - est_speed[j]) * (meas_speed[i] - meas_speed[j]) <= 0
                   and abs(meas_speed[i] - meas_speed[j]) > TIE * max(meas_speed[i], meas_speed[j])]
-    print(f"ranking agrees: {not discordant} ({concordant}/{len(pairs)} pairs ordered alike, the rest measured within "
-          f"{TIE:.0%} of each other{'' if not discordant else '; out of order: ' + str(discordant)}); "
+    ties = len(pairs) - concordant - len(discordant)
+    print(f"ranking agrees: {not discordant} ({concordant}/{len(pairs)} pairs ordered alike, {ties} measured within "
+          f"{TIE:.0%} of each other (ties){'' if not discordant else ', out of order: ' + str(discordant)}); "
           f"memory within 15%: {sum(within)}/{len(within)}")
     summary = {"device": device, "gpu_kind": gpu_kind, "steps": steps, "rows": rows,
                "ranking_agrees": not discordant, "exact_order": est_order == meas_order,

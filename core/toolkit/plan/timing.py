@@ -35,12 +35,13 @@ MASTER_STEP_BYTES_PER_PARAM = 46.0
 28), clipping (read + scale the fp32 grads: 12) and the bf16 write-back (6)."""
 ACCUMULATE_BYTES_PER_PARAM = 6.0
 """Per micro-batch: read the bf16 gradient, write (or add into) the fp32 master gradient."""
-HOST_SECONDS_PER_LAYER = {"full": 4.7e-3, "lora": 8.9e-3}
+HOST_SECONDS_PER_LAYER = {"full": 4.25e-3, "lora": 6.8e-3}
 """Host time to issue one decoder layer's forward and backward (HF modules, eager PyTorch): a step
 can never be faster than the CPU can launch it, which is what bounds short micro-batches.
-Calibrated on one H200 with bench/plan_check.py (2026-11-30): a full-SFT step of the 1.24B shape
-at 1 x 1024 tokens took 75 ms (16 layers) where its GPU work needs about 42 ms, and a LoRA step
-at 1 x 4096 tokens 142 ms against about 87 ms of GPU work (each adapter adds launches)."""
+Fitted on one H200 with bench/plan_check.py (2026-11-30, the run in docs/plan.md): a full-SFT
+step of the 1.24B shape at 1 x 1024 tokens took 68 ms (16 layers) where its GPU work needs about
+42 ms, and a LoRA step at 1 x 4096 tokens 109 ms against about 87 ms of GPU work (each adapter
+adds launches). Those two rows are therefore fitted, not checked."""
 HOST_BOUND_STRATEGIES = ("local", "fsdp", "deepspeed")
 CPU_ADAM_PARAMS_PER_S = 1e9
 PCIE_BANDWIDTH = 25e9
