@@ -16,6 +16,7 @@ from toolkit_megatron.architectures import architecture_for
 from toolkit_megatron.compat import cpu_compat
 
 AttentionKind = Literal["sdpa", "local"]
+ExpertsKind = Literal["grouped", "sequential"]
 
 
 @dataclass(frozen=True)
@@ -153,8 +154,9 @@ def transformer_config(hf_config: Any, layout: Layout, dtype: Any, **overrides: 
 
 
 def layer_spec(hf_config: Any, config: Any, attention: AttentionKind = "sdpa", vp_stage: int | None = None,
-               compiled_rope: bool = False) -> Any:
-    """Megatron's local layer spec with our SDPA core attention and sequence-parallel RMSNorm."""
+               compiled_rope: bool = False, experts: ExpertsKind = "grouped") -> Any:
+    """Megatron's local layer spec with our SDPA core attention, sequence-parallel RMSNorm and
+    (MoE) grouped-matmul experts (``experts="sequential"``: Megatron's ``SequentialMLP``)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -190,7 +192,7 @@ def layer_spec(hf_config: Any, config: Any, attention: AttentionKind = "sdpa", v
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=RMSNorm,
-            mlp=_moe_spec(config) if arch.moe else ModuleSpec(
+            mlp=_moe_spec(config, experts) if arch.moe else ModuleSpec(
                 module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
             mlp_bda=get_bias_dropout_add,
         ),
@@ -199,23 +201,32 @@ def layer_spec(hf_config: Any, config: Any, attention: AttentionKind = "sdpa", v
     return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=RMSNorm))
 
 
-def _moe_spec(config: Any) -> Any:
+def _moe_spec(config: Any, experts: ExpertsKind = "grouped") -> Any:
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.experts import SequentialMLP
 
     # megatron-core 0.16 reads this name even when Transformer Engine is absent (NameError).
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 
-    return get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    spec = get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    if experts == "grouped" and spec.submodules.experts.module is SequentialMLP:
+        from toolkit_megatron.experts import GroupedExperts
+
+        # same parameters and checkpoint keys as SequentialMLP, one grouped matmul instead of a loop over experts
+        spec.submodules.experts.module = GroupedExperts
+    return spec
 
 
 def build_model(hf_config: Any, layout: Layout, dtype: Any = None, attention: AttentionKind = "sdpa",
-                vocab_size: int | None = None, compiled_rope: bool = False, **config_overrides: Any) -> list[Any]:
+                vocab_size: int | None = None, compiled_rope: bool = False, experts: ExpertsKind = "grouped",
+                **config_overrides: Any) -> list[Any]:
     """One ``GPTModel`` per virtual pipeline stage of this rank (process groups must exist).
 
     ``compiled_rope``: rotary embeddings under ``torch.compile`` (one fused kernel per tensor).
+    ``experts``: MoE experts as :class:`~toolkit_megatron.experts.GroupedExperts` or Megatron's ``SequentialMLP``.
     """
     import torch
     from megatron.core import parallel_state
@@ -230,7 +241,7 @@ def build_model(hf_config: Any, layout: Layout, dtype: Any = None, attention: At
             vp_stage = stage if layout.virtual > 1 else None
             model = GPTModel(
                 config=config,
-                transformer_layer_spec=layer_spec(hf_config, config, attention, vp_stage, compiled_rope),
+                transformer_layer_spec=layer_spec(hf_config, config, attention, vp_stage, compiled_rope, experts),
                 vocab_size=vocab,
                 max_sequence_length=getattr(hf_config, "max_position_embeddings", 4096),
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -243,6 +254,9 @@ def build_model(hf_config: Any, layout: Layout, dtype: Any = None, attention: At
             mark_tensor_parallel(model)
             if torch.cuda.is_available():
                 model.cuda(torch.cuda.current_device())
+                from toolkit_megatron.experts import pack_expert_weights
+
+                pack_expert_weights(model)  # .cuda() gave every expert weight its own storage again
             chunks.append(model)
     return chunks
 

@@ -26,6 +26,9 @@ class MegatronConfig:
     distributed_optimizer: bool = option(False, help="Shard optimizer state over data-parallel ranks (ZeRO-1).")
     async_save: bool = option(False, help="Write checkpoints in the background (dist_checkpointing async save).")
     moe_dispatcher: Literal["alltoall", "allgather"] = option("alltoall", help="MoE token dispatcher: alltoall (tokens sent to their experts' ranks) or allgather (every rank gathers all tokens).")
+    moe_experts: Literal["grouped", "sequential"] = option(
+        "grouped", help="MoE experts without Transformer Engine: grouped (all local experts in one torch grouped matmul, "
+        "same weights and checkpoint keys) or sequential (Megatron's SequentialMLP, a loop over experts).")
     moe_aux_loss_coeff: float | None = option(None, help="MoE load-balancing loss coefficient; default: the HF config's router_aux_loss_coef.")
     moe_z_loss_coeff: float | None = option(None, help="MoE router z-loss coefficient; default: the HF config's router_z_loss_coef, else off.")
     logps_kernel: Literal["chunked", "compiled", "reference"] = option(
@@ -125,7 +128,7 @@ class MegatronEngine:
         if config.compile_elementwise:
             overrides["bias_activation_fusion"] = True
         chunks = build_model(source.config, self.layout, dtype=self.dtype, attention=config.attention,
-                             compiled_rope=config.compile_elementwise, **overrides)
+                             compiled_rope=config.compile_elementwise, experts=config.moe_experts, **overrides)
         load_hf_weights(chunks, source.config, SafetensorsReader.from_directory(source.directory))
         if tuner is not None and tuner.name in ("lora", "dora"):
             from toolkit_megatron.lora import apply_lora, hf_adapters

@@ -1,0 +1,171 @@
+"""Routed experts without Transformer Engine: every local expert in one grouped matmul.
+
+Without TE (or the ``grouped_gemm`` package) Megatron-Core's local spec gives ``SequentialMLP``,
+which runs one small MLP per local expert: 128 experts cost 128 x 2 launches of tiny matmuls plus
+a host sync per layer (measured 0.21x HF on one H200 for the Qwen3-30B-A3B layer shape).
+:class:`GroupedExperts` keeps ``SequentialMLP``'s parameters exactly (``local_experts.{i}.linear_fc1``
+/ ``linear_fc2``, expert-tensor-parallel shards, the same ``sharded_state_dict``), so the HF <->
+mcore bridge, ``dist_checkpointing`` and exports see no difference; only ``forward`` changes: the
+local experts' weights are read as one ``[experts, out, in]`` tensor and the permuted tokens go
+through ``torch.nn.functional.grouped_mm`` (``torch._grouped_mm`` on torch 2.8/2.9) twice, with
+the activation, the router probabilities and the expert biases applied as ``MLP.forward`` does.
+
+The expert weights are allocated as slices of one tensor per layer (:func:`pack_expert_weights`,
+run by ``build_model`` after the model is placed on its device), so reading them stacked costs
+nothing; where something re-allocated a weight since (Megatron's distributed optimizer moves
+parameters into its own buffer) the forward stacks a copy instead, which is only slower. Where
+the grouped kernel cannot run (CUDA without a bf16 input or with unaligned sizes, a torch without
+``grouped_mm``) each expert's slice is multiplied in a loop, still without ``SequentialMLP``'s
+per-expert modules. Anything ``SequentialMLP`` does that this module does not (fp8/fp4 padding,
+delayed weight gradients, TE activations, LoRA-wrapped expert linears) falls back to
+``SequentialMLP.forward`` itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core.transformer.moe.experts import SequentialMLP
+
+_KERNEL_BROKEN: set[tuple[str, torch.dtype]] = set()
+"""(device type, dtype) pairs where the grouped kernel raised: the loop is used there from then on."""
+
+
+def grouped_mm_function() -> Any:
+    """``torch.nn.functional.grouped_mm`` (torch >= 2.10), ``torch._grouped_mm`` (2.8, 2.9) or ``None``."""
+    return getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+class _StackedView(torch.autograd.Function):
+    """``torch.stack(weights)`` that returns the shared storage itself when the weights are its slices."""
+
+    @staticmethod
+    def forward(ctx: Any, base: torch.Tensor | None, *weights: torch.Tensor) -> torch.Tensor:
+        if base is not None and _are_slices_of(base, weights):
+            return base.detach()  # a new tensor object on the same storage (the base stays autograd-free)
+        return torch.stack(weights)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return (None, *grad.unbind(0))
+
+
+def _are_slices_of(base: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> bool:
+    """Whether ``weights[i]`` is exactly ``base[i]`` (same storage, offset and layout)."""
+    if len(weights) != base.shape[0]:
+        return False
+    step = base.stride(0) * base.element_size()
+    start = base.data_ptr()
+    return all(w.data_ptr() == start + i * step and w.shape == base.shape[1:] and w.stride() == base.stride()[1:]
+               and w.dtype == base.dtype and w.device == base.device for i, w in enumerate(weights))
+
+
+def pack_expert_weights(model: torch.nn.Module) -> int:
+    """Make every :class:`GroupedExperts`' weights slices of one tensor per kind; returns the modules packed."""
+    packed = 0
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            module.pack()
+            packed += 1
+    return packed
+
+
+class GroupedExperts(SequentialMLP):
+    """``SequentialMLP`` with a grouped-matmul forward over all local experts (same parameters and keys)."""
+
+    def __init__(self, num_local_experts: int, config: Any, submodules: Any, pg_collection: Any = None):
+        super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection)
+        self._bases: dict[str, torch.Tensor] = {}
+        self.pack()
+
+    # ------------------------------------------------------------------ weights
+    def _weights(self, linear: str, kind: str = "weight") -> list[torch.Tensor | None]:
+        return [getattr(getattr(expert, linear), kind, None) for expert in self.local_experts]
+
+    @torch.no_grad()
+    def pack(self) -> None:
+        """Re-allocate the expert weights (and biases) as slices of one ``[experts, ...]`` tensor each."""
+        self._bases = {}
+        for linear in ("linear_fc1", "linear_fc2"):
+            for kind in ("weight", "bias"):
+                params = self._weights(linear, kind)
+                if any(p is None or not isinstance(p, torch.nn.Parameter) for p in params):
+                    continue
+                base = torch.stack([p.detach() for p in params])
+                for index, param in enumerate(params):
+                    param.data = base[index]
+                self._bases[f"{linear}.{kind}"] = base
+
+    def _stacked(self, linear: str, kind: str = "weight") -> torch.Tensor | None:
+        params = self._weights(linear, kind)
+        if any(p is None for p in params):
+            return None
+        return _StackedView.apply(self._bases.get(f"{linear}.{kind}"), *params)
+
+    # ------------------------------------------------------------------ forward
+    def _grouped_supported(self) -> bool:
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+        config = self.config
+        if config.fp8 or config.fp4 or getattr(config, "delay_wgrad_compute", False) or getattr(config, "use_te_activation_func", False):
+            return False
+        if getattr(config, "moe_latent_size", None):
+            return False
+        return all(type(expert.linear_fc1) is ColumnParallelLinear and type(expert.linear_fc2) is RowParallelLinear
+                   for expert in self.local_experts)
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
+                permuted_probs: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if not self._grouped_supported():
+            return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        hidden, probs = permuted_local_hidden_states, permuted_probs
+        if self.config.moe_apply_probs_on_input:
+            assert self.config.moe_router_topk == 1, "`moe_apply_probs_on_input` only works with `moe_router_topk`=1."
+            hidden = (probs.unsqueeze(-1) * hidden).to(hidden.dtype)
+            probs = torch.ones_like(probs)
+        counts = torch.as_tensor(tokens_per_expert).to(device=hidden.device, dtype=torch.int64)
+        fc1 = self._matmul(hidden, self._stacked("linear_fc1"), counts)
+        bias1 = self._stacked("linear_fc1", "bias")
+        if bias1 is not None:
+            fc1 = fc1 + _rows(bias1, counts, fc1.shape[0])
+        intermediate = self._activation(fc1)
+        intermediate = (intermediate * probs.unsqueeze(-1)).to(intermediate.dtype)
+        output = self._matmul(intermediate, self._stacked("linear_fc2"), counts)
+        bias2 = self._stacked("linear_fc2", "bias")
+        if bias2 is not None:  # MLP.forward adds an expert's output bias scaled by the token's probability
+            output = output + _rows(bias2, counts, output.shape[0]) * probs.unsqueeze(-1)
+        return output, None
+
+    def _activation(self, x: torch.Tensor) -> torch.Tensor:
+        """``MLP.forward``'s unfused activation (gated: ``act(gate) * (linear + offset)``, optional clamps)."""
+        config = self.config
+        if not config.gated_linear_unit:
+            return config.activation_func(x)
+        gate, linear = torch.chunk(x, 2, dim=-1)
+        if (clamp := getattr(config, "activation_func_clamp_value", None)) is not None:
+            gate = gate.clamp(min=None, max=clamp)
+            linear = linear.clamp(min=-clamp, max=clamp)
+        return config.activation_func(gate) * (linear + getattr(config, "glu_linear_offset", 0.0))
+
+    @staticmethod
+    def _matmul(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows of ``x`` grouped by expert (``counts`` per expert) times each expert's ``[out, in]`` weight."""
+        function = grouped_mm_function()
+        key = (x.device.type, x.dtype)
+        usable = function is not None and x.shape[0] > 0 and key not in _KERNEL_BROKEN
+        if usable and x.is_cuda:  # the CUDA kernels take bf16 with 16-byte aligned rows
+            usable = x.dtype == torch.bfloat16 and x.shape[1] % 8 == 0 and weights.shape[1] % 8 == 0
+        if usable:
+            offsets = counts.cumsum(0).to(torch.int32)
+            try:
+                return function(x, weights.transpose(1, 2), offs=offsets)
+            except (RuntimeError, NotImplementedError):
+                _KERNEL_BROKEN.add(key)
+        pieces = torch.split(x, counts.tolist())
+        return torch.cat([piece @ weight.t() for piece, weight in zip(pieces, weights.unbind(0))])
+
+
+def _rows(per_expert: torch.Tensor, counts: torch.Tensor, total: int) -> torch.Tensor:
+    """``per_expert[e]`` repeated for each of expert ``e``'s rows."""
+    return torch.repeat_interleave(per_expert, counts, dim=0, output_size=total)
