@@ -19,7 +19,13 @@ class LocalConfig:
     find_unused_parameters: bool = option(False, help="DDP: tolerate parameters that get no gradient (some MoE models).")
     logps_chunk_tokens: int = option(2048, help="Tokens per chunk when computing label log-probs (bounds logits memory).")
     recompute_logits: bool = option(False, help="Recompute each chunk's logits in backward instead of keeping them in the compute dtype (less memory, slower).")
-    master_weights: bool = option(True, help="--precision bf16: bf16 parameters with fp32 master weights (false: fp32 parameters under bf16 autocast).")
+    bf16_mode: Literal["master", "autocast", "pure"] | None = option(
+        None, help="What --precision bf16 keeps in which dtype: master (the default: bf16 parameters, fp32 master weights, "
+        "fp32 master gradients and fp32 AdamW states), autocast (fp32 parameters and AdamW states, bf16 compute), pure "
+        "(bf16 parameters, gradients and AdamW states, no fp32 copy: 2+2+4 bytes per parameter instead of 2+4+4+8, "
+        "as HF transformers with a bf16 model and torch AdamW; updates smaller than bf16's resolution of a weight are lost).")
+    master_weights: bool | None = option(
+        None, help="Older spelling of --local-bf16-mode: true = master, false = autocast.")
     kernels: Literal["none", "torch", "triton", "liger", "auto"] = option(
         "none", help="Fused RMSNorm, SwiGLU and RoPE for llama/mistral/qwen2/qwen3 (and the fused loss's softmax): "
         "triton (the toolkit's kernels), liger (liger-kernel), torch (reference ops, CPU), auto (triton on a GPU, "
@@ -36,6 +42,20 @@ class LocalConfig:
     fp8: bool = option(
         False, help="float8 training of the decoder's linear layers (torchao, dynamic tensorwise scaling; output head "
         "excluded): Hopper/Ada GPUs, full or freeze tuner. Best with --local-compile.")
+
+    def bf16_scheme(self) -> str:
+        """``master``, ``autocast`` or ``pure``: ``bf16_mode``, else the older ``master_weights`` flag, else master."""
+        if self.bf16_mode is not None:
+            return self.bf16_mode
+        return "autocast" if self.master_weights is False else "master"
+
+    def check(self) -> list[str]:
+        if self.bf16_mode is None or self.master_weights is None:
+            return []
+        if self.master_weights != (self.bf16_mode == "master"):
+            return [f"master_weights {str(self.master_weights).lower()} contradicts bf16_mode {self.bf16_mode!r}: "
+                    "set only --local-bf16-mode (master_weights is its older spelling)"]
+        return []
 
 
 def wants_scores(recipe: Any) -> bool:
@@ -118,8 +138,10 @@ class LocalEngine:
         self.kernel_ops, self.compile_pending = speed.apply_speed_options(self.model, config, self.device)
         self.master = None
         compute_autocast = autocast_dtype(recipe.precision)
-        if recipe.precision == "bf16" and config.master_weights:
+        self.bf16_scheme = config.bf16_scheme() if recipe.precision == "bf16" else None
+        if self.bf16_scheme == "master":
             self.master = MasterWeights([(n, p) for n, p in self.model.named_parameters() if p.requires_grad])
+        if self.bf16_scheme in ("master", "pure"):  # pure: AdamW updates the bf16 parameters, its states are bf16 too
             cast_float_parameters(self.model, torch.bfloat16)
             compute_autocast = None
         self.module = self.logps_module = logps.CausalLMLogps(self.model, compute_autocast)
@@ -334,6 +356,8 @@ class LocalEngine:
         if self.master is not None and (directory / "master.safetensors").is_file():
             master_state = load_file(str(directory / "master.safetensors"), device=str(self.device))
             self.master.load_state_dict(local_tensors(master_state, self.shard_names))
+        elif self.master is not None:  # saved under --local-bf16-mode autocast or pure: start the masters from the weights
+            self.master.copy_from_params()
         optimizer_state = torch.load(directory / "optimizer.pt", map_location=self.device, weights_only=True)
         self.optimizer.load_state_dict(local_optimizer_state(self.optimizer, optimizer_state, self.shards))
         if self.scheduler is not None:

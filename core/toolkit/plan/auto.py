@@ -63,8 +63,12 @@ def _gpu_memory_and_kind(gpu_memory: Any) -> tuple[Any, str | None]:
 
 def local_precision(recipe: Any) -> dict:
     """The ``local`` engine's precision options as Workload fields (``--local-*`` flags)."""
+    from toolkit.builtins.strategies import LocalConfig
+
     local = recipe.section("local") if hasattr(recipe, "section") else {}
-    return {"master_weights": getattr(recipe, "precision", "bf16") == "bf16" and bool(local.get("master_weights", True)),
+    bf16 = getattr(recipe, "precision", "bf16") == "bf16"
+    scheme = LocalConfig(bf16_mode=local.get("bf16_mode"), master_weights=local.get("master_weights")).bf16_scheme()
+    return {"master_weights": bf16 and scheme == "master", "pure_bf16": bf16 and scheme == "pure",
             "logps_chunk_tokens": int(local.get("logps_chunk_tokens", 2048) or 2048),
             "recompute_logits": bool(local.get("recompute_logits", False))}
 

@@ -20,6 +20,9 @@ from toolkit.plan.memory import STRATEGIES, TUNERS
 @click.option("--lora-rank", type=int, default=16, show_default=True)
 @click.option("--local-master-weights/--no-local-master-weights", default=True, show_default=True,
               help="local strategy: bf16 params + fp32 master weights (off: fp32 params under bf16 autocast).")
+@click.option("--local-bf16-mode", type=click.Choice(["master", "autocast", "pure"]), default=None,
+              help="local strategy: master (bf16 params + fp32 master weights and AdamW), autocast (fp32 params), "
+                   "pure (bf16 params, grads and AdamW states); overrides --local-master-weights.")
 @click.option("--local-recompute-logits", is_flag=True, help="local strategy: recompute chunk logits in backward (less memory).")
 @click.option("--local-logps-chunk-tokens", type=int, default=2048, show_default=True, help="Tokens per log-prob chunk.")
 @click.option("--strategies", default=",".join(STRATEGIES), show_default=True, help="Strategies to consider, comma-separated.")
@@ -27,6 +30,7 @@ from toolkit.plan.memory import STRATEGIES, TUNERS
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the report.")
 def plan_command(model: str, gpus: int, nodes: int, gpu_kind: str, gpu_memory: str | None, seq_len: int,
                  micro_batch_size: int, global_batch_size: int, tuner: str, lora_rank: int, local_master_weights: bool,
+                 local_bf16_mode: str | None,
                  local_recompute_logits: bool, local_logps_chunk_tokens: int, strategies: str, top: int,
                  as_json: bool) -> None:
     """Recommend parallel layouts: per-GPU memory, estimated step time and the reasons.
@@ -43,7 +47,9 @@ def plan_command(model: str, gpus: int, nodes: int, gpu_kind: str, gpu_memory: s
 
     cluster = make_cluster(gpus, nodes, gpu_memory, gpu_kind)
     workload = Workload(seq_len=seq_len, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
-                        tuner=tuner, lora_rank=lora_rank, master_weights=local_master_weights,
+                        tuner=tuner, lora_rank=lora_rank,
+                        master_weights=local_master_weights if local_bf16_mode is None else local_bf16_mode == "master",
+                        pure_bf16=local_bf16_mode == "pure",
                         recompute_logits=local_recompute_logits, logps_chunk_tokens=local_logps_chunk_tokens)
     chosen = tuple(s.strip() for s in strategies.split(",") if s.strip())
     result = plan(load_shape(model), cluster, workload, chosen)

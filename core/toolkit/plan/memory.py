@@ -9,6 +9,9 @@ Bytes per parameter follow each strategy's real precision scheme (docs/plan.md h
   (the head's gradient already at the loss-time peak). Fused AdamW makes no full-size temporary.
 - ``local`` with ``master_weights`` off, and ``fsdp``: fp32 parameters under bf16 autocast, fp32
   AdamW (4 + 4 + 8); autocast keeps a bf16 copy of every matmul weight until the backward pass.
+- ``local`` with ``pure_bf16`` (``--local-bf16-mode pure``): bf16 parameters, bf16 gradients
+  (accumulated in place, so they exist during forward/backward only from the second micro-batch on)
+  and bf16 AdamW m, v (2 + 2 + 4); no master copy. Fused AdamW updates them in place.
 - ``deepspeed``: bf16 parameters and gradients, fp32 master + AdamW states (2 + 2 + 12), sharded by
   the ZeRO stage over data parallelism; ``offload`` moves the optimizer partition to CPU.
 - ``megatron``: bf16 parameters, fp32 main gradients, fp32 master + AdamW (2 + 4 + 12); the
@@ -50,7 +53,10 @@ class Workload:
     lora_rank: int = 16
     master_weights: bool = True
     """``local``: bf16 parameters + fp32 master weights (``--precision bf16``); False: fp32 parameters
-    under bf16 autocast (``--local-master-weights false``)."""
+    under bf16 autocast (``--local-bf16-mode autocast``)."""
+    pure_bf16: bool = False
+    """``local``: bf16 parameters, gradients and AdamW states, no fp32 copy (``--local-bf16-mode pure``);
+    takes precedence over ``master_weights``."""
     logps_chunk_tokens: int = 2048
     """Tokens per chunk of the label log-probs (``--local-logps-chunk-tokens``)."""
     recompute_logits: bool = False
@@ -169,18 +175,27 @@ class MemoryBreakdown:
 
 def uses_master_weights(layout: Layout, workload: Workload) -> bool:
     """The local engine's ``--precision bf16`` scheme: bf16 parameters, fp32 master weights."""
-    return layout.strategy == "local" and workload.master_weights
+    return layout.strategy == "local" and workload.master_weights and not workload.pure_bf16
+
+
+def uses_pure_bf16(layout: Layout, workload: Workload) -> bool:
+    """The local engine's ``--local-bf16-mode pure``: bf16 parameters, gradients and AdamW states only."""
+    return layout.strategy == "local" and workload.pure_bf16
 
 
 def fp32_autocast(layout: Layout, workload: Workload) -> bool:
     """fp32 parameters under bf16 autocast: fp32 residual stream and bf16 weight copies (full tuning)."""
-    return layout.strategy == "local" and not workload.master_weights and workload.tuner == "full"
+    return (layout.strategy == "local" and not workload.master_weights and not workload.pure_bf16
+            and workload.tuner == "full")
 
 
-def bytes_per_param(layout: Layout, tuner: str, master_weights: bool = True) -> tuple[float, float, float, float]:
+def bytes_per_param(layout: Layout, tuner: str, master_weights: bool = True,
+                    pure_bf16: bool = False) -> tuple[float, float, float, float]:
     """(weight, fp32 master, gradient, optimizer) bytes per *trainable* parameter for the strategy.
 
     ``gradient`` is what persists until the optimizer step (fp32 master gradients on ``local``)."""
+    if layout.strategy == "local" and pure_bf16:
+        return 2.0, 0.0, 2.0, 4.0  # bf16 param, bf16 grad, bf16 m + v
     if layout.strategy == "local" and master_weights:
         return 2.0, 4.0, 4.0, 8.0  # bf16 param, fp32 master, fp32 master grad, fp32 m + v
     if tuner != "full":
@@ -297,7 +312,7 @@ def stage_memory(shape: ModelShape, layout: Layout, workload: Workload, micro_ba
     dense, expert = params_on_stage(shape, layout, first, last)
     params = dense + expert
     master = uses_master_weights(layout, workload)
-    w_bytes, m_bytes, g_bytes, o_bytes = bytes_per_param(layout, tuner, workload.master_weights)
+    w_bytes, m_bytes, g_bytes, o_bytes = bytes_per_param(layout, tuner, workload.master_weights, workload.pure_bf16)
     out = MemoryBreakdown(stage=("only stage" if first and last else "first stage" if first else "last stage"))
     dp_dense, dp_expert = layout.dp, (layout.expert_dp if layout.strategy == "megatron" else layout.dp)
 
@@ -350,6 +365,12 @@ def stage_memory(shape: ModelShape, layout: Layout, workload: Workload, micro_ba
         # time); with more than one micro-batch the fp32 master gradients already exist beside them.
         largest = max(shape.embedding_params, shape.expert_params / max(1, shape.layers) * 2 / 3) if tuner == "full" else 0.0
         out.optimizer_step_temp = (w_bytes * trainable_local + 4.0 * largest) if micro_batches > 1 else 2.0 * largest
+    elif uses_pure_bf16(layout, workload):
+        # bf16 gradients are accumulated in place: during forward/backward they exist from the second
+        # micro-batch on; in the first, the head's gradient is already there at the loss-time peak.
+        out.gradients_persistent = micro_batches > 1
+        out.transient_gradients = 0.0 if micro_batches > 1 else 2.0 * head_trainable
+        # fused AdamW (GPU) updates parameters and states in place: no full-size temporary
     else:
         out.gradients_persistent = layout.strategy in ("megatron", "deepspeed")
         if layout.strategy in ("local", "fsdp") and not layout.offload:
@@ -363,9 +384,10 @@ def stage_memory(shape: ModelShape, layout: Layout, workload: Workload, micro_ba
     return out
 
 
-def cpu_optimizer_temp(shape: ModelShape, tuner: str) -> float:
-    """CPU AdamW runs tensor by tensor (no fused kernel): two fp32 temporaries of the largest tensor."""
-    return 8.0 * shape.embedding_params if tuner == "full" else 0.0
+def cpu_optimizer_temp(shape: ModelShape, tuner: str, state_bytes: float = 4.0) -> float:
+    """CPU AdamW runs tensor by tensor (no fused kernel): two temporaries of the largest tensor in the
+    optimizer's dtype (fp32 masters or parameters; 2 bytes under ``--local-bf16-mode pure``)."""
+    return 2 * state_bytes * shape.embedding_params if tuner == "full" else 0.0
 
 
 def layout_memory(shape: ModelShape, layout: Layout, workload: Workload, micro_batches: int) -> MemoryBreakdown:

@@ -33,6 +33,9 @@ OPTIMIZER_BYTES_PER_PARAM = 40.0
 MASTER_STEP_BYTES_PER_PARAM = 46.0
 """Local engine with fp32 master weights: fused AdamW (read master, grad, m, v; write master, m, v:
 28), clipping (read + scale the fp32 grads: 12) and the bf16 write-back (6)."""
+PURE_BF16_STEP_BYTES_PER_PARAM = 20.0
+"""Local engine with ``--local-bf16-mode pure``: fused AdamW on bf16 (read param, grad, m, v; write
+param, m, v: 14) and clipping (read + scale the bf16 grads: 6); gradients accumulate in place."""
 ACCUMULATE_BYTES_PER_PARAM = 6.0
 """Per micro-batch: read the bf16 gradient, write (or add into) the fp32 master gradient."""
 HOST_SECONDS_PER_LAYER = {"full": 4.25e-3, "lora": 6.8e-3}
@@ -197,6 +200,8 @@ def step_time(shape: ModelShape, layout: Layout, workload: Workload, cluster: Cl
     sharded = trainable / (layout.dp if layout.zero >= 1 else 1)
     if layout.offload:
         out.optimizer = sharded / CPU_ADAM_PARAMS_PER_S + sharded * 4.0 / PCIE_BANDWIDTH
+    elif layout.strategy == "local" and workload.pure_bf16:
+        out.optimizer = sharded * PURE_BF16_STEP_BYTES_PER_PARAM / cluster.gpu.hbm_bandwidth
     elif layout.strategy == "local" and workload.master_weights:
         moved = MASTER_STEP_BYTES_PER_PARAM + ACCUMULATE_BYTES_PER_PARAM * micro_batches
         out.optimizer = sharded * moved / cluster.gpu.hbm_bandwidth

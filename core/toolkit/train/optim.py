@@ -71,6 +71,13 @@ class MasterWeights:
             for param, master in zip(self.params, self.master):
                 param.copy_(master)
 
+    def copy_from_params(self) -> None:
+        import torch
+
+        with torch.no_grad():
+            for param, master in zip(self.params, self.master):
+                master.copy_(param)
+
     def state_dict(self) -> dict[str, Any]:
         return {name: master.detach().contiguous().cpu() for name, master in zip(self.names, self.master)}
 
