@@ -119,6 +119,8 @@ def _convert_optimizer_state(optimizer: Any, state_dict: dict[str, Any], shards:
         entry = state_dict["state"].get(index)
         if shard is None or entry is None:
             continue
+        # state_dict() shares each parameter's state dict with the live optimizer: convert a copy
+        entry = state_dict["state"][index] = dict(entry)
         for key, value in entry.items():
             if hasattr(value, "ndim") and value.ndim > 0:  # moments; the 0-d step count is shared
                 entry[key] = convert(shard, value)
