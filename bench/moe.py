@@ -9,7 +9,11 @@ Shape of Qwen3-30B-A3B with 4 layers (hidden 2048, 128 experts, top-8, expert FF
                 (the model side of ``toolkit`` without its fp32 master weights and clipping)
   toolkit       the ``local`` engine's train_step with --moe-enabled (chunked label log-probs, fp32 master
                 weights, fused AdamW, clipping at 1.0, aux loss): what ``toolkit sft`` runs
-  megatron      ``--strategy megatron`` (toolkit-megatron's bridge and engine), EP1, 1 GPU (torchrun)
+  toolkit-pure  the same with ``--local-bf16-mode pure``: bf16 parameters, gradients and AdamW states, no
+                fp32 copy, as the hf case keeps them (like against like; clipping and aux loss stay)
+  megatron      ``--strategy megatron`` (toolkit-megatron's bridge and engine), EP1, 1 GPU (torchrun), with
+                its default grouped-matmul experts (toolkit_megatron.experts.GroupedExperts)
+  megatron-seq  the same with ``--megatron-moe-experts sequential`` (Megatron's SequentialMLP: a loop over experts)
   toolkit-ep2   the local engine with --moe-expert-parallel 2 on 2 GPUs (torchrun; DDP for the rest)
   megatron-ep2  --strategy megatron --ep 2 on 2 GPUs
 
@@ -34,9 +38,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ONE_GPU = ["hf", "blocks", "blocks+logps", "toolkit", "megatron"]
+ONE_GPU = ["hf", "blocks", "blocks+logps", "toolkit", "toolkit-pure", "megatron", "megatron-seq"]
 TWO_GPU = ["toolkit-ep2", "megatron-ep2"]
-TORCHRUN = {"megatron": 1, "toolkit-ep2": 2, "megatron-ep2": 2}
+TORCHRUN = {"megatron": 1, "megatron-seq": 1, "toolkit-ep2": 2, "megatron-ep2": 2}
 
 
 def build_config(tiny: bool, layers: int):
@@ -172,7 +176,7 @@ def run_case(args) -> None:
     seconds, peak = timed(step, args, device)
     tokens = args.batch * args.seq * world
     result = {"case": args.case, "gpus": world, "tokens_per_s": tokens / seconds,
-              "step_ms": 1000 * seconds, "peak_gib": peak, "first_loss": float(losses[0])}
+              "step_ms": 1000 * seconds, "peak_gib": peak, "first_loss": float(losses[0]), **getattr(args, "info", {})}
     if args.profile:
         table = profile_steps(step, args, device)
         if rank == 0:
@@ -268,7 +272,8 @@ def hf_loop(args, device, rank: int):
 
 def engine_case(args, device, rank: int):
     """The strategy's engine exactly as ``toolkit sft`` builds it: ``local`` with ``--moe-enabled
-    [--moe-expert-parallel N]``, or ``megatron`` with ``--ep N`` (N = number of processes)."""
+    [--moe-expert-parallel N] [--local-bf16-mode pure]``, or ``megatron`` with ``--ep N`` (N = number of
+    processes) and grouped or sequential experts."""
     import torch
     from common import full_rows
 
@@ -280,8 +285,11 @@ def engine_case(args, device, rank: int):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     values = {"model": str(args.model_dir), "precision": "bf16" if device.type == "cuda" else "fp32", "lr": 1e-5,
               "max_grad_norm": 1.0, "seq_len": args.seq, "micro_batch_size": args.batch}
+    if args.case == "toolkit-pure":  # bf16 on the CPU too: the mode exists only under --precision bf16
+        values.update(precision="bf16", local={"bf16_mode": "pure"})
     if args.case.startswith("megatron"):
-        values.update(strategy="megatron", expert_parallel=world)
+        values.update(strategy="megatron", expert_parallel=world,
+                      megatron={"moe_experts": "sequential" if args.case == "megatron-seq" else "grouped"})
         if not torch.distributed.is_initialized():  # Megatron wants a process group even for one process
             torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
     else:
@@ -290,6 +298,13 @@ def engine_case(args, device, rank: int):
     source = load_hf_directory(str(args.model_dir), args.model_dir)
     engine = strategy.build(source, tuner, loss, recipe)
     engine.set_total_steps(args.warmup + args.steps)
+    chunks = getattr(engine, "chunks", None) or [engine.model]
+    args.info = {"param_dtypes": sorted({str(p.dtype) for chunk in chunks for p in chunk.parameters()})}
+    if args.case.startswith("megatron"):  # which experts module ran
+        args.info["experts"] = sorted({type(m).__name__ for chunk in chunks for m in chunk.modules()
+                                       if type(m).__name__ in ("GroupedExperts", "SequentialMLP")})
+    else:
+        args.info["bf16_mode"] = engine.bf16_scheme
     data = batches(args, source.config.vocab_size, device, rank)
     b, t = data[0].shape
     ctx = StepContext(label_tokens=b * (t - 1) * world, sequences=b * world, examples=b * world)
