@@ -179,8 +179,8 @@ def test_pure_bf16_equals_a_plain_bf16_adamw_loop(source, micro_batches):
         assert ours[name].dtype == torch.bfloat16
         # Adam turns a rounding difference of a near-zero gradient into a whole step (lr) of either sign
         assert (ours[name].float() - param.float()).abs().max() <= 5 * 1e-3 * 1.05 + 4e-3, name
-        apart += float((ours[name].float() - param.float()).square().sum())
-        moved += float((param.float() - initial[name].float()).square().sum())
+        apart += float((ours[name].detach().float() - param.detach().float()).square().sum())
+        moved += float((param.detach().float() - initial[name].float()).square().sum())
     # Both sides round differently inside bf16 ops (losses agree to ~4e-5), so weights differ by a bf16 step
     # here and there: measured 2.6% of how far training moved them (the engine with fp32 master weights
     # ends 6.3% away from this loop: a different precision scheme shows).

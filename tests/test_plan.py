@@ -146,11 +146,33 @@ def test_auto_reads_the_local_engine_precision_options():
     from toolkit.recipe import resolve_recipe
 
     default = resolve_recipe({"model": "m", "precision": "bf16"}, source="test")
-    assert local_precision(default) == {"master_weights": True, "logps_chunk_tokens": 2048, "recompute_logits": False}
+    assert local_precision(default) == {"master_weights": True, "pure_bf16": False, "logps_chunk_tokens": 2048,
+                                        "recompute_logits": False}
     custom = resolve_recipe({"model": "m", "precision": "bf16", "local": {"master_weights": False, "logps_chunk_tokens": 512,
                                                                           "recompute_logits": True}}, source="test")
-    assert local_precision(custom) == {"master_weights": False, "logps_chunk_tokens": 512, "recompute_logits": True}
+    assert local_precision(custom) == {"master_weights": False, "pure_bf16": False, "logps_chunk_tokens": 512,
+                                       "recompute_logits": True}
     assert local_precision(resolve_recipe({"model": "m", "precision": "fp32"}, source="test"))["master_weights"] is False
+    pure = resolve_recipe({"model": "m", "precision": "bf16", "local": {"bf16_mode": "pure"}}, source="test")
+    assert local_precision(pure)["pure_bf16"] and not local_precision(pure)["master_weights"]
+    autocast = resolve_recipe({"model": "m", "precision": "bf16", "local": {"bf16_mode": "autocast"}}, source="test")
+    assert local_precision(autocast) == local_precision(custom) | {"logps_chunk_tokens": 2048, "recompute_logits": False}
+
+
+def test_pure_bf16_halves_the_optimizer_step_and_drops_the_masters():
+    """--local-bf16-mode pure: 2 + 2 + 4 bytes per parameter, no master, and a cheaper optimizer step."""
+    from toolkit.plan.hardware import make_cluster
+    from toolkit.plan.timing import step_time
+
+    pure = memory(LLAMA1B, Layout("local"), replace(WORK, pure_bf16=True))
+    params = LLAMA1B.total_params
+    assert (pure.weights, pure.master, pure.gradients, pure.optimizer) == (2 * params, 0, 2 * params, 4 * params)
+    master = memory(LLAMA1B, Layout("local"), WORK)
+    assert pure.total < master.total and pure.forward_backward_peak < master.forward_backward_peak
+    assert pure.activations == master.activations  # bf16 residual stream in both
+    cluster = make_cluster(1, 1, None, "h200")
+    timing = {w: step_time(LLAMA1B, Layout("local"), w, cluster, 64) for w in (WORK, replace(WORK, pure_bf16=True))}
+    assert timing[replace(WORK, pure_bf16=True)].optimizer < 0.5 * timing[WORK].optimizer
 
 
 def test_kept_chunk_logits_grow_with_the_micro_batch():
