@@ -5,6 +5,7 @@ module (kernel, stacking and loop paths) and of a whole Qwen3-MoE model at EP1, 
 from __future__ import annotations
 
 import pytest
+
 from conftest import run_worker
 
 pytestmark = pytest.mark.slow

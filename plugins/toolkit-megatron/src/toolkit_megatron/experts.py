@@ -74,8 +74,8 @@ def pack_expert_weights(model: torch.nn.Module) -> int:
 class GroupedExperts(SequentialMLP):
     """``SequentialMLP`` with a grouped-matmul forward over all local experts (same parameters and keys)."""
 
-    def __init__(self, num_local_experts: int, config: Any, submodules: Any, pg_collection: Any = None):
-        super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection)
+    def __init__(self, *args: Any, **kwargs: Any):  # SequentialMLP's (num_local_experts, config, submodules, pg_collection)
+        super().__init__(*args, **kwargs)
         self._bases: dict[str, torch.Tensor] = {}
         self.pack()
 
@@ -116,9 +116,9 @@ class GroupedExperts(SequentialMLP):
                    for expert in self.local_experts)
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
-                permuted_probs: torch.Tensor) -> tuple[torch.Tensor, None]:
-        if not self._grouped_supported():
-            return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+                permuted_probs: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        if args or kwargs or not self._grouped_supported():  # arguments of a newer Megatron: its own forward
+            return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs)
         hidden, probs = permuted_local_hidden_states, permuted_probs
         if self.config.moe_apply_probs_on_input:
             assert self.config.moe_router_topk == 1, "`moe_apply_probs_on_input` only works with `moe_router_topk`=1."
@@ -160,8 +160,12 @@ class GroupedExperts(SequentialMLP):
             offsets = counts.cumsum(0).to(torch.int32)
             try:
                 return function(x, weights.transpose(1, 2), offs=offsets)
-            except (RuntimeError, NotImplementedError):
+            except (RuntimeError, NotImplementedError) as exc:
+                import warnings
+
                 _KERNEL_BROKEN.add(key)
+                warnings.warn(f"toolkit-megatron: torch grouped_mm cannot run on {key[0]} {key[1]} ({exc}); "
+                              "the experts loop over their weights instead (slower)", stacklevel=2)
         pieces = torch.split(x, counts.tolist())
         return torch.cat([piece @ weight.t() for piece, weight in zip(pieces, weights.unbind(0))])
 
