@@ -69,6 +69,11 @@ def _inner(model: nn.Module) -> nn.Module:
     return unwrap(model)
 
 
+def model_family(model: nn.Module) -> str:
+    """The HF ``model_type`` of ``model`` under DDP/PEFT wrappers (``?`` when it has none)."""
+    return getattr(getattr(_inner(model), "config", None), "model_type", "?")
+
+
 def apply_kernels(model: nn.Module, ops: Any) -> dict[str, int]:
     """Route RMSNorm, SwiGLU and RoPE of ``model`` through ``ops``; counts of what was patched.
 
@@ -77,7 +82,7 @@ def apply_kernels(model: nn.Module, ops: Any) -> dict[str, int]:
     from toolkit.errors import ModelError
 
     inner = _inner(model)
-    family = getattr(inner.config, "model_type", "?")
+    family = model_family(model)
     if family not in FAMILIES:
         raise ModelError(f"--local-kernels supports the {', '.join(FAMILIES)} model families; this model is {family!r}. "
                          "Use --local-kernels none (the default) for it.")
