@@ -75,12 +75,13 @@ def report_levers(config: Any, kernel_ops: Any, fused_loss: bool, loss: Any) -> 
 
 
 def declares_uniform_gradient(loss: Any) -> bool:
-    """Whether the class whose ``__call__`` computes ``loss`` declares ``uniform_token_gradient``.
+    """Whether the class whose ``__call__`` computes ``loss`` (an instance or a loss class) declares
+    ``uniform_token_gradient``.
 
     Read from that class itself, so a subclass of ``sft`` that re-weights tokens in its own
     ``__call__`` does not inherit the promise.
     """
-    for cls in type(loss).__mro__:
+    for cls in (loss if isinstance(loss, type) else type(loss)).__mro__:
         if "__call__" in vars(cls):
             return bool(vars(cls).get("uniform_token_gradient", False))
     return False
