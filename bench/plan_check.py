@@ -182,7 +182,7 @@ def rereport(path: str) -> None:
         rows = [{"case": row["case"], "measured": row["measured"],
                  "estimate": estimate(config, cases[row["case"]], earlier["gpu_kind"])} for row in earlier["rows"]]
     except (OSError, ValueError, KeyError) as exc:
-        raise SystemExit(f"--from-json {path}: not a plan_check.json of this script ({type(exc).__name__}: {exc})")
+        raise SystemExit(f"--from-json {path}: not a plan_check.json of this script ({type(exc).__name__}: {exc})") from None
     report(rows, earlier["device"], earlier["gpu_kind"], earlier["steps"])
 
 

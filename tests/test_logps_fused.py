@@ -236,7 +236,6 @@ def test_fp8_engine_path_trains_close_to_bf16(monkeypatch):
 def test_fused_loss_is_auto_by_default_and_takes_true_false_from_flags_and_yaml(probe_manager, cli_runner, captured_runs,
                                                                                  tmp_path):
     from conftest import PROBE_FLAGS
-
     from toolkit.builtins.strategies import LocalConfig, LocalStrategy
     from toolkit.errors import ConfigError
     from toolkit.recipe import read_yaml, thing_options

@@ -85,7 +85,7 @@ def apply_kernels(model: nn.Module, ops: Any) -> dict[str, int]:
     family = model_family(model)
     if family not in FAMILIES:
         raise ModelError(f"--local-kernels supports the {', '.join(FAMILIES)} model families; this model is {family!r}. "
-                         "Use --local-kernels none (the default) for it.")
+                         "Use --local-kernels none or auto (auto keeps HF's modules for other families).")
     counts = {"rms_norm": 0, "mlp": 0, "rope": 0}
     for module in inner.modules():
         if _is_rms_norm(module):
