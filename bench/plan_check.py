@@ -43,15 +43,21 @@ class Case:
     recompute: bool = False
     micro_batches: int = 1
     """Micro-batches per optimizer step (gradient accumulation into the fp32 master gradients)."""
+    fused_loss: bool = False
+    kernels: str = "none"
+    """``--local-fused-loss`` / ``--local-kernels`` (the engine's GPU defaults are true / triton)."""
 
 
 GPU_CASES = [Case("full seq 1024", "full", 1024), Case("full seq 4096", "full", 4096),
              Case("full seq 4096 recompute", "full", 4096, recompute=True), Case("lora seq 4096", "lora", 4096),
              Case("lora seq 8192", "lora", 8192), Case("full seq 4096 x 4", "full", 4096, micro_batch_size=4),
-             Case("full seq 4096 accum 2", "full", 4096, micro_batches=2)]
+             Case("full seq 4096 accum 2", "full", 4096, micro_batches=2),
+             Case("full seq 4096 x 4 defaults", "full", 4096, micro_batch_size=4, fused_loss=True, kernels="triton"),
+             Case("lora seq 4096 defaults", "lora", 4096, fused_loss=True, kernels="triton")]
 TINY_CASES = [Case("full seq 64", "full", 64), Case("full seq 256", "full", 256),
               Case("full seq 256 recompute", "full", 256, recompute=True), Case("lora seq 256", "lora", 256),
-              Case("full seq 256 accum 2", "full", 256, micro_batches=2)]
+              Case("full seq 256 accum 2", "full", 256, micro_batches=2),
+              Case("full seq 256 fused loss", "full", 256, fused_loss=True)]
 
 
 def measure(config_dict: dict, case: Case, device: str, steps: int, warmup: int, model_dir: str) -> dict:
@@ -61,7 +67,7 @@ def measure(config_dict: dict, case: Case, device: str, steps: int, warmup: int,
 
     engine, loss_fn, step = local_engine(config_dict, model_dir, tuner=case.tuner, seq_len=case.seq_len,
                                          micro_batch_size=case.micro_batch_size, recompute=case.recompute,
-                                         micro_batches=case.micro_batches)
+                                         micro_batches=case.micro_batches, fused_loss=case.fused_loss, kernels=case.kernels)
     gc.collect()
     for _ in range(warmup):
         step()
@@ -109,7 +115,8 @@ def estimate(config_dict: dict, case: Case, gpu_kind: str) -> dict:
 
     shape = shape_from_config(config_dict, name="bench")
     workload = Workload(seq_len=case.seq_len, micro_batch_size=case.micro_batch_size,
-                        global_batch_size=case.micro_batch_size * case.micro_batches, tuner=case.tuner, lora_rank=16)
+                        global_batch_size=case.micro_batch_size * case.micro_batches, tuner=case.tuner, lora_rank=16,
+                        fused_loss=case.fused_loss, kernels=case.kernels)
     layout = Layout("local", recompute=case.recompute)
     memory = layout_memory(shape, layout, workload, micro_batches=case.micro_batches)
     if gpu_kind == "cpu":
@@ -175,7 +182,7 @@ def rereport(path: str) -> None:
         rows = [{"case": row["case"], "measured": row["measured"],
                  "estimate": estimate(config, cases[row["case"]], earlier["gpu_kind"])} for row in earlier["rows"]]
     except (OSError, ValueError, KeyError) as exc:
-        raise SystemExit(f"--from-json {path}: not a plan_check.json of this script ({type(exc).__name__}: {exc})")
+        raise SystemExit(f"--from-json {path}: not a plan_check.json of this script ({type(exc).__name__}: {exc})") from None
     report(rows, earlier["device"], earlier["gpu_kind"], earlier["steps"])
 
 

@@ -66,9 +66,11 @@ TINY_SHAPES = {
 DENSE_LAYOUTS = {1: ["tp1"], 2: ["tp2", "dp2", "pp2"], 4: ["tp4", "tp2xdp2", "tp2xpp2"], 8: ["tp8", "tp2xpp2xdp2", "tp4xpp2"]}
 MOE_LAYOUTS = {1: ["tp1"], 2: ["ep2"], 4: ["ep4"], 8: ["ep8"]}
 SPEED_VARIANTS = {  # issue 12: engine options measured against each other and the HF baseline (1.24B, 1 GPU)
-    "speed-default": {},
-    "speed-before": {"logps_kernel": "reference", "fused_adam": False, "foreach_clipping": False},
-    "speed-compiled": {"logps_kernel": "compiled", "compile_elementwise": True},
+    "speed-default": {},  # the engine's defaults: on a GPU compiled log-probs and elementwise ops + Triton RMSNorm
+    "speed-before": {"logps_kernel": "reference", "fused_adam": False, "foreach_clipping": False,
+                     "compile_elementwise": False, "kernels": "none"},
+    "speed-chunked": {"logps_kernel": "chunked", "compile_elementwise": False, "kernels": "none"},  # defaults until 2026-11-30
+    "speed-compiled": {"logps_kernel": "compiled", "compile_elementwise": True, "kernels": "none"},
 }
 
 

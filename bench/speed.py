@@ -3,12 +3,15 @@
     python bench/speed.py --group full       # full-SFT levers on the GPU (1.24B Llama, seq 4096, batch 4, bf16), ~6 min
     python bench/speed.py --group lora       # LoRA: HF + PEFT vs the lora tuner with the levers, ~3 min
     python bench/speed.py --group extra      # HF + torch.compile, compile + cuDNN, Liger's kernels
+    python bench/speed.py --group defaults   # HF, HF + PEFT and the toolkit with no speed flags only
     python bench/speed.py                    # all of them (more than one 10-minute device call)
-    python bench/speed.py --cases hf,local   # chosen cases (--list shows them)
+    python bench/speed.py --cases 'hf,local defaults'   # chosen cases (--list shows them)
     python bench/speed.py --tiny             # the same code paths on CPU with a tiny shape
     python bench/speed.py --plot speed.json  # PNG of tokens/s and peak memory per case (needs matplotlib)
 
-First a kernel check (GPU): each Triton kernel (and Liger's, when installed) against the torch
+"local defaults" and "lora defaults" run the engine with no speed option at all (what a user gets: on a GPU
+``--local-kernels auto`` = Triton and the ``auto`` fused loss); every other toolkit case names its options
+explicitly, so it measures the same thing whatever the defaults are. First a kernel check (GPU): each Triton kernel (and Liger's, when installed) against the torch
 reference, forward and backward, max abs difference and time. Then each case runs in its own
 subprocess with a timeout, on the same Zipf-distributed tokens, same model weights, batch,
 precision (bf16 compute) and AdamW settings; "long" cases run --long-steps steps and their
@@ -33,7 +36,8 @@ SHAPE_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, 
 SHAPE_TINY = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=256, vocab_size=768, max_position_embeddings=512, head_dim=32)
 LR = 1e-4
-KERNELS = {"kernels": "triton"}
+OFF = {"kernels": "none", "fused_loss": False}  # the engine's defaults are auto: the explicit cases say what they use
+KERNELS = {"kernels": "triton", "fused_loss": False}
 FUSED = {"kernels": "triton", "fused_loss": True}
 COMPILED = {**FUSED, "compile": True}
 # name: (kind, engine options, long run, what it shows). The fastest short full-SFT case is re-run
@@ -41,7 +45,9 @@ COMPILED = {**FUSED, "compile": True}
 CASES = {
     "hf": ("hf", {}, True, "HF transformers: bf16 params and Adam states, SDPA, fused AdamW, labels= loss"),
     "hf-compile": ("hf", {"compile": True}, False, "HF transformers + torch.compile of each decoder layer"),
-    "local": ("full", {}, False, "toolkit local: bf16 params, fp32 master weights, chunked log-probs"),
+    "local defaults": ("full", {}, False, "toolkit local with no speed flags: the engine's own defaults (auto kernels, "
+                       "auto fused loss: on a GPU Triton kernels + fused linear-CE)"),
+    "local": ("full", OFF, False, "toolkit local, levers off: bf16 params, fp32 master weights, chunked log-probs"),
     "local+kernels": ("full", KERNELS, False, "+ Triton RMSNorm/SwiGLU/RoPE"),
     "local+kernels+fused": ("full", FUSED, False, "+ fused linear cross-entropy head"),
     "local+kernels+fused+cudnn": ("full", {**FUSED, "attention": "cudnn"}, False, "+ cuDNN SDPA attention first"),
@@ -50,18 +56,20 @@ CASES = {
     "local+liger+fused": ("full", {"kernels": "liger", "fused_loss": True}, False, "Liger's kernels instead of ours"),
     "local+fp8": ("full", {**COMPILED, "fp8": True}, True, "+ float8 linears (torchao), compiled"),
     "hf-peft": ("hf-peft", {}, False, "HF + PEFT LoRA r=16 all-linear (baseline of the LoRA cases)"),
-    "lora": ("lora", {}, False, "toolkit lora tuner on the local engine"),
+    "lora defaults": ("lora", {}, False, "toolkit lora tuner with no speed flags: the engine's own defaults"),
+    "lora": ("lora", OFF, False, "toolkit lora tuner on the local engine, levers off"),
     "lora+kernels+fused": ("lora", FUSED, False, "+ Triton kernels and the fused head"),
     "lora+kernels+fused+cudnn": ("lora", {**FUSED, "attention": "cudnn"}, False, "+ cuDNN SDPA attention first"),
     "lora+kernels+fused+compile": ("lora", COMPILED, False, "+ torch.compile of each decoder layer"),
 }
 GROUPS = {
-    "full": ["hf", "local", "local+kernels", "local+kernels+fused", "local+kernels+fused+cudnn",
+    "full": ["hf", "local defaults", "local", "local+kernels", "local+kernels+fused", "local+kernels+fused+cudnn",
              "local+kernels+fused+compile", "local+fp8"],
-    "lora": ["hf-peft", "lora", "lora+kernels+fused", "lora+kernels+fused+cudnn", "lora+kernels+fused+compile"],
+    "lora": ["hf-peft", "lora defaults", "lora", "lora+kernels+fused", "lora+kernels+fused+cudnn", "lora+kernels+fused+compile"],
     "extra": ["hf", "hf-compile", "local+compile+cudnn", "local+liger+fused"],
 }
 GROUPS["all"] = list(dict.fromkeys(GROUPS["full"] + GROUPS["lora"] + GROUPS["extra"]))
+GROUPS["defaults"] = ["hf", "local defaults", "hf-peft", "lora defaults"]  # what a user gets, beside the baselines, ~2 min
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -410,38 +418,16 @@ def summarize(payload: dict) -> None:
 
 
 def plot(paths: list[Path], output: str | None) -> None:
-    """Two bar charts from speed.json files (e.g. --group full and --group lora): tokens/s and peak GiB per case."""
-    try:
-        import matplotlib
+    """Tokens/s and peak GiB per case from speed.json file(s) (e.g. --group full and --group lora), drawn by
+    bench/plot_results.py (which also draws the committed results: python bench/plot_results.py)."""
+    from plot_results import Figure, draw, speed_bars
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install matplotlib (or pip install -e '.[bench]')") from None
     payloads = [json.loads(path.read_text()) for path in paths]
     payload = payloads[0]
-    rows = [r for p in payloads for r in p["rows"] if not r.get("failed")]
-    names = [r["run"] for r in rows]
-    colors = ["#888888" if r["kind"] in ("hf", "hf-peft") else "#1f77b4" for r in rows]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 0.45 * len(rows) + 1.8), sharey=True)
-    left.barh(names, [r["tokens_per_s"] for r in rows], color=colors)
-    for y, r in enumerate(rows):
-        left.text(r["tokens_per_s"], y, f" {r['tokens_per_s'] / 1000:.1f}k {r.get('speedup', '')}", va="center", fontsize=8)
-    left.set_xlabel("tokens/s")
-    left.set_xlim(0, 1.3 * max([r["tokens_per_s"] for r in rows] or [1]))
-    right.barh(names, [r["peak_gib"] for r in rows], color=colors)
-    for y, r in enumerate(rows):
-        right.text(r["peak_gib"], y, f" {r['peak_gib']:.1f} {r.get('memory_ratio', '')}", va="center", fontsize=8)
-    right.set_xlabel("peak GiB (max_memory_allocated)")
-    peaks = [r["peak_gib"] for r in rows if r["peak_gib"] == r["peak_gib"]]
-    right.set_xlim(0, 1.3 * max(peaks or [1]))
-    left.invert_yaxis()
-    device = rows[0].get("device", "") if rows else ""
-    fig.suptitle(f"{payload['shape']}, batch {payload['batch']} x seq {payload['seq']}, {device}, {payload['date']}")
-    fig.tight_layout()
-    target = Path(output) if output else paths[0].with_suffix(".png")
-    fig.savefig(target, dpi=120)
-    print(f"wrote {target}")
+    device = next((r.get("device") for p in payloads for r in p["rows"] if r.get("device")), "?")
+    title = f"{payload['shape']}, batch {payload['batch']} x seq {payload['seq']} - {device}, {payload['date']}"
+    draw(Figure("speed", title, "tokens/s", [bar for p in payloads for bar in speed_bars(p)]),
+         Path(output) if output else paths[0].with_suffix(".png"))
 
 
 if __name__ == "__main__":

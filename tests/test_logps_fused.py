@@ -228,3 +228,71 @@ def test_fp8_engine_path_trains_close_to_bf16(monkeypatch):
         assert b.loss == pytest.approx(a.loss, rel=2e-2)
         losses.append(b.loss)
     assert losses[-1] < losses[0]  # the same batch again: float8 training learns it
+
+
+# ----------------------------------------------------------------------------- defaults: auto levers
+
+
+def test_fused_loss_is_auto_by_default_and_takes_true_false_from_flags_and_yaml(probe_manager, cli_runner, captured_runs,
+                                                                                 tmp_path):
+    from conftest import PROBE_FLAGS
+    from toolkit.builtins.strategies import LocalConfig, LocalStrategy
+    from toolkit.errors import ConfigError
+    from toolkit.recipe import read_yaml, thing_options
+
+    for flags, expected in (((), "auto"), (("--local-fused-loss",), True), (("--no-local-fused-loss",), False)):
+        result = cli_runner.invoke("train", *PROBE_FLAGS, *flags)
+        assert result.exit_code == 0, result.output
+        assert thing_options(captured_runs.pop(), LocalStrategy).fused_loss == expected, flags
+    for text, expected in (("auto", "auto"), ("true", True), ("off", False)):
+        path = tmp_path / f"{text}.yaml"
+        path.write_text(f"model: m\nlocal: {{fused_loss: {text}, kernels: none}}\n")
+        options = thing_options(resolve_recipe(read_yaml(path), source=str(path), manager=probe_manager), LocalStrategy)
+        assert (options.fused_loss, options.kernels) == (expected, "none")
+    with pytest.raises(ConfigError, match="local.fused_loss: expected bool or 'auto', got 'maybe'"):
+        resolve_recipe({"model": "m", "local": {"fused_loss": "maybe"}}, manager=probe_manager)
+    assert (LocalConfig().kernels, LocalConfig().fused_loss) == ("auto", "auto")
+
+
+def test_auto_levers_are_off_on_cpu_and_say_nothing(capsys):
+    from toolkit.train.speed import resolve_fused_loss
+
+    engine = _engine()
+    assert engine.kernel_ops is None and engine.fused_loss is False  # the CPU path is the chunked one, as before
+    assert "toolkit:" not in capsys.readouterr().err
+    batch, ctx = _batch()
+    engine.train_step([batch], SFTLoss(), ctx)
+    assert engine.logps_module.fused_ops is None
+    assert resolve_fused_loss("auto", torch.device("cuda")) is True
+    assert resolve_fused_loss("auto", torch.device("cpu")) is False
+    assert resolve_fused_loss(True, torch.device("cpu")) is True and resolve_fused_loss(False, torch.device("cuda")) is False
+    assert _engine(fused_loss=True).fused_loss is True
+
+
+def test_auto_kernels_on_a_gpu_patch_supported_families_and_leave_others(monkeypatch, capsys, tiny_model_factory):
+    """What ``auto`` does where Triton runs (the ops stand in for Triton's): llama is patched, an MoE family
+    keeps HF's modules instead of being refused, and one line names the levers that are on."""
+    import toolkit.train.kernels as kernels
+    from toolkit.builtins.strategies import LocalConfig
+    from toolkit.train.kernels.patch import restore_rope
+    from toolkit.train.kernels.reference import TorchOps
+    from toolkit.train.speed import apply_speed_options, report_levers
+
+    monkeypatch.setattr(kernels, "load_ops", lambda backend: TorchOps if backend in ("auto", "torch") else None)
+    try:
+        llama, moe = tiny_model_factory("llama"), tiny_model_factory("qwen2_moe")
+        ops, _ = apply_speed_options(llama, LocalConfig(), torch.device("cpu"))
+        assert ops is TorchOps and type(llama.model.norm).__name__.startswith("Fused")
+        assert "RMSNorm" in capsys.readouterr().err
+        ops, _ = apply_speed_options(moe, LocalConfig(), torch.device("cpu"))
+        assert ops is TorchOps and not type(moe.model.norm).__name__.startswith("Fused")
+        assert "no fused kernels for the 'qwen2_moe' family" in capsys.readouterr().err
+    finally:
+        restore_rope()
+    report_levers(LocalConfig(), TorchOps, True, SFTLoss())
+    line = capsys.readouterr().err
+    assert line.count("\n") == 1 and "kernels torch (auto), fused loss (auto); off: --local-compile, --local-fp8" in line
+    report_levers(LocalConfig(), TorchOps, True, WeightedLoss())
+    assert "fused loss (auto) unused: the weighted loss" in capsys.readouterr().err
+    report_levers(LocalConfig(), None, False, SFTLoss())
+    assert capsys.readouterr().err == ""

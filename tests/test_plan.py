@@ -13,7 +13,7 @@ import pytest
 from toolkit.errors import ConfigError, LayoutError, ModelError
 from toolkit.plan import Layout, Workload, choose_strategy, layout_memory, load_shape, make_cluster, plan, shape_from_config
 from toolkit.plan.hardware import GIB, parse_memory
-from toolkit.plan.memory import stage_memory
+from toolkit.plan.memory import activation_bytes_per_token_layer, stage_memory
 from toolkit.plan.timing import step_time
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
@@ -415,6 +415,14 @@ def test_speed_model_reproduces_the_h200_measurements():
     assert step_time(LLAMA1B, Layout("megatron", tp=2), work, two, 8).tokens_per_second / 2 == pytest.approx(36.2e3, rel=0.05)
     tp2 = layout_memory(LLAMA1B, Layout("megatron", tp=2), work, micro_batches=2)
     assert tp2.total / GIB == pytest.approx(32.4, rel=0.15)
+    # bench/speed.py (2026-11-30, bench/results/speed-h200-2026-11-30.json): the engine's GPU defaults,
+    # Triton kernels + fused loss. Speeds are the fitted LEVERS_SPEEDUP points; the peaks are not fitted.
+    levers = replace(work, kernels="triton", fused_loss=True)
+    assert step_time(untied, Layout("local"), levers, one, 4).tokens_per_second == pytest.approx(60.1e3, rel=0.05)
+    assert layout_memory(untied, Layout("local"), levers, 1).total / GIB == pytest.approx(39.4, rel=0.08)
+    lora_levers = replace(levers, tuner="lora")
+    assert step_time(LLAMA1B, Layout("local"), lora_levers, one, 4).tokens_per_second == pytest.approx(70.5e3, rel=0.05)
+    assert layout_memory(LLAMA1B, Layout("local"), lora_levers, 1).total / GIB == pytest.approx(21.8, rel=0.08)
 
 
 def test_plan_command_takes_the_local_precision_flags():
@@ -429,8 +437,55 @@ def test_plan_command_takes_the_local_precision_flags():
         assert out.exit_code == 0, out.output
         return json.loads(out.output)["ranked"][0]
 
-    default, recompute, autocast = run(), run("--local-recompute-logits"), run("--no-local-master-weights")
-    assert default["memory_gib"]["fp32 master weights"] > 0 and "bf16 weight copies (autocast)" not in default["memory_gib"]
-    assert recompute["memory_gib"]["logits + loss"] < default["memory_gib"]["logits + loss"]
-    assert recompute["tokens_per_second"] < default["tokens_per_second"]  # the head GEMM runs again in backward
+    chunked, recompute, autocast = (run("--no-local-fused-loss", *flags) for flags in
+                                    ((), ("--local-recompute-logits",), ("--no-local-master-weights",)))
+    assert chunked["memory_gib"]["fp32 master weights"] > 0 and "bf16 weight copies (autocast)" not in chunked["memory_gib"]
+    assert recompute["memory_gib"]["logits + loss"] < chunked["memory_gib"]["logits + loss"]
+    assert recompute["tokens_per_second"] < chunked["tokens_per_second"]  # the head GEMM runs again in backward
     assert "fp32 master weights" not in autocast["memory_gib"] and autocast["memory_gib"]["bf16 weight copies (autocast)"] > 0
+    # The engine's GPU defaults (Triton kernels, fused loss) are the plan's defaults: less memory, faster.
+    default, fused_only = run(), run("--local-kernels", "none")
+    assert default["memory_gib"]["logits + loss"] < fused_only["memory_gib"]["logits + loss"] < chunked["memory_gib"]["logits + loss"]
+    assert default["memory_gib"]["activations"] == chunked["memory_gib"]["activations"] < fused_only["memory_gib"]["activations"]
+    assert default["tokens_per_second"] > chunked["tokens_per_second"]
+    assert run("--local-fused-loss", "--local-recompute-logits")["memory_gib"] == default["memory_gib"]  # fused wins
+
+
+def test_fused_loss_keeps_nothing_of_vocabulary_size_per_token():
+    """The fused head's loss-time memory does not grow with the micro-batch's tokens times the vocabulary."""
+    fused = replace(WORK, fused_loss=True)
+    tokens, chunk, v, h = WORK.micro_batch_tokens, 2048, LLAMA1B.vocab, LLAMA1B.hidden
+    reference = memory(LLAMA1B, Layout("local"), fused).logits  # torch reference ops: 10 bytes x vocab x chunk
+    assert reference == max(2 * h * tokens + 10 * v * chunk, 2 * v * h + 4 * h * tokens)
+    triton = memory(LLAMA1B, Layout("local"), replace(fused, kernels="triton")).logits  # gradient over the logits
+    assert triton == max(2 * h * tokens + 2 * v * chunk, 2 * v * h + 4 * h * tokens)
+    longer = replace(fused, seq_len=4 * WORK.seq_len)
+    assert memory(LLAMA1B, Layout("local"), longer).logits - reference == pytest.approx(2 * h * 3 * tokens)
+    assert memory(LLAMA1B, Layout("fsdp", dp=2, zero=3), fused).logits == memory(LLAMA1B, Layout("fsdp", dp=2, zero=3)).logits
+    lora = memory(LLAMA1B, Layout("local"), replace(fused, tuner="lora")).logits  # frozen head: no weight gradient
+    assert lora == 2 * h * tokens + 10 * v * chunk
+
+
+def test_triton_kernels_keep_less_for_backward_in_their_families():
+    kernels = replace(WORK, kernels="triton")
+    h, f = LLAMA1B.hidden, LLAMA1B.ffn
+    hf, fused = (activation_bytes_per_token_layer(LLAMA1B, Layout("local"), w) for w in (WORK, kernels))
+    assert hf - fused == 8 * h + 2 * f
+    assert (activation_bytes_per_token_layer(LLAMA1B, Layout("local"), replace(WORK, tuner="lora"))
+            - activation_bytes_per_token_layer(LLAMA1B, Layout("local"), replace(kernels, tuner="lora"))) == 4 * h + 2 * f
+    assert activation_bytes_per_token_layer(MIXTRAL, Layout("local"), kernels) == activation_bytes_per_token_layer(
+        MIXTRAL, Layout("local"), WORK)  # not a patched family
+    assert activation_bytes_per_token_layer(LLAMA1B, Layout("fsdp", dp=2, zero=3), kernels) == activation_bytes_per_token_layer(
+        LLAMA1B, Layout("fsdp", dp=2, zero=3), WORK)  # only the local engine runs them
+
+
+def test_auto_plans_the_engine_levers_as_they_resolve_on_a_gpu():
+    from toolkit.plan.auto import local_speed
+    from toolkit.recipe import resolve_recipe
+
+    assert local_speed(resolve_recipe({"model": "m"}, source="test")) == {"kernels": "triton", "fused_loss": True}
+    off = resolve_recipe({"model": "m", "local": {"kernels": "none", "fused_loss": False}}, source="test")
+    assert local_speed(off) == {"kernels": "none", "fused_loss": False}
+    dpo_like = resolve_recipe({"model": "m"}, source="test")
+    object.__setattr__(dpo_like, "loss", "no-such-loss")  # unknown or non-uniform losses keep the chunked head
+    assert local_speed(dpo_like)["fused_loss"] is False

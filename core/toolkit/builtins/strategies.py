@@ -27,12 +27,15 @@ class LocalConfig:
     master_weights: bool | None = option(
         None, help="Older spelling of --local-bf16-mode: true = master, false = autocast.")
     kernels: Literal["none", "torch", "triton", "liger", "auto"] = option(
-        "none", help="Fused RMSNorm, SwiGLU and RoPE for llama/mistral/qwen2/qwen3 (and the fused loss's softmax): "
-        "triton (the toolkit's kernels), liger (liger-kernel), torch (reference ops, CPU), auto (triton on a GPU, "
-        "else none), none (HF's modules). Falls back to torch, saying so, where a backend cannot run.")
-    fused_loss: bool = option(
-        False, help="pt/sft losses: make the output head's input and weight gradients in forward while each chunk's "
-        "logits exist (fused linear + cross-entropy), keeping nothing of vocabulary size for backward.")
+        "auto", help="Fused RMSNorm, SwiGLU and RoPE for llama/mistral/qwen2/qwen3 (and the fused loss's softmax): "
+        "auto (the default: triton on a CUDA GPU when triton imports, else none; other model families keep HF's "
+        "modules), triton (the toolkit's kernels), liger (liger-kernel), torch (reference ops, CPU), none (HF's "
+        "modules). Falls back to torch, saying so, where an explicitly chosen backend cannot run.")
+    fused_loss: bool | Literal["auto"] = option(
+        "auto", help="Losses that give every label log-prob the same gradient (pt, sft): make the output head's input "
+        "and weight gradients in forward while each chunk's logits exist (fused linear + cross-entropy), keeping "
+        "nothing of vocabulary size for backward. auto (the default): on for a CUDA device, off on CPU; "
+        "true/false (--local-fused-loss / --no-local-fused-loss) force it.")
     compile: bool = option(
         False, help="torch.compile each decoder layer (static shapes). The first step compiles; if that fails the run "
         "continues eagerly with a message. Takes the place of --local-kernels inside the layers.")
@@ -145,7 +148,9 @@ class LocalEngine:
             cast_float_parameters(self.model, torch.bfloat16)
             compute_autocast = None
         self.module = self.logps_module = logps.CausalLMLogps(self.model, compute_autocast)
-        self.fused_loss, self.attention = config.fused_loss, config.attention
+        self.fused_loss, self.attention = speed.resolve_fused_loss(config.fused_loss, self.device), config.attention
+        if self.is_main:
+            speed.report_levers(config, self.kernel_ops, self.fused_loss, loss)
         self.shard_names = sharded_names(self.model)
         if self.world.distributed:
             # sharded parameters (experts split over ranks) hold different slices per rank: DDP must not average them

@@ -22,6 +22,8 @@ def _click_type(tp: Any) -> tuple[Any, bool]:
     origin = get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in get_args(tp) if a is not type(None)]
+        if bool in args:  # ``bool | Literal["auto"]``: an on/off flag pair; leaving both out keeps the default
+            return bool, False
         return _click_type(args[0]) if len(args) == 1 else (str, False)
     if origin is Literal:
         return click.Choice([str(a) for a in get_args(tp)]), False

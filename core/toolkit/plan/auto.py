@@ -73,6 +73,28 @@ def local_precision(recipe: Any) -> dict:
             "recompute_logits": bool(local.get("recompute_logits", False))}
 
 
+def local_speed(recipe: Any) -> dict:
+    """The ``local`` engine's speed levers as they resolve on a GPU, as Workload fields: ``auto`` kernels are
+    Triton, the ``auto`` fused loss is on; either way the fused head serves only a loss that declares a
+    uniform token gradient (pt, sft)."""
+    local = recipe.section("local") if hasattr(recipe, "section") else {}
+    kernels = str(local.get("kernels", "auto") or "auto")
+    fused = local.get("fused_loss", "auto")
+    return {"kernels": "triton" if kernels == "auto" else kernels,
+            "fused_loss": (fused == "auto" or bool(fused)) and _uniform_loss(getattr(recipe, "loss", "sft"))}
+
+
+def _uniform_loss(name: str) -> bool:
+    from toolkit.train.speed import declares_uniform_gradient
+
+    try:
+        from toolkit.plugins import get_plugin_manager
+
+        return declares_uniform_gradient(get_plugin_manager().get("loss", name))
+    except Exception:  # an unknown or broken loss plugin: plan the chunked head, which every loss takes
+        return False
+
+
 def choose_strategy(recipe: Any, source: Any = None, world_size: int | None = None, gpu_memory: Any = None) -> dict[str, Any]:
     """Recipe overrides for the fastest layout that fits ``world_size`` GPUs of this machine.
 
@@ -96,7 +118,7 @@ def choose_strategy(recipe: Any, source: Any = None, world_size: int | None = No
     section = recipe.section("lora") if hasattr(recipe, "section") else {}
     workload = Workload(seq_len=recipe.seq_len, micro_batch_size=recipe.micro_batch_size,
                         global_batch_size=recipe.global_batch_size, tuner=TUNER_FAMILY.get(recipe.tuner, "lora"),
-                        lora_rank=int(section.get("rank", 16) or 16), **local_precision(recipe))
+                        lora_rank=int(section.get("rank", 16) or 16), **local_precision(recipe), **local_speed(recipe))
     cluster = make_cluster(world_size, nodes, gpu_memory, kind)
     result = plan(shape_of(source), cluster, workload, installed_strategies())
     if result.best is None:

@@ -25,14 +25,18 @@ from toolkit.plan.memory import STRATEGIES, TUNERS
                    "pure (bf16 params, grads and AdamW states); overrides --local-master-weights.")
 @click.option("--local-recompute-logits", is_flag=True, help="local strategy: recompute chunk logits in backward (less memory).")
 @click.option("--local-logps-chunk-tokens", type=int, default=2048, show_default=True, help="Tokens per log-prob chunk.")
+@click.option("--local-kernels", type=click.Choice(["auto", "triton", "liger", "torch", "none"]), default="auto",
+              show_default=True, help="local strategy: fused RMSNorm/SwiGLU kernels (auto: triton, as on a GPU).")
+@click.option("--local-fused-loss/--no-local-fused-loss", default=True, show_default=True,
+              help="local strategy: fused linear + cross-entropy head (the engine's GPU default for pt/sft).")
 @click.option("--strategies", default=",".join(STRATEGIES), show_default=True, help="Strategies to consider, comma-separated.")
 @click.option("--top", type=int, default=3, show_default=True, help="Layouts to print.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the report.")
 def plan_command(model: str, gpus: int, nodes: int, gpu_kind: str, gpu_memory: str | None, seq_len: int,
                  micro_batch_size: int, global_batch_size: int, tuner: str, lora_rank: int, local_master_weights: bool,
                  local_bf16_mode: str | None,
-                 local_recompute_logits: bool, local_logps_chunk_tokens: int, strategies: str, top: int,
-                 as_json: bool) -> None:
+                 local_recompute_logits: bool, local_logps_chunk_tokens: int, local_kernels: str, local_fused_loss: bool,
+                 strategies: str, top: int, as_json: bool) -> None:
     """Recommend parallel layouts: per-GPU memory, estimated step time and the reasons.
 
     Example: toolkit plan --model examples/configs/qwen2-72b.json --gpus 32 --nodes 4 --gpu-memory 80GiB
@@ -50,7 +54,8 @@ def plan_command(model: str, gpus: int, nodes: int, gpu_kind: str, gpu_memory: s
                         tuner=tuner, lora_rank=lora_rank,
                         master_weights=local_master_weights if local_bf16_mode is None else local_bf16_mode == "master",
                         pure_bf16=local_bf16_mode == "pure",
-                        recompute_logits=local_recompute_logits, logps_chunk_tokens=local_logps_chunk_tokens)
+                        recompute_logits=local_recompute_logits, logps_chunk_tokens=local_logps_chunk_tokens,
+                        kernels="triton" if local_kernels == "auto" else local_kernels, fused_loss=local_fused_loss)
     chosen = tuple(s.strip() for s in strategies.split(",") if s.strip())
     result = plan(load_shape(model), cluster, workload, chosen)
     click.echo(json.dumps(to_json(result, top), indent=2) if as_json else render(result, top))

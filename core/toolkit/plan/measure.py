@@ -80,9 +80,10 @@ def allocated_bytes(model: Any, optimizer: Any) -> int:
 def local_engine(config: dict, directory: Any, *, tuner: str = "full", seq_len: int, micro_batch_size: int = 1,
                  recompute: bool = False, precision: str = "bf16", master_weights: bool = True, bf16_mode: str | None = None,
                  lora_rank: int = 16, chunk_tokens: int = 2048, recompute_logits: bool = False,
-                 micro_batches: int = 1) -> tuple[Any, Any, Callable[[], Any]]:
+                 micro_batches: int = 1, fused_loss: bool = False, kernels: str = "none") -> tuple[Any, Any, Callable[[], Any]]:
     """The ``local`` engine on a randomly initialised HF model of ``config`` (saved to ``directory``)
-    with the registered tuner and the ``sft`` loss, as ``toolkit train`` builds it.
+    with the registered tuner and the ``sft`` loss, as ``toolkit train`` builds it. ``fused_loss`` and
+    ``kernels`` are explicit (not the engine's ``auto``) so a run measures what its Workload says.
 
     Returns ``(engine, loss_fn, step)``: ``loss_fn()`` runs one forward and returns the loss of one
     micro-batch of random tokens, ``step()`` runs one optimizer step of ``micro_batches`` such
@@ -106,7 +107,7 @@ def local_engine(config: dict, directory: Any, *, tuner: str = "full", seq_len: 
     values = {"model": str(directory), "tuner": tuner, "loss": "sft", "precision": precision, "seq_len": seq_len,
               "micro_batch_size": micro_batch_size, "lr": 1e-5, "max_grad_norm": 1.0, "gradient_checkpointing": recompute,
               "local": {"bf16_mode": bf16_mode or ("master" if master_weights else "autocast"), "logps_chunk_tokens": chunk_tokens,
-                        "recompute_logits": recompute_logits}}
+                        "recompute_logits": recompute_logits, "fused_loss": fused_loss, "kernels": kernels}}
     if tuner != "full":
         values[tuner] = {"rank": lora_rank, "alpha": 2.0 * lora_rank}
     recipe = resolve_recipe(values, source="plan-measure")

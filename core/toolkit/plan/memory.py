@@ -62,6 +62,14 @@ class Workload:
     recompute_logits: bool = False
     """``--local-recompute-logits``: recompute each chunk's logits in backward instead of keeping
     them (in bf16) for backward, as the engine does by default for a trainable plain head."""
+    fused_loss: bool = False
+    """``--local-fused-loss`` (the engine's default on a GPU for pt/sft): the output head's input and
+    weight gradients are made in forward, chunk by chunk; nothing of vocabulary size is kept for backward
+    (it takes the place of ``recompute_logits``). ``local`` strategy only."""
+    kernels: str = "none"
+    """``--local-kernels`` as it resolves on the target (``auto`` is ``triton`` on a GPU): ``triton`` or
+    ``liger`` fuse RMSNorm and SwiGLU (less kept for backward in :data:`KERNEL_FAMILIES`) and write the
+    fused loss's softmax gradient over the chunk's logits; ``torch``/``none`` compute what HF computes."""
 
     @property
     def micro_batch_tokens(self) -> int:
@@ -209,8 +217,29 @@ def frozen_bytes_per_param(tuner: str) -> float:
     return 0.5 + 0.5 / 64 + 4 / (64 * 256) if tuner == "qlora" else 2.0
 
 
+KERNEL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+"""Families ``--local-kernels`` patches (``toolkit.train.kernels.patch.FAMILIES``; kept apart: no torch here)."""
+
+
+def fused_kernels(shape: ModelShape, layout: Layout, workload: Workload) -> bool:
+    """Whether the local engine runs the Triton/Liger RMSNorm and SwiGLU kernels for this model."""
+    return layout.strategy == "local" and workload.kernels in ("triton", "liger") and shape.model_type in KERNEL_FAMILIES
+
+
 def activation_bytes_per_token_layer(shape: ModelShape, layout: Layout, workload: Workload) -> float:
-    """Bytes autograd keeps per token for one decoder layer (no recompute), on one GPU."""
+    """Bytes autograd keeps per token for one decoder layer (no recompute), on one GPU.
+
+    With the fused kernels (bf16 residual stream) each RMSNorm keeps its bf16 input and a per-row
+    scale instead of an fp32 copy and the rounded normalised value (4h less per norm, 2h less when its
+    weight is frozen), and SwiGLU keeps gate and up but not ``silu(gate)`` (2f less)."""
+    saved = _hf_activation_bytes_per_token_layer(shape, layout, workload)
+    if fused_kernels(shape, layout, workload) and not fp32_autocast(layout, workload):
+        saved -= ((8 if workload.tuner == "full" else 4) * shape.hidden + 2 * shape.ffn) / layout.cp
+    return saved
+
+
+def _hf_activation_bytes_per_token_layer(shape: ModelShape, layout: Layout, workload: Workload) -> float:
+    """Bytes autograd keeps per token for one decoder layer of HF's own modules (no recompute)."""
     h, kv = shape.hidden, shape.kv_dim
     if shape.is_moe:
         k = shape.experts_per_token
@@ -271,11 +300,35 @@ def logits_bytes(shape: ModelShape, layout: Layout, tokens: int, workload: Workl
         return 10 * shape.vocab / layout.tp * tokens
     tokens = tokens // layout.cp
     chunk = min(tokens, workload.logps_chunk_tokens)
+    if workload.fused_loss and layout.strategy == "local":
+        return fused_loss_bytes(shape, workload, tokens, chunk)
     if workload.tuner != "full":
         return 10 * shape.vocab * chunk + 2 * shape.hidden * tokens
     if workload.recompute_logits or (layout.strategy == "deepspeed" and layout.zero >= 3):
         return 12 * shape.vocab * chunk  # ZeRO-3-partitioned heads always take the recompute path
     return 2 * shape.vocab * tokens + 8 * shape.vocab * chunk
+
+
+def fused_loss_bytes(shape: ModelShape, workload: Workload, tokens: int, chunk: int) -> float:
+    """Loss-time peak of the fused linear + cross-entropy head (``toolkit.train.fused_head``), beside the
+    head's gradient that :attr:`MemoryBreakdown.transient_gradients` counts (master weights).
+
+    In forward the input gradient ``[tokens, h]`` (compute dtype) and the head's weight gradient are
+    filled chunk by chunk; one chunk's softmax gradient needs its bf16 logits plus, with the torch
+    reference ops, an fp32 copy and the fp32 log-softmax (10 bytes x vocab per token of a chunk; the
+    Triton kernel writes the gradient over the logits: 2). In the head's backward the scaled input and
+    weight gradients are made while the saved ones still exist: a second head gradient and ``4 h``
+    per token. Under fp32 parameters (no master weights) the weight gradient is fp32 and not counted
+    elsewhere, and each chunk's bf16 product is cast to fp32 before it is added (6 bytes x head);
+    the head's bf16 autocast copy is among the weight copies."""
+    per_chunk = (2 if workload.kernels in ("triton", "liger") else 10) * shape.vocab * chunk
+    inputs = 2 * shape.hidden * tokens
+    if workload.tuner != "full":  # frozen head: no weight gradient
+        return inputs + max(per_chunk, inputs)
+    head = shape.vocab * shape.hidden
+    if workload.master_weights:
+        return max(inputs + per_chunk, 2 * head + 2 * inputs)
+    return max(4 * head + inputs + per_chunk, 4 * head + inputs + 6 * head, 8 * head + 2 * inputs)
 
 
 def params_on_stage(shape: ModelShape, layout: Layout, first: bool, last: bool) -> tuple[float, float]:

@@ -32,7 +32,11 @@ def apply_speed_options(model: Any, config: Any, device: Any) -> tuple[Any, bool
             raise ConfigError([problem], source="--local-fp8")
         say(f"--local-fp8: {patch.convert_to_float8(model)} linear layers train in float8 (torchao)")
     ops = load_ops(config.kernels)
-    if ops is not None and not config.compile:
+    family = patch.model_family(model)
+    if ops is not None and config.kernels == "auto" and family not in patch.FAMILIES:
+        # the default must not refuse a model: other families keep HF's modules; the ops still serve the fused loss
+        say(f"--local-kernels auto: no fused kernels for the {family!r} family; its HF modules stay")
+    elif ops is not None and not config.compile:
         counts = patch.apply_kernels(model, ops)
         say(f"--local-kernels {ops.name}: {counts['rms_norm']} RMSNorm, {counts['mlp']} MLP and "
             f"{counts['rope']} RoPE site(s) fused")
@@ -43,13 +47,41 @@ def apply_speed_options(model: Any, config: Any, device: Any) -> tuple[Any, bool
     return ops, config.compile
 
 
+def resolve_fused_loss(choice: Any, device: Any) -> bool:
+    """``--local-fused-loss``: true/false as given; ``auto`` is on for a CUDA device only, so the CPU path
+    (tests, the planner's CPU allocator checks) stays the chunked one."""
+    if choice == "auto":
+        return getattr(device, "type", str(device)) == "cuda"
+    return bool(choice)
+
+
+def report_levers(config: Any, kernel_ops: Any, fused_loss: bool, loss: Any) -> None:
+    """One stderr line naming the speed levers that are on (nothing when none is, as on CPU by default)."""
+    on = []
+    if kernel_ops is not None:
+        on.append(f"kernels {kernel_ops.name}" + (" (auto)" if config.kernels == "auto" else ""))
+    if fused_loss:
+        name = getattr(loss, "name", type(loss).__name__)
+        how = " (auto)" if config.fused_loss == "auto" else ""
+        on.append(f"fused loss{how}" if declares_uniform_gradient(loss)
+                  else f"fused loss{how} unused: the {name} loss does not give every token the same gradient")
+    on += [flag for flag, active in (("compile", config.compile), ("fp8", config.fp8)) if active]
+    if config.attention != "auto":
+        on.append(f"attention {config.attention} first")
+    if on:
+        off = [flag for flag, active in (("--local-compile", config.compile), ("--local-fp8", config.fp8)) if not active]
+        print(f"toolkit: local engine speed levers: {', '.join(on)}" + (f"; off: {', '.join(off)}" if off else "")
+              + " (--local-kernels none --no-local-fused-loss: HF's modules and the chunked loss)", file=sys.stderr)
+
+
 def declares_uniform_gradient(loss: Any) -> bool:
-    """Whether the class whose ``__call__`` computes ``loss`` declares ``uniform_token_gradient``.
+    """Whether the class whose ``__call__`` computes ``loss`` (an instance or a loss class) declares
+    ``uniform_token_gradient``.
 
     Read from that class itself, so a subclass of ``sft`` that re-weights tokens in its own
     ``__call__`` does not inherit the promise.
     """
-    for cls in type(loss).__mro__:
+    for cls in (loss if isinstance(loss, type) else type(loss)).__mro__:
         if "__call__" in vars(cls):
             return bool(vars(cls).get("uniform_token_gradient", False))
     return False

@@ -3,7 +3,8 @@
 1. Module level (expert-parallel size 1): GroupedExperts against Megatron's SequentialMLP with the
    same weights, for gated SwiGLU and plain GELU experts, with and without expert biases, with an
    expert that gets no token, fp32 and bf16, through the grouped kernel, the stacking fallback
-   (weights no longer packed) and the per-expert loop: outputs and every weight gradient.
+   (weights no longer packed), the per-expert loop and Megatron's fused weighted SwiGLU
+   (``bias_activation_fusion``): outputs and every weight gradient.
 2. Model level, per layout (EP1, EP2, TP2+SP+ETP2/ETP1): a Qwen3-MoE GPTModel built with grouped and with
    sequential experts from the same HF weights: logits (also against HF), input and weight gradients.
 """
@@ -37,11 +38,12 @@ def module_checks() -> dict:
     results = {}
     for gated, bias, dtype, path in [(True, False, torch.float32, "kernel"), (True, True, torch.float32, "kernel"),
                                      (False, True, torch.float32, "kernel"), (True, False, torch.bfloat16, "kernel"),
-                                     (True, True, torch.float32, "stack"), (True, True, torch.float32, "loop")]:
+                                     (True, True, torch.float32, "stack"), (True, True, torch.float32, "loop"),
+                                     (True, False, torch.float32, "fused")]:
         config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48,
                                    moe_ffn_hidden_size=24, num_moe_experts=4, moe_router_topk=2, add_bias_linear=bias,
                                    gated_linear_unit=gated, activation_func=torch.nn.functional.silu if gated else torch.nn.functional.gelu,
-                                   bias_activation_fusion=False, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+                                   bias_activation_fusion=path == "fused", params_dtype=dtype, bf16=dtype == torch.bfloat16,
                                    use_cpu_initialization=True, perform_initialization=True,
                                    # as at EP > 1: expert linears without the TP-region identity whose output view
                                    # SequentialMLP's bias path would modify in place (a Megatron limitation at EP1)

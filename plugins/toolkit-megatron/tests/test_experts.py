@@ -1,5 +1,5 @@
 """GroupedExperts (toolkit_megatron.experts) against Megatron-Core's SequentialMLP: outputs and gradients of the
-module (kernel, stacking and loop paths) and of a whole Qwen3-MoE model at EP1, EP2 and TP2+SP with ETP2 and ETP1
+module (kernel, stacking, loop and fused-SwiGLU paths) and of a whole Qwen3-MoE model at EP1, EP2 and TP2+SP with ETP2 and ETP1
 (2 processes, gloo); the model's logits also against Hugging Face."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def test_grouped_experts_equal_sequential_mlp(tiny_models, tmp_path):
         assert entry["output"] <= tolerance and entry["grads"] <= (5e-2 if bf16 else 1e-5), (key, entry)
         assert entry["packed"], key  # the zero-copy path: weights are slices of one tensor
         assert entry["empty_expert_grad"] == 0.0, key  # an expert without tokens gets a zero gradient, not None
-    assert len(result["module"]) == 6
+    assert len(result["module"]) == 7
     for layout, ranks in result["model"].items():
         for entry in ranks:
             assert entry["types"] == ["SequentialMLP", "GroupedExperts"], layout

@@ -110,3 +110,47 @@ def test_fused_adam_switch_matches_default_adamw():
             wrapped.optimizer.step()
         results.append(param.detach().clone())
     torch.testing.assert_close(results[1], results[0], rtol=1e-6, atol=1e-7)
+
+
+def test_kernel_rms_norm_is_every_norm_and_logits_equal_hf(tp1, tiny_models):
+    """``--megatron-kernels``: every RMSNorm of the built model (input, pre-MLP, QK and final norms)
+    goes through the kernel backend's ``rms_norm``, and the logits still equal HF's."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.train.kernels.reference import TorchOps
+    from toolkit_megatron.bridge import SafetensorsReader, load_hf_weights
+    from toolkit_megatron.model import Layout, build_model
+    from toolkit_megatron.schedule import gather_logits
+
+    calls = []
+
+    class Recording(TorchOps):
+        @staticmethod
+        def rms_norm(x, weight, eps):
+            calls.append(tuple(x.shape))
+            return TorchOps.rms_norm(x, weight, eps)
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_models["qwen3"], dtype=torch.float32).eval()
+    models = build_model(hf.config, Layout(), kernel_ops=Recording)
+    load_hf_weights(models, hf.config, SafetensorsReader.from_directory(tiny_models["qwen3"]))
+    ids = torch.randint(0, hf.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
+    logits = gather_logits(models, ids)
+    with torch.no_grad():
+        expected = hf(ids).logits
+    layers = hf.config.num_hidden_layers
+    assert len(calls) == 4 * layers + 1, "not every norm went through the kernel backend (2 + QK norms per layer, final)"
+    assert sum(shape[-1] == hf.config.head_dim for shape in calls) == 2 * layers
+    assert (logits - expected).abs().max().item() <= 1e-4
+
+
+def test_speed_levers_resolve_per_device():
+    """``auto`` turns the compiled pieces on for a GPU only; explicit values are kept."""
+    from toolkit_megatron.strategy import MegatronConfig, _speed_levers
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert _speed_levers(MegatronConfig(kernels="none"), cpu) == (False, "chunked", None)
+    assert _speed_levers(MegatronConfig(kernels="none"), gpu)[:2] == (True, "compiled")
+    assert _speed_levers(MegatronConfig(kernels="none", compile_elementwise=False, logps_kernel="reference"), gpu)[:2] == (
+        False, "reference")
+    assert _speed_levers(MegatronConfig(kernels="auto"), cpu)[2] is None  # no Triton without a GPU: Megatron-side ops
+    assert _speed_levers(MegatronConfig(kernels="torch"), cpu)[2].name == "torch"

@@ -31,15 +31,16 @@ def triton_available() -> str | None:
     return None
 
 
-def load_ops(backend: str) -> Any:
-    """The ops object for ``backend`` (``none`` -> ``None``); falls back to ``torch`` with a message.
+def load_ops(backend: str, flag: str = "--local-kernels") -> Any:
+    """The ops object for ``backend`` (``none`` -> ``None``); falls back to ``torch`` with a message
+    naming ``flag`` (the option the user set).
 
-    ``auto`` picks ``triton`` on a CUDA device with Triton, else ``none`` (HF's own modules).
+    ``auto`` picks ``triton`` on a CUDA device with Triton, else ``none`` (the model's own modules).
     """
     from toolkit.errors import ConfigError
 
     if backend not in BACKENDS:
-        raise ConfigError([f"kernels {backend!r} is not one of {', '.join(BACKENDS)}"], source="--local-kernels")
+        raise ConfigError([f"kernels {backend!r} is not one of {', '.join(BACKENDS)}"], source=flag)
     if backend == "none":
         return None
     if backend == "auto":
@@ -55,13 +56,13 @@ def load_ops(backend: str) -> Any:
                 return _checked(_liger_ops())
             except ImportError as exc:
                 reason = f"liger-kernel is not installed ({exc}); pip install liger-kernel"
-        _say(f"--local-kernels liger unavailable: {reason}; using the torch reference ops")
+        _say(f"{flag} liger unavailable: {reason}; using the torch reference ops")
         from toolkit.train.kernels.reference import TorchOps
 
         return TorchOps
     reason = triton_available()
     if reason is not None:
-        _say(f"--local-kernels triton unavailable: {reason}; using the torch reference ops")
+        _say(f"{flag} triton unavailable: {reason}; using the torch reference ops")
         from toolkit.train.kernels.reference import TorchOps
 
         return TorchOps

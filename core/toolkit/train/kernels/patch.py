@@ -69,6 +69,11 @@ def _inner(model: nn.Module) -> nn.Module:
     return unwrap(model)
 
 
+def model_family(model: nn.Module) -> str:
+    """The HF ``model_type`` of ``model`` under DDP/PEFT wrappers (``?`` when it has none)."""
+    return getattr(getattr(_inner(model), "config", None), "model_type", "?")
+
+
 def apply_kernels(model: nn.Module, ops: Any) -> dict[str, int]:
     """Route RMSNorm, SwiGLU and RoPE of ``model`` through ``ops``; counts of what was patched.
 
@@ -77,10 +82,10 @@ def apply_kernels(model: nn.Module, ops: Any) -> dict[str, int]:
     from toolkit.errors import ModelError
 
     inner = _inner(model)
-    family = getattr(inner.config, "model_type", "?")
+    family = model_family(model)
     if family not in FAMILIES:
         raise ModelError(f"--local-kernels supports the {', '.join(FAMILIES)} model families; this model is {family!r}. "
-                         "Use --local-kernels none (the default) for it.")
+                         "Use --local-kernels none or auto (auto keeps HF's modules for other families).")
     counts = {"rms_norm": 0, "mlp": 0, "rope": 0}
     for module in inner.modules():
         if _is_rms_norm(module):

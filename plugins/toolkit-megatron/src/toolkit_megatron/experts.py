@@ -129,13 +129,27 @@ class GroupedExperts(SequentialMLP):
         bias1 = self._stacked("linear_fc1", "bias")
         if bias1 is not None:
             fc1 = fc1 + _rows(bias1, counts, fc1.shape[0])
-        intermediate = self._activation(fc1)
-        intermediate = (intermediate * probs.unsqueeze(-1)).to(intermediate.dtype)
+        intermediate = self._weighted_activation(fc1, probs, fused=bias1 is None)
         output = self._matmul(intermediate, self._stacked("linear_fc2"), counts)
         bias2 = self._stacked("linear_fc2", "bias")
         if bias2 is not None:  # MLP.forward adds an expert's output bias scaled by the token's probability
             output = output + _rows(bias2, counts, output.shape[0]) * probs.unsqueeze(-1)
         return output, None
+
+    def _weighted_activation(self, x: torch.Tensor, probs: torch.Tensor, fused: bool) -> torch.Tensor:
+        """The activation times each row's router probability. With ``bias_activation_fusion`` (which
+        ``--megatron-compile-elementwise`` turns on) SwiGLU takes Megatron's fused weighted kernel, as
+        ``MLP.forward`` does; otherwise the unfused ops of ``MLP.forward``."""
+        config = self.config
+        if (fused and config.bias_activation_fusion and config.gated_linear_unit
+                and config.activation_func is torch.nn.functional.silu
+                and getattr(config, "activation_func_clamp_value", None) is None
+                and not getattr(config, "glu_linear_offset", 0.0)):
+            from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+
+            return weighted_bias_swiglu_impl(x, None, probs.unsqueeze(-1), config.activation_func_fp8_input_store)
+        out = self._activation(x)
+        return (out * probs.unsqueeze(-1)).to(out.dtype)
 
     def _activation(self, x: torch.Tensor) -> torch.Tensor:
         """``MLP.forward``'s unfused activation (gated: ``act(gate) * (linear + offset)``, optional clamps)."""

@@ -154,9 +154,10 @@ def transformer_config(hf_config: Any, layout: Layout, dtype: Any, **overrides: 
 
 
 def layer_spec(hf_config: Any, config: Any, attention: AttentionKind = "sdpa", vp_stage: int | None = None,
-               compiled_rope: bool = False, experts: ExpertsKind = "grouped") -> Any:
-    """Megatron's local layer spec with our SDPA core attention, sequence-parallel RMSNorm and
-    (MoE) grouped-matmul experts (``experts="sequential"``: Megatron's ``SequentialMLP``)."""
+               compiled_rope: bool = False, kernel_ops: Any = None, experts: ExpertsKind = "grouped") -> Any:
+    """Megatron's local layer spec with our SDPA core attention and sequence-parallel RMSNorm
+    (through ``kernel_ops``' fused kernel when given), and (MoE) grouped-matmul experts
+    (``experts="sequential"``: Megatron's ``SequentialMLP``)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -172,11 +173,12 @@ def layer_spec(hf_config: Any, config: Any, attention: AttentionKind = "sdpa", v
 
     arch = architecture_for(hf_config.model_type)
     core = {"sdpa": SDPAAttention, "local": LocalAttention}[attention]
-    qk_norm = RMSNorm if arch.qk_norm else IdentityOp
+    norm = ModuleSpec(module=RMSNorm, params={"kernel_ops": kernel_ops})
+    qk_norm = norm if arch.qk_norm else IdentityOp
     layer = ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=RMSNorm,
+            input_layernorm=norm,
             self_attention=ModuleSpec(
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
@@ -191,14 +193,14 @@ def layer_spec(hf_config: Any, config: Any, attention: AttentionKind = "sdpa", v
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=RMSNorm,
+            pre_mlp_layernorm=norm,
             mlp=_moe_spec(config, experts) if arch.moe else ModuleSpec(
                 module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
             mlp_bda=get_bias_dropout_add,
         ),
     )
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=RMSNorm))
+    return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=norm))
 
 
 def _moe_spec(config: Any, experts: ExpertsKind = "grouped") -> Any:
@@ -221,12 +223,13 @@ def _moe_spec(config: Any, experts: ExpertsKind = "grouped") -> Any:
 
 
 def build_model(hf_config: Any, layout: Layout, dtype: Any = None, attention: AttentionKind = "sdpa",
-                vocab_size: int | None = None, compiled_rope: bool = False, experts: ExpertsKind = "grouped",
-                **config_overrides: Any) -> list[Any]:
+                vocab_size: int | None = None, compiled_rope: bool = False, kernel_ops: Any = None,
+                experts: ExpertsKind = "grouped", **config_overrides: Any) -> list[Any]:
     """One ``GPTModel`` per virtual pipeline stage of this rank (process groups must exist).
 
-    ``compiled_rope``: rotary embeddings under ``torch.compile`` (one fused kernel per tensor).
-    ``experts``: MoE experts as :class:`~toolkit_megatron.experts.GroupedExperts` or Megatron's ``SequentialMLP``.
+    ``compiled_rope``: rotary embeddings under ``torch.compile`` (one fused kernel per tensor);
+    ``kernel_ops``: a :mod:`toolkit.train.kernels` backend for the RMSNorms; ``experts``: MoE experts as
+    :class:`~toolkit_megatron.experts.GroupedExperts` or Megatron's ``SequentialMLP``.
     """
     import torch
     from megatron.core import parallel_state
@@ -241,7 +244,8 @@ def build_model(hf_config: Any, layout: Layout, dtype: Any = None, attention: At
             vp_stage = stage if layout.virtual > 1 else None
             model = GPTModel(
                 config=config,
-                transformer_layer_spec=layer_spec(hf_config, config, attention, vp_stage, compiled_rope, experts),
+                transformer_layer_spec=layer_spec(hf_config, config, attention, vp_stage, compiled_rope, kernel_ops,
+                                                  experts),
                 vocab_size=vocab,
                 max_sequence_length=getattr(hf_config, "max_position_embeddings", 4096),
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),

@@ -31,14 +31,41 @@ class MegatronConfig:
         "same weights and checkpoint keys) or sequential (Megatron's SequentialMLP, a loop over experts).")
     moe_aux_loss_coeff: float | None = option(None, help="MoE load-balancing loss coefficient; default: the HF config's router_aux_loss_coef.")
     moe_z_loss_coeff: float | None = option(None, help="MoE router z-loss coefficient; default: the HF config's router_z_loss_coef, else off.")
-    logps_kernel: Literal["chunked", "compiled", "reference"] = option(
-        "chunked", help="Label log-probs: chunked (fp32 a chunk of tokens at a time, bf16 logits kept), compiled "
-                        "(the same under torch.compile), reference (plain autograd over full fp32 logits).")
+    logps_kernel: Literal["auto", "chunked", "compiled", "reference"] = option(
+        "auto", help="Label log-probs: chunked (fp32 a chunk of tokens at a time, bf16 logits kept), compiled "
+                     "(the same under torch.compile), reference (plain autograd over full fp32 logits), auto "
+                     "(compiled on a GPU, chunked elsewhere).")
     fused_adam: bool = option(True, help="Use torch's fused AdamW kernel (Megatron's fallback without TE/Apex is the foreach one).")
     foreach_clipping: bool = option(True, help="Gradient clipping with torch foreach kernels instead of Megatron's per-tensor fallback loops.")
-    compile_elementwise: bool = option(False, help="torch.compile the elementwise pieces: rotary embeddings and SwiGLU "
-                                               "(Megatron's bias_activation_fusion, compiled by Megatron itself).")
+    compile_elementwise: bool | Literal["auto"] = option(
+        "auto", help="torch.compile the elementwise pieces: rotary embeddings and SwiGLU (Megatron's "
+                     "bias_activation_fusion, compiled by Megatron itself); auto: on a GPU only.")
+    kernels: Literal["none", "torch", "triton", "auto"] = option(
+        "auto", help="RMSNorm through the toolkit's fused kernels (toolkit.train.kernels): triton, torch (the "
+                     "reference ops), auto (triton on a GPU with Triton, else Megatron-side torch ops), none.")
     overlap_grad_reduce: bool = option(False, help="Overlap the data-parallel gradient reduction with backward (Megatron DDP buckets).")
+
+
+def _speed_levers(config: MegatronConfig, device: Any) -> tuple[bool, str, Any]:
+    """``(compile_elementwise, logps_kernel, kernel_ops)`` with ``auto`` resolved for ``device``: the
+    compiled pieces and the Triton kernels on a GPU, the eager ops elsewhere (CPU runs unchanged).
+    Says on stderr (main rank) which levers are on."""
+    import sys
+
+    import torch
+
+    from toolkit.train.kernels import load_ops
+
+    gpu = device.type == "cuda"
+    compile_elementwise = gpu if config.compile_elementwise == "auto" else bool(config.compile_elementwise)
+    logps_kernel = ("compiled" if gpu else "chunked") if config.logps_kernel == "auto" else config.logps_kernel
+    kernel_ops = load_ops(config.kernels, flag="--megatron-kernels")
+    on = [name for name, active in (("compiled elementwise ops", compile_elementwise),
+                                    (f"{logps_kernel} log-probs", logps_kernel != "chunked"),
+                                    (f"RMSNorm kernels {getattr(kernel_ops, 'name', '')}", kernel_ops is not None)) if active]
+    if on and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+        print(f"toolkit: megatron speed levers: {', '.join(on)}", file=sys.stderr)
+    return compile_elementwise, logps_kernel, kernel_ops
 
 
 class MegatronStrategy:
@@ -125,10 +152,12 @@ class MegatronEngine:
             overrides.update(router_options(source.config, config.moe_aux_loss_coeff, config.moe_z_loss_coeff, config.moe_dispatcher))
         if recipe.gradient_checkpointing:
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-        if config.compile_elementwise:
+        compile_elementwise, self.logps_kernel, kernel_ops = _speed_levers(config, self.device)
+        if compile_elementwise:
             overrides["bias_activation_fusion"] = True
         chunks = build_model(source.config, self.layout, dtype=self.dtype, attention=config.attention,
-                             compiled_rope=config.compile_elementwise, experts=config.moe_experts, **overrides)
+                             compiled_rope=compile_elementwise, kernel_ops=kernel_ops, experts=config.moe_experts,
+                             **overrides)
         load_hf_weights(chunks, source.config, SafetensorsReader.from_directory(source.directory))
         if tuner is not None and tuner.name in ("lora", "dora"):
             from toolkit_megatron.lora import apply_lora, hf_adapters
@@ -215,8 +244,8 @@ class MegatronEngine:
             batches = with_padding_masks(batches, self.layout)
             router = router_loss_scale(share)
         with router:
-            collected = run_schedule(self.models, batches, make_loss_func(loss, ctx, self.config.logps_kernel),
-                                     forward_only=forward_only, fp32_logits=self.config.logps_kernel == "reference")
+            collected = run_schedule(self.models, batches, make_loss_func(loss, ctx, self.logps_kernel),
+                                     forward_only=forward_only, fp32_logits=self.logps_kernel == "reference")
         counted = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0 \
             and ps.get_context_parallel_rank() == 0
         keys = sorted({k for item in collected for k in item}) if counted else []
