@@ -104,23 +104,31 @@ class GroupedExperts(SequentialMLP):
         return _StackedView.apply(self._bases.get(f"{linear}.{kind}"), *params)
 
     # ------------------------------------------------------------------ forward
-    def _grouped_supported(self) -> bool:
+    def _unsupported(self) -> str | None:
+        """Why the grouped forward cannot stand in for ``SequentialMLP.forward`` here (``None``: it can)."""
         from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
         config = self.config
-        if config.fp8 or config.fp4 or getattr(config, "delay_wgrad_compute", False) or getattr(config, "use_te_activation_func", False):
-            return False
-        if getattr(config, "moe_latent_size", None):
-            return False
-        return all(type(expert.linear_fc1) is ColumnParallelLinear and type(expert.linear_fc2) is RowParallelLinear
-                   for expert in self.local_experts)
+        for option in ("fp8", "fp4", "delay_wgrad_compute", "use_te_activation_func", "moe_latent_size"):
+            if getattr(config, option, None):
+                return f"{option} is set"
+        if not all(isinstance(e.linear_fc1, ColumnParallelLinear) and isinstance(e.linear_fc2, RowParallelLinear)
+                   for e in self.local_experts):
+            return "expert linears are wrapped or replaced"
+        return None
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
-        if args or kwargs or not self._grouped_supported():  # arguments of a newer Megatron: its own forward
+        reason = "a newer Megatron passes more arguments" if args or kwargs else self._unsupported()
+        if reason is not None:
+            if not getattr(self, "_warned", False):
+                import warnings
+
+                self._warned = True
+                warnings.warn(f"toolkit-megatron: {reason}; the experts run as Megatron's SequentialMLP (a loop)", stacklevel=2)
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs)
         hidden, probs = permuted_local_hidden_states, permuted_probs
-        if self.config.moe_apply_probs_on_input:
+        if getattr(self.config, "moe_apply_probs_on_input", False):
             assert self.config.moe_router_topk == 1, "`moe_apply_probs_on_input` only works with `moe_router_topk`=1."
             hidden = (probs.unsqueeze(-1) * hidden).to(hidden.dtype)
             probs = torch.ones_like(probs)
@@ -147,7 +155,7 @@ class GroupedExperts(SequentialMLP):
                 and not getattr(config, "glu_linear_offset", 0.0)):
             from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 
-            return weighted_bias_swiglu_impl(x, None, probs.unsqueeze(-1), config.activation_func_fp8_input_store)
+            return weighted_bias_swiglu_impl(x, None, probs.unsqueeze(-1), getattr(config, "activation_func_fp8_input_store", False))
         out = self._activation(x)
         return (out * probs.unsqueeze(-1)).to(out.dtype)
 
