@@ -2,7 +2,8 @@
 
 torch 2.13 refuses FlexAttention's backward on CPU with a device check in ``flex_attention``; its eager
 path (the unfused reference the compiled kernels are tested against) is device-agnostic, so the tests
-that compare gradients lift that one check (``cpu_flex_backward``). The engine keeps refusing it otherwise.
+that compare gradients lift that one check (``cpu_flex_backward`` from toolkit.testing). The engine keeps
+refusing it otherwise.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 
 from toolkit.contracts import StepContext
 from toolkit.errors import ConfigError
+from toolkit.testing import packed_batch
 from toolkit.train import attention
 from toolkit.train.logps import CausalLMLogps, attention_mask_for, token_logps
 
@@ -22,46 +24,8 @@ ROWS = [[7, 9, 5], [24], [15]]
 LENGTH = 24
 
 
-@pytest.fixture
-def cpu_flex_backward(monkeypatch):
-    import torch.nn.attention.flex_attention as flex
-
-    monkeypatch.setattr(flex, "_validate_device", lambda query, key, value: None)
-
-
-@pytest.fixture
-def flex_calls(monkeypatch):
-    """How many attention calls ran through FlexAttention."""
-    calls = []
-    kernel = attention._flex_kernel
-
-    def counting(device_type):
-        calls.append(device_type)
-        return kernel(device_type)
-
-    monkeypatch.setattr(attention, "_flex_kernel", counting)
-    return calls
-
-
-def make_batch(rows: list[list[int]], vocab: int, pad: int = 3, seed: int = 0) -> dict:
-    """A micro-batch (the engine's contract) of random samples with the given lengths per row."""
-    generator = torch.Generator().manual_seed(seed)
-    shape = (len(rows), LENGTH)
-    ids, labels = torch.full(shape, pad), torch.full(shape, -100)
-    positions, sequence_ids = torch.zeros(shape, dtype=torch.long), torch.full(shape, -1)
-    count = 0
-    for r, lengths in enumerate(rows):
-        offset = 0
-        for n in lengths:
-            sample = torch.randint(4, vocab, (n,), generator=generator)
-            ids[r, offset:offset + n] = sample
-            labels[r, offset:offset + n - 1] = sample[1:]
-            positions[r, offset:offset + n] = torch.arange(n)
-            sequence_ids[r, offset:offset + n] = count
-            count, offset = count + 1, offset + n
-    return {"input_ids": ids, "labels": labels, "position_ids": positions, "sequence_ids": sequence_ids,
-            "sequence_meta": {"example_ids": torch.arange(count), "roles": torch.zeros(count, dtype=torch.long)},
-            "num_sequences": count}
+def make_batch(rows: list[list[int]], vocab: int) -> dict:
+    return packed_batch(rows, LENGTH, vocab)
 
 
 def weights_for(batch: dict) -> torch.Tensor:
@@ -111,7 +75,7 @@ def test_block_mask_is_the_dense_block_causal_mask():
     assert pattern[0, 0, 23].sum() == 1  # padding attends to itself only
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 def test_flex_equals_masked_sdpa_and_hf_per_sample(tiny_model_factory, cpu_flex_backward, flex_calls, family):
     model = tiny_model_factory(family, num_hidden_layers=2).train()
     assert model.config._attn_implementation == "sdpa" and model.config.head_dim >= 16
