@@ -63,8 +63,8 @@ def speed_bars(data: dict) -> list[Bar]:
         label = f"{name.removeprefix('best:')} ({data.get('long_steps', '?')}-step run)" if name.startswith("best:") else name
         lora = row["kind"] in ("lora", "hf-peft")
         bars.append(Bar(label, row["tokens_per_s"], row["peak_gib"], "lora" if lora else "full",
-                        baseline=row["kind"] in ("hf", "hf-peft") and not row["options"],
-                        default=row["kind"] in ("full", "lora") and "defaults" in name))
+                        baseline=row["kind"] in ("hf", "hf-peft", "hf-packed") and not row["options"],
+                        default=row["kind"] in ("full", "lora", "packed") and "defaults" in name))
     return bars
 
 
