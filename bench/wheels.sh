@@ -5,6 +5,7 @@
 # - megatron-core: a cp312 wheel from the registry.
 # - deepspeed: published as an sdist only; built here into a pure-Python wheel with DS_BUILD_OPS=0 (no op
 #   compiled; the toolkit's deepspeed engine steps torch's AdamW, fused on GPU, so ZeRO-3 needs no DeepSpeed op).
+# - liger-kernel and torchao (pure-Python wheels) for bench/speed.py's liger and fp8 cases.
 # - deepspeed's imports that the image may lack (hjson, msgpack, einops, py-cpuinfo, pydantic and its pins),
 #   as cp312 / pure-Python wheels in .whl/deps/: gpu_setup.sh installs each one only if it does not import.
 set -euo pipefail
@@ -17,6 +18,10 @@ if ! ls .whl/megatron_core-*.whl >/dev/null 2>&1; then
 fi
 if ! ls .whl/deepspeed-*.whl >/dev/null 2>&1; then
   DS_BUILD_OPS=0 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w .whl 'deepspeed==0.19.8'
+fi
+# bench/speed.py's optional levers: liger-kernel (--local-kernels liger) and torchao (--local-fp8)
+if ! ls .whl/liger_kernel-*.whl .whl/torchao-*.whl >/dev/null 2>&1; then
+  "$PY" -m pip download -q --no-deps "${GPU_PLATFORM[@]}" -d .whl 'liger-kernel==0.8.5' 'torchao==0.18.0'
 fi
 "$PY" -m pip download -q "${GPU_PLATFORM[@]}" -d .whl/deps hjson msgpack einops py-cpuinfo 'pydantic>=2'
 ls -la .whl .whl/deps
