@@ -40,8 +40,8 @@ class LocalConfig:
         "auto", help="Rows holding several samples (--packing, or padded rows): flex (FlexAttention with a "
         "block-causal BlockMask built from the sequence ids: the compiled kernel skips masked blocks), sdpa-mask (a "
         "dense [B,1,T,T] boolean mask for HF's sdpa attention: no flash/cuDNN kernel) or auto (the default: flex on a "
-        "CUDA device when torch has FlexAttention and the model runs sdpa attention, else sdpa-mask). Rows with one "
-        "unpadded sample always take is_causal SDPA.")
+        "CUDA device when torch has FlexAttention and the model runs sdpa attention, else sdpa-mask). A micro-batch "
+        "whose rows each hold one unpadded sample always takes is_causal SDPA.")
     fp8: bool = option(
         False, help="float8 training of the decoder's linear layers (torchao, dynamic tensorwise scaling; output head "
         "excluded): Hopper/Ada GPUs, full or freeze tuner. Best with --local-compile.")
