@@ -8,6 +8,8 @@ refusing it otherwise.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -188,3 +190,19 @@ def test_forced_flex_that_cannot_run_is_a_clear_error(tiny_model_factory, monkey
     with pytest.raises(ConfigError, match="torch 2.4 has no FlexAttention"):
         attention.apply_packed_attention("flex", model, torch.device("cpu"), flag)
     assert attention.apply_packed_attention("auto", model, torch.device("cuda"), flag) == "sdpa-mask"
+
+
+@pytest.mark.skipif(not any(shutil.which(c) for c in ("c++", "g++", "clang++")), reason="inductor needs a C++ compiler on CPU")
+def test_compiled_flex_forward_equals_masked_sdpa(tiny_model_factory, monkeypatch):
+    """The mask function compiles (what runs on a GPU); on CPU inductor compiles the forward only."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    compiled = torch.compile(flex_attention)
+    monkeypatch.setattr(attention, "_flex_kernel", lambda device_type: compiled)
+    model = tiny_model_factory("qwen3").eval()
+    batch = make_batch(ROWS, model.config.vocab_size)
+    with torch.no_grad():
+        masked = token_logps(CausalLMLogps(model), batch, torch.device("cpu")).logps
+        attention.use_flex(model)
+        flex = token_logps(CausalLMLogps(model, packed_attention="flex"), batch, torch.device("cpu")).logps
+    torch.testing.assert_close(flex, masked, rtol=1e-5, atol=1e-5)
