@@ -154,7 +154,7 @@ def test_engine_step_with_flex_equals_masked_sdpa(cpu_flex_backward, flex_calls,
             ctx = StepContext(label_tokens=int((batch["labels"] != -100).sum()), sequences=5, examples=5)
             grads = {}
             for name, param in engine.model.named_parameters():  # the gradients the optimizer steps with
-                param.register_post_accumulate_grad_hook(lambda p, name=name: grads.__setitem__(name, full(p.grad)))
+                param.register_post_accumulate_grad_hook(lambda p, name=name, grads=grads: grads.__setitem__(name, full(p.grad)))
             step = engine.train_step([batch], loss, ctx)
             results[packed] = step.loss, step.grad_norm, grads
         finally:
@@ -164,7 +164,7 @@ def test_engine_step_with_flex_equals_masked_sdpa(cpu_flex_backward, flex_calls,
     assert loss_f == pytest.approx(loss_m, rel=1e-6) and norm_f == pytest.approx(norm_m, rel=1e-5)
     assert len(grads_m) == len(grads_f) == len(list(engine.model.parameters()))
     for name, grad in grads_m.items():
-        torch.testing.assert_close(grads_f[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grads_f[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:

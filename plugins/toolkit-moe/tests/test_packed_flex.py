@@ -41,4 +41,4 @@ def test_moe_step_with_flex_equals_masked_sdpa(cpu_flex_backward, flex_calls):
     assert loss_f == pytest.approx(loss_m, rel=1e-6) and aux_f == pytest.approx(aux_m, rel=1e-6)
     assert grads_f.keys() == grads_m.keys() and grads_m
     for name, grad in grads_m.items():
-        torch.testing.assert_close(grads_f[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grads_f[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
