@@ -19,6 +19,23 @@ def full_rows(ids: torch.Tensor) -> dict:
             "sequence_meta": {}, "num_sequences": b}
 
 
+def packed_rows(ids: torch.Tensor, lengths: list[list[int]]) -> dict:
+    """A micro-batch where row ``r`` holds samples of ``lengths[r]`` tokens (summing to the row): positions restart
+    and labels are next tokens within each sample."""
+    labels = torch.full_like(ids, -100)
+    positions, sequence_ids = torch.zeros_like(ids), torch.zeros_like(ids)
+    count = 0
+    for r, row in enumerate(lengths):
+        offset = 0
+        for n in row:
+            labels[r, offset:offset + n - 1] = ids[r, offset + 1:offset + n]
+            positions[r, offset:offset + n] = torch.arange(n)
+            sequence_ids[r, offset:offset + n] = count
+            count, offset = count + 1, offset + n
+    return {"input_ids": ids, "labels": labels, "position_ids": positions, "sequence_ids": sequence_ids,
+            "sequence_meta": {}, "num_sequences": count}
+
+
 def report(title: str, rows: list[dict], out_name: str) -> None:
     """Print ``rows`` (run, tokens_per_s, peak_gib) as a table; write them to $OUT/<out_name> when OUT is set."""
     print(f"\n{title}")

@@ -31,7 +31,8 @@ class Bar:
     tokens_per_s: float
     peak_gib: float
     group: str
-    """Configurations compared with the same baseline (full SFT against HF, LoRA against HF + PEFT)."""
+    """Configurations compared with the same baseline (full SFT against HF, LoRA against HF + PEFT, packed rows
+    against HF's own packed handling)."""
     baseline: bool = False
     default: bool = False
     """The toolkit's own defaults (no speed flags), drawn in their own colour."""
@@ -61,10 +62,10 @@ def speed_bars(data: dict) -> list[Bar]:
             continue
         name = row["run"]
         label = f"{name.removeprefix('best:')} ({data.get('long_steps', '?')}-step run)" if name.startswith("best:") else name
-        lora = row["kind"] in ("lora", "hf-peft")
-        bars.append(Bar(label, row["tokens_per_s"], row["peak_gib"], "lora" if lora else "full",
-                        baseline=row["kind"] in ("hf", "hf-peft") and not row["options"],
-                        default=row["kind"] in ("full", "lora") and "defaults" in name))
+        group = "lora" if row["kind"] in ("lora", "hf-peft") else "packed" if "packed" in row["kind"] else "full"
+        bars.append(Bar(label, row["tokens_per_s"], row["peak_gib"], group,
+                        baseline=row["kind"] in ("hf", "hf-peft", "hf-packed") and not row["options"],
+                        default=row["kind"] in ("full", "lora", "packed") and "defaults" in name))
     return bars
 
 

@@ -4,6 +4,7 @@
     python bench/speed.py --group lora       # LoRA: HF + PEFT vs the lora tuner with the levers, ~3 min
     python bench/speed.py --group extra      # HF + torch.compile, compile + cuDNN, Liger's kernels
     python bench/speed.py --group defaults   # HF, HF + PEFT and the toolkit with no speed flags only
+    python bench/speed.py --group packed     # packed rows (several samples per row): HF's own packed handling vs flex
     python bench/speed.py                    # all of them (more than one 10-minute device call)
     python bench/speed.py --cases 'hf,local defaults'   # chosen cases (--list shows them)
     python bench/speed.py --tiny             # the same code paths on CPU with a tiny shape
@@ -18,6 +19,14 @@ precision (bf16 compute) and AdamW settings; "long" cases run --long-steps steps
 losses are printed side by side. Peak is ``torch.cuda.max_memory_allocated`` over the timed steps;
 ``syncs`` counts host synchronisations in one extra step (``torch.cuda.set_sync_debug_mode``).
 Results go to $OUT/speed.json after every case (a time limit keeps what finished).
+
+Packed cases ("hf-packed", "local-packed*"): every row holds several samples of random lengths (seq/16 to
+seq/2, the last one cut to fill the row; the same layout in every process), positions restart per sample and
+no token attends across samples. HF's baseline is its own packed handling (transformers 5: position ids that
+restart and no attention mask -> a dense block-causal mask for SDPA; "hf-packed-flex": HF's own BlockMask and
+compiled flex_attention, GPU only). The toolkit runs the same rows with ``--local-packed-attention sdpa-mask``
+(dense mask) and ``flex`` (BlockMask). On CPU (``--tiny``) torch refuses FlexAttention's backward, so the flex
+case lifts that check there and runs the eager reference (a smoke test of the code path, not a speed).
 """
 
 from __future__ import annotations
@@ -61,14 +70,28 @@ CASES = {
     "lora+kernels+fused": ("lora", FUSED, False, "+ Triton kernels and the fused head"),
     "lora+kernels+fused+cudnn": ("lora", {**FUSED, "attention": "cudnn"}, False, "+ cuDNN SDPA attention first"),
     "lora+kernels+fused+compile": ("lora", COMPILED, False, "+ torch.compile of each decoder layer"),
+    "hf-packed": ("hf-packed", {}, False, "HF transformers on packed rows: position ids restart per sample, no mask -> "
+                  "HF builds a dense block-causal mask for SDPA"),
+    "hf-packed-flex": ("hf-packed", {"attn": "flex_attention"}, False, "HF with attn_implementation=flex_attention: "
+                       "its own BlockMask from the position ids, compiled flex_attention (GPU only)"),
+    "local-packed": ("packed", {**OFF, "packed_attention": "sdpa-mask"}, False,
+                     "toolkit local on packed rows, levers off, dense block-causal mask for SDPA"),
+    "local-packed+flex": ("packed", {**OFF, "packed_attention": "flex"}, False,
+                          "toolkit local on packed rows, levers off, FlexAttention with a document BlockMask"),
+    "local-packed+kernels+fused+flex": ("packed", {**FUSED, "packed_attention": "flex"}, False,
+                                        "+ Triton kernels and the fused head"),
+    "local-packed defaults": ("packed", {}, False, "toolkit local on packed rows with no speed flags (on a GPU: "
+                              "flex, Triton kernels, fused head)"),
 }
 GROUPS = {
     "full": ["hf", "local defaults", "local", "local+kernels", "local+kernels+fused", "local+kernels+fused+cudnn",
              "local+kernels+fused+compile", "local+fp8"],
     "lora": ["hf-peft", "lora defaults", "lora", "lora+kernels+fused", "lora+kernels+fused+cudnn", "lora+kernels+fused+compile"],
     "extra": ["hf", "hf-compile", "local+compile+cudnn", "local+liger+fused"],
+    "packed": ["hf-packed", "hf-packed-flex", "local-packed", "local-packed+flex", "local-packed+kernels+fused+flex",
+               "local-packed defaults"],
 }
-GROUPS["all"] = list(dict.fromkeys(GROUPS["full"] + GROUPS["lora"] + GROUPS["extra"]))
+GROUPS["all"] = list(dict.fromkeys(GROUPS["full"] + GROUPS["lora"] + GROUPS["extra"] + GROUPS["packed"]))
 GROUPS["defaults"] = ["hf", "local defaults", "hf-peft", "lora defaults"]  # what a user gets, beside the baselines, ~2 min
 
 
@@ -132,6 +155,31 @@ def token_batches(count: int, batch: int, seq: int, vocab: int) -> list:
             for _ in range(count)]
 
 
+def packed_data(data: list, seed: int = 4321) -> list[dict]:
+    """The same tokens as packed rows: samples of seq/16 to seq/2 tokens, the last one cut to fill its row."""
+    import torch
+    from common import packed_rows
+
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for ids in data:
+        length = ids.shape[1]
+        low, high = max(2, length // 16), max(3, length // 2)
+        layout = []
+        for _ in range(ids.shape[0]):
+            row, left = [], length
+            while left > 0:
+                row.append(min(left, int(torch.randint(low, high + 1, (1,), generator=generator))))
+                left -= row[-1]
+            layout.append(row)
+        batches.append(packed_rows(ids, layout))
+    return batches
+
+
+def tokens_of(item) -> int:
+    return (item["input_ids"] if isinstance(item, dict) else item).numel()
+
+
 def run_timed(step, data: list, warmup: int) -> dict:
     """Run ``step(ids) -> loss`` over ``data``; time all but the first ``warmup`` steps; one extra step counts syncs."""
     import warnings
@@ -148,7 +196,7 @@ def run_timed(step, data: list, warmup: int) -> dict:
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    tokens = sum(ids.numel() for ids in data[warmup:])
+    tokens = sum(tokens_of(item) for item in data[warmup:])
     result = {"tokens_per_s": tokens / seconds, "step_ms": 1000 * seconds / max(1, len(data) - warmup),
               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
               "losses": [float(x) for x in losses], "syncs": None}
@@ -174,7 +222,8 @@ def hf_case(args: argparse.Namespace, model_dir: Path, data: list, options: dict
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").to(device())
+    attn = options.get("attn", "sdpa")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation=attn).to(device())
     model.config.use_cache = False
     if options.get("compile"):
         for layer in model.model.layers:
@@ -182,9 +231,13 @@ def hf_case(args: argparse.Namespace, model_dir: Path, data: list, options: dict
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                                   fused=device().type == "cuda")
 
-    def step(ids):
-        ids = to_device(ids)
-        loss = model(input_ids=ids, labels=ids).loss
+    def step(item):
+        if isinstance(item, dict):  # packed rows, HF's own way: position ids that restart and no attention mask
+            ids, positions = to_device(item["input_ids"]), to_device(item["position_ids"])
+            loss = model(input_ids=ids, position_ids=positions, labels=ids.masked_fill(positions == 0, -100)).loss
+        else:
+            ids = to_device(item)
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -239,11 +292,15 @@ def toolkit_case(args: argparse.Namespace, model_dir: Path, data: list, options:
         raise SystemExit("\n".join(problems))
     engine = strategy.build(load_hf_directory(str(model_dir), model_dir), tuner, loss, recipe)
     engine.set_total_steps(len(data) + 1)
-    batch, length = data[0].shape
+    batch, length = (data[0]["input_ids"] if isinstance(data[0], dict) else data[0]).shape
     ctx = StepContext(label_tokens=batch * (length - 1), sequences=batch, examples=batch)
 
-    def step(ids):
-        return engine.train_step([full_rows(ids)], loss, ctx).loss
+    def step(item):
+        if not isinstance(item, dict):
+            return engine.train_step([full_rows(item)], loss, ctx).loss
+        labels = int((item["labels"] != -100).sum())  # a host tensor: no device synchronisation
+        packed_ctx = StepContext(label_tokens=labels, sequences=item["num_sequences"], examples=item["num_sequences"])
+        return engine.train_step([item], loss, packed_ctx).loss
 
     result = run_timed(step, data, args.warmup)
     result["trainable"] = sum(p.numel() for p in engine.params)
@@ -285,13 +342,37 @@ def worker(args: argparse.Namespace) -> None:
     shape = SHAPE_TINY if args.tiny else SHAPE_1B
     steps = args.long_steps if long_run else args.warmup + args.steps
     data = token_batches(max(steps, args.warmup + 1), args.batch, args.seq, shape["vocab_size"])
-    if kind == "hf":
+    if kind in ("hf-packed", "packed"):
+        data = packed_data(data)
+        problem = cpu_flex(options)
+        if problem:
+            print("RESULT " + json.dumps(finish({"tokens_per_s": float("nan"), "peak_gib": float("nan"), "losses": [],
+                                                 "skipped": problem})), flush=True)
+            return
+    if kind in ("hf", "hf-packed"):
         result = hf_case(args, root / "full", data, options)
     elif kind == "hf-peft":
         result = hf_peft_case(args, root / "lora", data, options)
     else:
         result = toolkit_case(args, root / ("lora" if kind == "lora" else "full"), data, options, "lora" if kind == "lora" else "full")
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def cpu_flex(options: dict) -> str | None:
+    """On CPU: why a FlexAttention case cannot run (HF's compiles flex_attention for a backward torch refuses);
+    for the toolkit's, lift torch's refusal of FlexAttention backward on CPU so --tiny runs its code path eagerly."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    if options.get("attn") == "flex_attention":
+        return "HF's flex_attention trains on a GPU only (torch has no FlexAttention backward on CPU)"
+    if options.get("packed_attention") == "flex":
+        import torch.nn.attention.flex_attention as flex
+
+        flex._validate_device = lambda query, key, value: None
+        print("toolkit bench: CPU FlexAttention backward allowed (eager reference; a code-path check, not a speed)", flush=True)
+    return None
 
 
 # ----------------------------------------------------------------------------- parent side
@@ -371,6 +452,7 @@ def run_case(args: argparse.Namespace, name: str, root: Path, payload: dict) -> 
     row.update(result or {"tokens_per_s": float("nan"), "peak_gib": float("nan"), "failed": True, "losses": []})
     payload["rows"].append(row)
     status = f"{row['tokens_per_s']:.0f} tokens/s, {row['peak_gib']:.1f} GiB" if result else "FAILED"
+    status = f"skipped: {row['skipped']}" if row.get("skipped") else status
     print(f"[{name}] {status} ({row['wall_s']} s){chr(10) + notes if notes else ''}", flush=True)
     write_json(payload)
 
@@ -394,12 +476,12 @@ def summarize(payload: dict) -> None:
     rows = payload["rows"]
     title = f"{payload['shape']}, batch {payload['batch']} x seq {payload['seq']}, {rows[0].get('device', '?') if rows else ''}"
     report(title, rows, "speed_rows.json")
-    baselines = {"hf": next((r for r in rows if r["run"] == "hf" and not r.get("failed")), None),
-                 "lora": next((r for r in rows if r["run"] == "hf-peft" and not r.get("failed")), None)}
+    baselines = {name: next((r for r in rows if r["run"] == run and not r.get("failed")), None)
+                 for name, run in (("hf", "hf"), ("lora", "hf-peft"), ("packed", "hf-packed"))}
     print(f"\n{'case':30s} {'tokens/s':>10s} {'step ms':>8s} {'GiB':>6s} {'speed-up':>9s} {'memory':>7s} {'syncs':>6s}")
     for row in rows:
-        base = baselines["lora" if row["kind"] in ("hf-peft", "lora") else "hf"]
-        if row.get("failed") or base is None:
+        base = baselines["lora" if row["kind"] in ("hf-peft", "lora") else "packed" if "packed" in row["kind"] else "hf"]
+        if row.get("failed") or row.get("skipped") or base is None:
             ratio = memory = "-"
         else:
             ratio = f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}x"

@@ -6,8 +6,11 @@ Installed with ``toolkit``, so every test session in that environment gets these
 - ``cli_runner``: runs ``toolkit ...`` in-process exactly as the console script does
 - ``tiny_model_factory(family, **overrides)``: a tiny HF model of an embedded preset (no hub)
 - ``run_distributed(target, nproc=2, args=())``: real ``torch.distributed`` (gloo) processes
+- ``cpu_flex_backward``: FlexAttention backward allowed on CPU (to compare packed-row gradients);
+  ``flex_calls``: the attention calls that ran through FlexAttention
 
-and helpers usable outside fixtures: :func:`run_distributed`, :func:`write_plugin_distribution`.
+and helpers usable outside fixtures: :func:`run_distributed`, :func:`write_plugin_distribution`,
+:func:`packed_batch`.
 Importing this module is cheap (no torch), because pytest loads it in every session.
 """
 
@@ -174,6 +177,57 @@ def tiny_model_factory(tmp_path: Path) -> TinyModels:
     ``.directory(...)`` (an HF dir on disk) and ``.tokenizer()``."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     return TinyModels(tmp_path / "tiny-models")
+
+
+def packed_batch(rows: list[list[int]], length: int, vocab: int, pad: int = 3, seed: int = 0) -> dict[str, Any]:
+    """A micro-batch (the engine's contract) of random samples: ``rows[r]`` lists the sample lengths packed
+    into row ``r`` (the rest is padding), e.g. ``[[7, 9, 5], [24], [15]]`` with ``length=24``: a packed row
+    with padding, a plain row, a padded row. Labels are next tokens within each sample."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    shape = (len(rows), length)
+    ids, labels = torch.full(shape, pad), torch.full(shape, -100)
+    positions, sequence_ids = torch.zeros(shape, dtype=torch.long), torch.full(shape, -1)
+    count = 0
+    for r, lengths in enumerate(rows):
+        offset = 0
+        for n in lengths:
+            sample = torch.randint(4, vocab, (n,), generator=generator)
+            ids[r, offset:offset + n] = sample
+            labels[r, offset:offset + n - 1] = sample[1:]
+            positions[r, offset:offset + n] = torch.arange(n)
+            sequence_ids[r, offset:offset + n] = count
+            count, offset = count + 1, offset + n
+    return {"input_ids": ids, "labels": labels, "position_ids": positions, "sequence_ids": sequence_ids,
+            "sequence_meta": {"example_ids": torch.arange(count), "roles": torch.zeros(count, dtype=torch.long)},
+            "num_sequences": count}
+
+
+@pytest.fixture
+def cpu_flex_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lift torch's refusal of FlexAttention backward on CPU (a device check in ``flex_attention``; the eager
+    reference it runs is device-agnostic), so gradients through ``--local-packed-attention flex`` can be
+    compared with masked SDPA on CPU. The engine refuses ``flex`` on CPU without it."""
+    import torch.nn.attention.flex_attention as flex
+
+    monkeypatch.setattr(flex, "_validate_device", lambda query, key, value: None)
+
+
+@pytest.fixture
+def flex_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """A list that grows by the device type at every attention call that runs through FlexAttention."""
+    from toolkit.train import attention
+
+    calls: list[str] = []
+    kernel = attention._flex_kernel
+
+    def counting(device_type: str) -> Any:
+        calls.append(device_type)
+        return kernel(device_type)
+
+    monkeypatch.setattr(attention, "_flex_kernel", counting)
+    return calls
 
 
 # ----------------------------------------------------------------------------- distributed

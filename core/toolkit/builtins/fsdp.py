@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from toolkit.builtins.strategies import LocalEngine, LocalStrategy, autocast_dtype, load_hf_model
 from toolkit.config import option
@@ -16,6 +16,9 @@ class FSDPConfig:
     reshard_after_forward: bool = option(True, help="Free gathered parameters after forward (ZeRO-3-like); false keeps them (ZeRO-2-like).")
     cpu_offload: bool = option(False, help="Keep sharded parameters and optimizer state in CPU memory.")
     mixed_precision: bool = option(True, help="With --precision bf16: bf16 compute copies, fp32 sharded master weights and fp32 gradient reduction.")
+    packed_attention: Literal["auto", "flex", "sdpa-mask"] = option(
+        "auto", help="Rows holding several samples: flex (FlexAttention, block-causal BlockMask), sdpa-mask (dense mask "
+        "for HF's sdpa attention) or auto (flex on a CUDA device when it can run, else sdpa-mask); as --local-packed-attention.")
 
 
 def decoder_layers(model: Any) -> list[Any]:
@@ -37,7 +40,7 @@ class FSDPEngine(LocalEngine):
         import torch
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-        from toolkit.train import logps
+        from toolkit.train import attention, logps
         from toolkit.train.distributed import init_world
         from toolkit.train.optim import build_optimizer
 
@@ -46,6 +49,8 @@ class FSDPEngine(LocalEngine):
         self.device = self.world.device
         self.recipe, self.tuner, self.source, self.config = recipe, tuner, source, config
         self.model = load_hf_model(source, tuner, recipe, self.device)
+        self.packed_attention = attention.apply_packed_attention(config.packed_attention, self.model, self.device,
+                                                                 "--fsdp-packed-attention")
         self.shard_options: dict[str, Any] = {"reshard_after_forward": config.reshard_after_forward}
         if config.cpu_offload:
             self.shard_options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
@@ -55,7 +60,8 @@ class FSDPEngine(LocalEngine):
         self._ensure_group()
         # a frozen reference (DPO with full/freeze tuning) is copied before the policy is sharded, then sharded too
         self.reference = self._build_reference(loss) if getattr(loss, "needs_reference", False) else None
-        self.module = self._shard(logps.CausalLMLogps(self.model, None if self.use_policy else autocast_dtype(recipe.precision)))
+        compute_autocast = None if self.use_policy else autocast_dtype(recipe.precision)
+        self.module = self._shard(logps.CausalLMLogps(self.model, compute_autocast, self.packed_attention))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, recipe, getattr(tuner, "optimizer_factory", None))
         self.scheduler = None

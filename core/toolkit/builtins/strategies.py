@@ -42,6 +42,12 @@ class LocalConfig:
     attention: Literal["auto", "cudnn", "flash", "efficient"] = option(
         "auto", help="The torch SDPA kernel to try first for HF's sdpa attention: auto (torch's own order), cudnn, "
         "flash or efficient; inputs a kernel cannot take fall through to the next one.")
+    packed_attention: Literal["auto", "flex", "sdpa-mask"] = option(
+        "auto", help="Rows holding several samples (--packing, or padded rows): flex (FlexAttention with a "
+        "block-causal BlockMask built from the sequence ids: the compiled kernel skips masked blocks), sdpa-mask (a "
+        "dense [B,1,T,T] boolean mask for HF's sdpa attention: no flash/cuDNN kernel) or auto (the default: flex on a "
+        "CUDA device when torch has FlexAttention and the model runs sdpa attention, else sdpa-mask). A micro-batch "
+        "whose rows each hold one unpadded sample always takes is_causal SDPA.")
     fp8: bool = option(
         False, help="float8 training of the decoder's linear layers (torchao, dynamic tensorwise scaling; output head "
         "excluded): Hopper/Ada GPUs, full or freeze tuner. Best with --local-compile.")
@@ -117,6 +123,8 @@ class LocalEngine:
     """The unwrapped :class:`~toolkit.train.logps.CausalLMLogps` (``None`` in subclasses: no fused loss there)."""
     fused_loss: bool = False
     attention: str = "auto"
+    packed_attention: str = "sdpa-mask"
+    """Resolved ``--local-packed-attention``: ``flex`` or ``sdpa-mask`` (what every CausalLMLogps of the engine uses)."""
     kernel_ops: Any = None
     compile_pending: bool = False
     shards: dict[int, Any] = {}
@@ -126,7 +134,7 @@ class LocalEngine:
     def __init__(self, source: Any, tuner: Any, loss: Any, recipe: Any, config: LocalConfig):
         import torch
 
-        from toolkit.train import logps, speed
+        from toolkit.train import attention, logps, speed
         from toolkit.train.distributed import init_world
         from toolkit.train.optim import MasterWeights, build_optimizer, cast_float_parameters
         from toolkit.train.sharded import shard_of, sharded_names
@@ -139,6 +147,8 @@ class LocalEngine:
         logps.RECOMPUTE_LOGITS = config.recompute_logits
         self.model = load_hf_model(source, tuner, recipe, self.device)
         self.kernel_ops, self.compile_pending = speed.apply_speed_options(self.model, config, self.device)
+        self.packed_attention = attention.apply_packed_attention(config.packed_attention, self.model, self.device,
+                                                                 "--local-packed-attention")
         self.master = None
         compute_autocast = autocast_dtype(recipe.precision)
         self.bf16_scheme = config.bf16_scheme() if recipe.precision == "bf16" else None
@@ -147,10 +157,10 @@ class LocalEngine:
         if self.bf16_scheme in ("master", "pure"):  # pure: AdamW updates the bf16 parameters, its states are bf16 too
             cast_float_parameters(self.model, torch.bfloat16)
             compute_autocast = None
-        self.module = self.logps_module = logps.CausalLMLogps(self.model, compute_autocast)
+        self.module = self.logps_module = logps.CausalLMLogps(self.model, compute_autocast, self.packed_attention)
         self.fused_loss, self.attention = speed.resolve_fused_loss(config.fused_loss, self.device), config.attention
         if self.is_main:
-            speed.report_levers(config, self.kernel_ops, self.fused_loss, loss)
+            speed.report_levers(config, self.kernel_ops, self.fused_loss, loss, self.packed_attention)
         self.shard_names = sharded_names(self.model)
         if self.world.distributed:
             # sharded parameters (experts split over ranks) hold different slices per rank: DDP must not average them
@@ -179,7 +189,7 @@ class LocalEngine:
         if hasattr(self.tuner, "disabled_adapters"):
             return None  # the policy with adapters disabled is the reference: no second copy
         frozen = copy.deepcopy(self.model).eval().requires_grad_(False)
-        return CausalLMLogps(frozen, autocast_dtype(self.recipe.precision))
+        return CausalLMLogps(frozen, autocast_dtype(self.recipe.precision), self.packed_attention)
 
     def release_reference(self) -> None:
         """Free the frozen reference once every example carries precomputed reference log-probs."""
@@ -202,7 +212,8 @@ class LocalEngine:
             else:
                 context = self.tuner.disabled_adapters(self.model) if hasattr(self.tuner, "disabled_adapters") else contextlib.nullcontext()
                 with context:
-                    out = token_logps(CausalLMLogps(self.model, autocast_dtype(self.recipe.precision)), micro_batch, self.device)
+                    policy = CausalLMLogps(self.model, autocast_dtype(self.recipe.precision), self.packed_attention)
+                    out = token_logps(policy, micro_batch, self.device)
         return out.sequence_sums().detach()
 
     # ------------------------------------------------------------------ stepping

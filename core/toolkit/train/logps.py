@@ -27,14 +27,20 @@ def plain_causal(sequence_ids: torch.Tensor) -> bool:
     return bool((sequence_ids == sequence_ids[:, :1]).all()) and bool((sequence_ids >= 0).all())
 
 
-def attention_mask_for(sequence_ids: torch.Tensor, plain: bool | None = None) -> torch.Tensor | None:
+def attention_mask_for(sequence_ids: torch.Tensor, plain: bool | None = None, packed: str = "sdpa-mask") -> Any:
     """Block-causal boolean mask ``[B, 1, T, T]`` from sequence ids; ``None`` when plain causal suffices.
 
     Padding positions (-1) attend only to themselves so no row of the softmax is empty. ``plain``:
-    the answer of :func:`plain_causal` when the caller already knows it.
+    the answer of :func:`plain_causal` when the caller already knows it. ``packed="flex"``: the same
+    pattern as a FlexAttention ``BlockMask`` (:mod:`toolkit.train.attention`; the model must run its
+    attention implementation), for rows that are not plain.
     """
     if plain if plain is not None else plain_causal(sequence_ids):
         return None
+    if packed == "flex":
+        from toolkit.train.attention import document_block_mask
+
+        return document_block_mask(sequence_ids)
     length = sequence_ids.shape[1]
     same = sequence_ids[:, :, None] == sequence_ids[:, None, :]
     causal = torch.ones(length, length, dtype=torch.bool, device=sequence_ids.device).tril()
@@ -184,11 +190,15 @@ class CausalLMLogps(nn.Module):
     fused_ops: Any = None
     """A kernel backend while the engine runs a loss with a uniform token gradient: the head's gradients are
     made in forward (:mod:`toolkit.train.fused_head`); ``None``: the plain chunked path."""
+    packed_attention: str = "sdpa-mask"
+    """How rows holding several sequences attend: ``sdpa-mask`` (a dense mask for HF's attention) or ``flex``
+    (a FlexAttention ``BlockMask``; the model was switched by :func:`toolkit.train.attention.use_flex`)."""
 
-    def __init__(self, model: nn.Module, autocast_dtype: torch.dtype | None = None):
+    def __init__(self, model: nn.Module, autocast_dtype: torch.dtype | None = None, packed_attention: str = "sdpa-mask"):
         super().__init__()
         self.model = model
         self.autocast_dtype = autocast_dtype
+        self.packed_attention = packed_attention
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
                 sequence_ids: torch.Tensor, label_index: torch.Tensor | None = None,
@@ -210,7 +220,8 @@ class CausalLMLogps(nn.Module):
             if patched_aux is None and getattr(inner.config, "output_router_logits", None) is not None and hasattr(inner.config, "router_aux_loss_coef"):
                 kwargs["output_router_logits"] = True
             out = decoder(input_ids=input_ids, position_ids=position_ids,
-                          attention_mask=attention_mask_for(sequence_ids, plain), use_cache=False, **kwargs)
+                          attention_mask=attention_mask_for(sequence_ids, plain, self.packed_attention),
+                          use_cache=False, **kwargs)
             hidden = out.last_hidden_state
             if label_index is None:
                 label_index = (labels != IGNORE_INDEX).flatten().nonzero().squeeze(1)
@@ -227,7 +238,8 @@ class CausalLMLogps(nn.Module):
         enabled = self.autocast_dtype is not None
         with torch.autocast(device_type=input_ids.device.type, dtype=self.autocast_dtype or torch.bfloat16, enabled=enabled):
             hidden = decoder(input_ids=input_ids, position_ids=position_ids,
-                             attention_mask=attention_mask_for(sequence_ids), use_cache=False).last_hidden_state
+                             attention_mask=attention_mask_for(sequence_ids, None, self.packed_attention),
+                             use_cache=False).last_hidden_state
         flat = sequence_ids.flatten()
         valid = flat >= 0
         positions = torch.arange(flat.numel(), device=flat.device)

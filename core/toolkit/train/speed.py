@@ -55,7 +55,7 @@ def resolve_fused_loss(choice: Any, device: Any) -> bool:
     return bool(choice)
 
 
-def report_levers(config: Any, kernel_ops: Any, fused_loss: bool, loss: Any) -> None:
+def report_levers(config: Any, kernel_ops: Any, fused_loss: bool, loss: Any, packed_attention: str = "sdpa-mask") -> None:
     """One stderr line naming the speed levers that are on (nothing when none is, as on CPU by default)."""
     on = []
     if kernel_ops is not None:
@@ -68,6 +68,8 @@ def report_levers(config: Any, kernel_ops: Any, fused_loss: bool, loss: Any) -> 
     on += [flag for flag, active in (("compile", config.compile), ("fp8", config.fp8)) if active]
     if config.attention != "auto":
         on.append(f"attention {config.attention} first")
+    if packed_attention == "flex":
+        on.append("packed rows through FlexAttention" + (" (auto)" if config.packed_attention == "auto" else ""))
     if on:
         off = [flag for flag, active in (("--local-compile", config.compile), ("--local-fp8", config.fp8)) if not active]
         print(f"toolkit: local engine speed levers: {', '.join(on)}" + (f"; off: {', '.join(off)}" if off else "")
