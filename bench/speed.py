@@ -81,7 +81,7 @@ CASES = {
     "local-packed+kernels+fused+flex": ("packed", {**FUSED, "packed_attention": "flex"}, False,
                                         "+ Triton kernels and the fused head"),
     "local-packed defaults": ("packed", {}, False, "toolkit local on packed rows with no speed flags (on a GPU: "
-                              "flex, Triton kernels, fused head)"),
+                              "Triton kernels, fused head, dense mask until flex is the default)"),
 }
 GROUPS = {
     "full": ["hf", "local defaults", "local", "local+kernels", "local+kernels+fused", "local+kernels+fused+cudnn",
