@@ -4,12 +4,13 @@ For each layout: build the Megatron model, stream the HF weights in, compare ful
 the HF model, and (TP2, PP2) export back to HF safetensors for a bit-exact comparison.
 """
 
-import json
 import os
 import sys
 
 import torch
 import torch.distributed as dist
+
+from conftest import finish_worker
 
 
 def main() -> None:
@@ -64,13 +65,7 @@ def main() -> None:
         dist.all_gather_object(gathered, entry)
         results[name] = {k: v for e in gathered for k, v in e.items()}
         dist.barrier()
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    finish_worker(results, out_path)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,12 @@
    sequential experts from the same HF weights: logits (also against HF), input and weight gradients.
 """
 
-import json
-import os
 import sys
 
 import torch
 import torch.distributed as dist
+
+from conftest import finish_worker
 
 
 def max_diff(a, b) -> float:
@@ -129,13 +129,7 @@ def main() -> None:
     hf_dir, out_path, layouts = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
     dist.init_process_group("gloo")
     results = {"module": module_checks(), "model": model_checks(hf_dir, layouts)}
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    finish_worker(results, out_path)
 
 
 if __name__ == "__main__":

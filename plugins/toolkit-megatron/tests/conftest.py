@@ -71,3 +71,17 @@ def run_worker(script: str, tmp_path: Path, *args: str) -> dict:
     out = tmp_path / "result.json"
     torchrun(script, *args[:1], str(out), *args[1:])
     return json.loads(out.read_text())
+
+
+def finish_worker(results: dict, out_path: str) -> None:
+    """A torchrun worker's end: rank 0 writes ``results`` as JSON, every rank tears the group down and
+    leaves without interpreter shutdown (gloo's exit-abort trap, notes/cpu-stack.md)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
