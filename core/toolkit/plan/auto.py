@@ -80,8 +80,13 @@ def local_speed(recipe: Any) -> dict:
     local = recipe.section("local") if hasattr(recipe, "section") else {}
     kernels = str(local.get("kernels", "auto") or "auto")
     fused = local.get("fused_loss", "auto")
-    return {"kernels": "triton" if kernels == "auto" else kernels,
+    return {"kernels": planned_kernels(kernels),
             "fused_loss": (fused == "auto" or bool(fused)) and _uniform_loss(getattr(recipe, "loss", "sft"))}
+
+
+def planned_kernels(choice: str) -> str:
+    """``--local-kernels`` as it resolves on the GPU being planned for: ``auto`` is ``triton``."""
+    return "triton" if choice == "auto" else choice
 
 
 def _uniform_loss(name: str) -> bool:

@@ -43,6 +43,8 @@ def plan_command(model: str, gpus: int, nodes: int, gpu_kind: str, gpu_memory: s
     """
     import json
 
+    from toolkit.builtins.strategies import LocalConfig
+    from toolkit.plan.auto import planned_kernels
     from toolkit.plan.hardware import make_cluster
     from toolkit.plan.memory import Workload
     from toolkit.plan.model import load_shape
@@ -50,12 +52,13 @@ def plan_command(model: str, gpus: int, nodes: int, gpu_kind: str, gpu_memory: s
     from toolkit.plan.search import plan
 
     cluster = make_cluster(gpus, nodes, gpu_memory, gpu_kind)
+    # the engine's own rule: --local-bf16-mode, else the older --local-master-weights
+    scheme = LocalConfig(bf16_mode=local_bf16_mode, master_weights=local_master_weights).bf16_scheme()
     workload = Workload(seq_len=seq_len, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
                         tuner=tuner, lora_rank=lora_rank,
-                        master_weights=local_master_weights if local_bf16_mode is None else local_bf16_mode == "master",
-                        pure_bf16=local_bf16_mode == "pure",
+                        master_weights=scheme == "master", pure_bf16=scheme == "pure",
                         recompute_logits=local_recompute_logits, logps_chunk_tokens=local_logps_chunk_tokens,
-                        kernels="triton" if local_kernels == "auto" else local_kernels, fused_loss=local_fused_loss)
+                        kernels=planned_kernels(local_kernels), fused_loss=local_fused_loss)
     chosen = tuple(s.strip() for s in strategies.split(",") if s.strip())
     result = plan(load_shape(model), cluster, workload, chosen)
     click.echo(json.dumps(to_json(result, top), indent=2) if as_json else render(result, top))
