@@ -69,3 +69,24 @@ def test_a_dead_or_hung_rank_ends_the_job_and_is_named(tmp_path, launch, failure
     assert "Last collective on this rank: " in err and "Traceback" not in err.split("toolkit: error:")[0][-2000:]
     if failure == "hang":  # the hung rank ends itself too, naming what it was doing
         assert f"toolkit: error: rank {bad_rank}: step {step} made no progress for {TIMEOUT + 5}s" in err, err[-3000:]
+
+
+@pytest.mark.parametrize("message", [
+    "Application timeout caused pair closure",  # gloo, waiting in the autograd engine's reduction (CI, 2026-12-01)
+    "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234",
+    "Timed out waiting 6000ms for recv operation to complete",
+    "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 6000ms for recv",
+    "Socket Timeout",
+])
+def test_gloo_peer_failures_are_recognised(message):
+    from toolkit.train.distributed import is_collective_failure
+
+    assert is_collective_failure(RuntimeError(message))
+
+
+@pytest.mark.parametrize("error", [RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)"),
+                                   ValueError("Application timeout caused pair closure")])
+def test_other_errors_are_not_taken_for_a_lost_peer(error):
+    from toolkit.train.distributed import is_collective_failure
+
+    assert not is_collective_failure(error)

@@ -254,7 +254,9 @@ def is_collective_failure(exc: BaseException) -> bool:
 
     if isinstance(exc, dist.DistError):
         return True
-    text = str(exc)
+    text = str(exc).lower()
+    # Gloo words a peer's timeout differently depending on where it waited ("Timed out waiting ...",
+    # "Application timeout caused pair closure", "Socket Timeout"), so match the words, not whole messages.
     return isinstance(exc, RuntimeError) and any(
-        marker in text for marker in ("Connection closed by peer", "Connection reset by peer", "Timed out waiting",
-                                      "timed out", "Broken pipe", "NCCL communicator was aborted", "Socket Timeout"))
+        marker in text for marker in ("connection closed by peer", "connection reset by peer", "timed out", "timeout",
+                                      "pair closure", "broken pipe", "nccl communicator was aborted"))
