@@ -79,7 +79,7 @@ def test_bytes_per_parameter_follow_each_strategy():
     local = memory(LLAMA1B, Layout("local"))  # --precision bf16: bf16 params + fp32 master
     assert (local.weights, local.master, local.gradients, local.optimizer) == (2 * params, 4 * params, 4 * params, 8 * params)
     assert local.weight_copies == 0  # no autocast copies
-    autocast = memory(LLAMA1B, Layout("local"), replace(WORK, master_weights=False))
+    autocast = memory(LLAMA1B, Layout("local"), replace(WORK, bf16_mode="autocast"))
     assert (autocast.weights, autocast.master, autocast.gradients, autocast.optimizer) == (4 * params, 0, 4 * params, 8 * params)
     assert autocast.weight_copies == 2 * params
     mega = memory(LLAMA1B, Layout("megatron"))
@@ -109,7 +109,7 @@ def test_recompute_keeps_only_layer_inputs():
     one_layer = plain.activations / layers
     assert again.activations == pytest.approx(layers * tokens * 2 * hidden + one_layer)  # bf16 layer inputs
     assert again.activations < plain.activations / 5
-    autocast = memory(LLAMA1B, Layout("local", recompute=True), replace(WORK, master_weights=False))
+    autocast = memory(LLAMA1B, Layout("local", recompute=True), replace(WORK, bf16_mode="autocast"))
     fp32_layer = autocast.activations_without_recompute / layers
     assert autocast.activations == pytest.approx(layers * tokens * 4 * hidden + fp32_layer)  # fp32 residual
 
@@ -136,7 +136,7 @@ def test_master_weights_add_eight_bytes_per_param_at_the_optimizer_step():
     # DDP buckets hold gradients in the parameter dtype: bf16 with master weights, fp32 under autocast.
     ddp = memory(LLAMA1B, Layout("local", dp=2), micro_batches=1)
     assert ddp.buffers - one.buffers == 2 * params
-    autocast = replace(WORK, master_weights=False)
+    autocast = replace(WORK, bf16_mode="autocast")
     assert (memory(LLAMA1B, Layout("local", dp=2), autocast, 1).buffers
             - memory(LLAMA1B, Layout("local"), autocast, 1).buffers) == 4 * params
 
@@ -146,15 +146,13 @@ def test_auto_reads_the_local_engine_precision_options():
     from toolkit.recipe import resolve_recipe
 
     default = resolve_recipe({"model": "m", "precision": "bf16"}, source="test")
-    assert local_precision(default) == {"master_weights": True, "pure_bf16": False, "logps_chunk_tokens": 2048,
-                                        "recompute_logits": False}
+    assert local_precision(default) == {"bf16_mode": "master", "logps_chunk_tokens": 2048, "recompute_logits": False}
     custom = resolve_recipe({"model": "m", "precision": "bf16", "local": {"master_weights": False, "logps_chunk_tokens": 512,
                                                                           "recompute_logits": True}}, source="test")
-    assert local_precision(custom) == {"master_weights": False, "pure_bf16": False, "logps_chunk_tokens": 512,
-                                       "recompute_logits": True}
-    assert local_precision(resolve_recipe({"model": "m", "precision": "fp32"}, source="test"))["master_weights"] is False
+    assert local_precision(custom) == {"bf16_mode": "autocast", "logps_chunk_tokens": 512, "recompute_logits": True}
+    assert local_precision(resolve_recipe({"model": "m", "precision": "fp32"}, source="test"))["bf16_mode"] == "autocast"
     pure = resolve_recipe({"model": "m", "precision": "bf16", "local": {"bf16_mode": "pure"}}, source="test")
-    assert local_precision(pure)["pure_bf16"] and not local_precision(pure)["master_weights"]
+    assert local_precision(pure)["bf16_mode"] == "pure"
     autocast = resolve_recipe({"model": "m", "precision": "bf16", "local": {"bf16_mode": "autocast"}}, source="test")
     assert local_precision(autocast) == local_precision(custom) | {"logps_chunk_tokens": 2048, "recompute_logits": False}
 
@@ -164,15 +162,15 @@ def test_pure_bf16_halves_the_optimizer_step_and_drops_the_masters():
     from toolkit.plan.hardware import make_cluster
     from toolkit.plan.timing import step_time
 
-    pure = memory(LLAMA1B, Layout("local"), replace(WORK, pure_bf16=True))
+    pure = memory(LLAMA1B, Layout("local"), replace(WORK, bf16_mode="pure"))
     params = LLAMA1B.total_params
     assert (pure.weights, pure.master, pure.gradients, pure.optimizer) == (2 * params, 0, 2 * params, 4 * params)
     master = memory(LLAMA1B, Layout("local"), WORK)
     assert pure.total < master.total and pure.forward_backward_peak < master.forward_backward_peak
     assert pure.activations == master.activations  # bf16 residual stream in both
     cluster = make_cluster(1, 1, None, "h200")
-    timing = {w: step_time(LLAMA1B, Layout("local"), w, cluster, 64) for w in (WORK, replace(WORK, pure_bf16=True))}
-    assert timing[replace(WORK, pure_bf16=True)].optimizer < 0.5 * timing[WORK].optimizer
+    timing = {w: step_time(LLAMA1B, Layout("local"), w, cluster, 64) for w in (WORK, replace(WORK, bf16_mode="pure"))}
+    assert timing[replace(WORK, bf16_mode="pure")].optimizer < 0.5 * timing[WORK].optimizer
 
 
 def test_kept_chunk_logits_grow_with_the_micro_batch():
@@ -209,7 +207,7 @@ def test_lora_trains_only_adapters_and_qlora_quantises_the_base():
     # The local engine casts the adapters to bf16 too and keeps their fp32 masters (+ master grads).
     assert lora.weights == pytest.approx(2 * LLAMA1B.total_params + 2 * adapters)
     assert lora.master == lora.gradients == pytest.approx(4 * adapters)
-    fp32_adapters = memory(LLAMA1B, Layout("local"), replace(WORK, tuner="lora", master_weights=False))
+    fp32_adapters = memory(LLAMA1B, Layout("local"), replace(WORK, tuner="lora", bf16_mode="autocast"))
     assert fp32_adapters.weights == pytest.approx(2 * LLAMA1B.total_params + 4 * adapters) and fp32_adapters.master == 0
     assert qlora.weights < lora.weights / 3
 

@@ -38,7 +38,7 @@ def test_full_finetune_activations_match_autograd(seq_len):
     ids = torch.randint(0, CONFIG["vocab_size"], (batch, seq_len))
     measured = saved_activation_bytes(model, lambda: hf_loss(model, ids), CONFIG["vocab_size"])
     shape = shape_from_config(config.to_dict())
-    workload = Workload(seq_len=seq_len, micro_batch_size=batch, master_weights=False)  # fp32 under autocast
+    workload = Workload(seq_len=seq_len, micro_batch_size=batch, bf16_mode="autocast")  # fp32 under autocast
     predicted = activation_bytes_per_token_layer(shape, Layout("local"), workload) * shape.layers * batch * seq_len
     assert predicted == pytest.approx(measured, rel=0.08)
 
@@ -111,8 +111,8 @@ def test_chunk_logits_memory_matches_the_cpu_allocator(recompute_logits, tmp_pat
     assert estimate.total == pytest.approx(measured, rel=0.08)
 
 
-@pytest.mark.parametrize("tuner,master_weights", [("full", True), ("full", False), ("lora", True)])
-def test_fused_loss_memory_matches_the_cpu_allocator(tuner, master_weights, tmp_path):
+@pytest.mark.parametrize("tuner,bf16_mode", [("full", "master"), ("full", "autocast"), ("lora", "master")])
+def test_fused_loss_memory_matches_the_cpu_allocator(tuner, bf16_mode, tmp_path):
     """--local-fused-loss (the engine's default on a GPU) with the torch reference ops: the head's
     gradients made in forward, one chunk's logits with an fp32 copy and log-softmax at a time, nothing
     of vocabulary size kept for backward; bf16 parameters with fp32 masters, fp32 parameters under
@@ -125,12 +125,12 @@ def test_fused_loss_memory_matches_the_cpu_allocator(tuner, master_weights, tmp_
         pytest.importorskip("toolkit_peft")
     seq_len, chunk = 512, 128
     engine, _, step = local_engine(LOGITS_CONFIG, tmp_path / "model", tuner=tuner, seq_len=seq_len, chunk_tokens=chunk,
-                                   master_weights=master_weights, fused_loss=True)
+                                   bf16_mode=bf16_mode, fused_loss=True)
     step()
     assert engine.fused_loss and engine.kernel_ops is None  # the fused head on the torch reference ops
     measured = cpu_peak_bytes(step, engine_allocated_bytes(engine))
     shape = shape_from_config(LOGITS_CONFIG)
-    workload = Workload(seq_len=seq_len, logps_chunk_tokens=chunk, tuner=tuner, master_weights=master_weights,
+    workload = Workload(seq_len=seq_len, logps_chunk_tokens=chunk, tuner=tuner, bf16_mode=bf16_mode,
                         fused_loss=True)
     estimate = layout_memory(shape, Layout("local"), workload, micro_batches=1)
     estimate.buffers = 0.0
@@ -165,7 +165,7 @@ def test_pure_bf16_peak_memory_matches_the_cpu_allocator(micro_batches, tmp_path
     assert all(t.dtype == torch.bfloat16 for s in engine.optimizer.state.values() for t in s.values() if t.dim())
     measured = cpu_peak_bytes(step, engine_allocated_bytes(engine))
     shape = shape_from_config(CONFIG)
-    workload = Workload(seq_len=seq_len, micro_batch_size=1, pure_bf16=True)
+    workload = Workload(seq_len=seq_len, micro_batch_size=1, bf16_mode="pure")
     estimate = layout_memory(shape, Layout("local"), workload, micro_batches=micro_batches)
     estimate.buffers = 0.0
     estimate.optimizer_step_temp = max(estimate.optimizer_step_temp, cpu_optimizer_temp(shape, "full", state_bytes=2.0))

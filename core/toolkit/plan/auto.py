@@ -68,7 +68,7 @@ def local_precision(recipe: Any) -> dict:
     local = recipe.section("local") if hasattr(recipe, "section") else {}
     bf16 = getattr(recipe, "precision", "bf16") == "bf16"
     scheme = LocalConfig(bf16_mode=local.get("bf16_mode"), master_weights=local.get("master_weights")).bf16_scheme()
-    return {"master_weights": bf16 and scheme == "master", "pure_bf16": bf16 and scheme == "pure",
+    return {"bf16_mode": scheme if bf16 else "autocast",
             "logps_chunk_tokens": int(local.get("logps_chunk_tokens", 2048) or 2048),
             "recompute_logits": bool(local.get("recompute_logits", False))}
 

@@ -56,7 +56,7 @@ def plan_command(model: str, gpus: int, nodes: int, gpu_kind: str, gpu_memory: s
     scheme = LocalConfig(bf16_mode=local_bf16_mode, master_weights=local_master_weights).bf16_scheme()
     workload = Workload(seq_len=seq_len, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
                         tuner=tuner, lora_rank=lora_rank,
-                        master_weights=scheme == "master", pure_bf16=scheme == "pure",
+                        bf16_mode=scheme,
                         recompute_logits=local_recompute_logits, logps_chunk_tokens=local_logps_chunk_tokens,
                         kernels=planned_kernels(local_kernels), fused_loss=local_fused_loss)
     chosen = tuple(s.strip() for s in strategies.split(",") if s.strip())

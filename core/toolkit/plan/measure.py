@@ -78,7 +78,7 @@ def allocated_bytes(model: Any, optimizer: Any) -> int:
 
 
 def local_engine(config: dict, directory: Any, *, tuner: str = "full", seq_len: int, micro_batch_size: int = 1,
-                 recompute: bool = False, precision: str = "bf16", master_weights: bool = True, bf16_mode: str | None = None,
+                 recompute: bool = False, precision: str = "bf16", bf16_mode: str = "master",
                  lora_rank: int = 16, chunk_tokens: int = 2048, recompute_logits: bool = False,
                  micro_batches: int = 1, fused_loss: bool = False, kernels: str = "none") -> tuple[Any, Any, Callable[[], Any]]:
     """The ``local`` engine on a randomly initialised HF model of ``config`` (saved to ``directory``)
@@ -106,7 +106,7 @@ def local_engine(config: dict, directory: Any, *, tuner: str = "full", seq_len: 
         del model
     values = {"model": str(directory), "tuner": tuner, "loss": "sft", "precision": precision, "seq_len": seq_len,
               "micro_batch_size": micro_batch_size, "lr": 1e-5, "max_grad_norm": 1.0, "gradient_checkpointing": recompute,
-              "local": {"bf16_mode": bf16_mode or ("master" if master_weights else "autocast"), "logps_chunk_tokens": chunk_tokens,
+              "local": {"bf16_mode": bf16_mode, "logps_chunk_tokens": chunk_tokens,
                         "recompute_logits": recompute_logits, "fused_loss": fused_loss, "kernels": kernels}}
     if tuner != "full":
         values[tuner] = {"rank": lora_rank, "alpha": 2.0 * lora_rank}

@@ -2,14 +2,14 @@
 
 Bytes per parameter follow each strategy's real precision scheme (docs/plan.md has the table):
 
-- ``local`` (``--precision bf16``, ``LocalConfig.master_weights`` on, the default): bf16 parameters
+- ``local`` (``--precision bf16``, ``Workload.bf16_mode`` ``master``, the default): bf16 parameters
   (2), fp32 master weights (4), fp32 master gradients (4, accumulated after every micro-batch, so
   they exist during forward/backward only from the second micro-batch of a step on) and fp32 AdamW
   m, v (8); bf16 parameter gradients exist only between a backward pass and the accumulation
   (the head's gradient already at the loss-time peak). Fused AdamW makes no full-size temporary.
-- ``local`` with ``master_weights`` off, and ``fsdp``: fp32 parameters under bf16 autocast, fp32
+- ``local`` in ``autocast`` mode, and ``fsdp``: fp32 parameters under bf16 autocast, fp32
   AdamW (4 + 4 + 8); autocast keeps a bf16 copy of every matmul weight until the backward pass.
-- ``local`` with ``pure_bf16`` (``--local-bf16-mode pure``): bf16 parameters, bf16 gradients
+- ``local`` in ``pure`` mode (``--local-bf16-mode pure``): bf16 parameters, bf16 gradients
   (accumulated in place, so they exist during forward/backward only from the second micro-batch on)
   and bf16 AdamW m, v (2 + 2 + 4); no master copy. Fused AdamW updates them in place.
 - ``deepspeed``: bf16 parameters and gradients, fp32 master + AdamW states (2 + 2 + 12), sharded by
@@ -28,6 +28,7 @@ Korthikanti et al. (2022) for Megatron-Core with sequence parallelism, assuming 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from toolkit.plan.hardware import GIB, Cluster
 from toolkit.plan.model import ModelShape
@@ -51,12 +52,10 @@ class Workload:
     global_batch_size: int = 0
     tuner: str = "full"
     lora_rank: int = 16
-    master_weights: bool = True
-    """``local``: bf16 parameters + fp32 master weights (``--precision bf16``); False: fp32 parameters
-    under bf16 autocast (``--local-bf16-mode autocast``)."""
-    pure_bf16: bool = False
-    """``local``: bf16 parameters, gradients and AdamW states, no fp32 copy (``--local-bf16-mode pure``);
-    takes precedence over ``master_weights``."""
+    bf16_mode: Literal["master", "autocast", "pure"] = "master"
+    """``local`` (``--local-bf16-mode``): ``master`` bf16 parameters + fp32 master weights (the
+    ``--precision bf16`` default); ``autocast`` fp32 parameters under bf16 autocast (also what
+    ``--precision fp32`` is planned as); ``pure`` bf16 parameters, gradients and AdamW states, no fp32 copy."""
     logps_chunk_tokens: int = 2048
     """Tokens per chunk of the label log-probs (``--local-logps-chunk-tokens``)."""
     recompute_logits: bool = False
@@ -183,28 +182,26 @@ class MemoryBreakdown:
 
 def uses_master_weights(layout: Layout, workload: Workload) -> bool:
     """The local engine's ``--precision bf16`` scheme: bf16 parameters, fp32 master weights."""
-    return layout.strategy == "local" and workload.master_weights and not workload.pure_bf16
+    return layout.strategy == "local" and workload.bf16_mode == "master"
 
 
 def uses_pure_bf16(layout: Layout, workload: Workload) -> bool:
     """The local engine's ``--local-bf16-mode pure``: bf16 parameters, gradients and AdamW states only."""
-    return layout.strategy == "local" and workload.pure_bf16
+    return layout.strategy == "local" and workload.bf16_mode == "pure"
 
 
 def fp32_autocast(layout: Layout, workload: Workload) -> bool:
     """fp32 parameters under bf16 autocast: fp32 residual stream and bf16 weight copies (full tuning)."""
-    return (layout.strategy == "local" and not workload.master_weights and not workload.pure_bf16
-            and workload.tuner == "full")
+    return layout.strategy == "local" and workload.bf16_mode == "autocast" and workload.tuner == "full"
 
 
-def bytes_per_param(layout: Layout, tuner: str, master_weights: bool = True,
-                    pure_bf16: bool = False) -> tuple[float, float, float, float]:
+def bytes_per_param(layout: Layout, tuner: str, bf16_mode: str = "master") -> tuple[float, float, float, float]:
     """(weight, fp32 master, gradient, optimizer) bytes per *trainable* parameter for the strategy.
 
     ``gradient`` is what persists until the optimizer step (fp32 master gradients on ``local``)."""
-    if layout.strategy == "local" and pure_bf16:
+    if layout.strategy == "local" and bf16_mode == "pure":
         return 2.0, 0.0, 2.0, 4.0  # bf16 param, bf16 grad, bf16 m + v
-    if layout.strategy == "local" and master_weights:
+    if layout.strategy == "local" and bf16_mode == "master":
         return 2.0, 4.0, 4.0, 8.0  # bf16 param, fp32 master, fp32 master grad, fp32 m + v
     if tuner != "full":
         return 4.0, 0.0, 4.0, 8.0  # fp32 adapters
@@ -326,7 +323,7 @@ def fused_loss_bytes(shape: ModelShape, workload: Workload, tokens: int, chunk: 
     if workload.tuner != "full":  # frozen head: no weight gradient
         return inputs + max(per_chunk, inputs)
     head = shape.vocab * shape.hidden
-    if workload.master_weights:
+    if workload.bf16_mode != "autocast":
         return max(inputs + per_chunk, 2 * head + 2 * inputs)
     return max(4 * head + inputs + per_chunk, 4 * head + inputs + 6 * head, 8 * head + 2 * inputs)
 
@@ -365,7 +362,7 @@ def stage_memory(shape: ModelShape, layout: Layout, workload: Workload, micro_ba
     dense, expert = params_on_stage(shape, layout, first, last)
     params = dense + expert
     master = uses_master_weights(layout, workload)
-    w_bytes, m_bytes, g_bytes, o_bytes = bytes_per_param(layout, tuner, workload.master_weights, workload.pure_bf16)
+    w_bytes, m_bytes, g_bytes, o_bytes = bytes_per_param(layout, tuner, workload.bf16_mode)
     out = MemoryBreakdown(stage=("only stage" if first and last else "first stage" if first else "last stage"))
     dp_dense, dp_expert = layout.dp, (layout.expert_dp if layout.strategy == "megatron" else layout.dp)
 

@@ -207,9 +207,9 @@ def step_time(shape: ModelShape, layout: Layout, workload: Workload, cluster: Cl
     sharded = trainable / (layout.dp if layout.zero >= 1 else 1)
     if layout.offload:
         out.optimizer = sharded / CPU_ADAM_PARAMS_PER_S + sharded * 4.0 / PCIE_BANDWIDTH
-    elif layout.strategy == "local" and workload.pure_bf16:
+    elif layout.strategy == "local" and workload.bf16_mode == "pure":
         out.optimizer = sharded * PURE_BF16_STEP_BYTES_PER_PARAM / cluster.gpu.hbm_bandwidth
-    elif layout.strategy == "local" and workload.master_weights:
+    elif layout.strategy == "local" and workload.bf16_mode == "master":
         moved = MASTER_STEP_BYTES_PER_PARAM + ACCUMULATE_BYTES_PER_PARAM * micro_batches
         out.optimizer = sharded * moved / cluster.gpu.hbm_bandwidth
     else:
