@@ -4,7 +4,9 @@ Each tensor-parallel rank holds logits for ``V/tp`` vocabulary entries; the log-
 normaliser and the label's logit are reduced over the TP group (Megatron's
 ``reduce_from_tensor_model_parallel_region``: all-reduce forward, identity backward), so the
 full-vocabulary logits never exist on one rank. Padded vocabulary rows are masked out. The
-default kernel never makes a full-size fp32 copy of the logits (:class:`VocabParallelLogps`).
+default kernel never makes a full-size fp32 copy of the logits (:class:`VocabParallelLogps`). With the
+fused head (:mod:`toolkit_megatron.fused_head`) the model hands over its final hidden states instead
+and no logits exist beyond one chunk of tokens.
 """
 
 from __future__ import annotations
@@ -172,17 +174,26 @@ class _GatherCP(torch.autograd.Function):
         return grad[:, ctx.mine], None
 
 
-def make_loss_func(loss: Any, ctx: StepContext, kernel: LogpsKernel = "chunked") -> Any:
-    """Megatron's ``loss_func`` for one micro-batch: logits shard -> TokenLogps -> the core Loss."""
+def make_loss_func(loss: Any, ctx: StepContext, kernel: LogpsKernel = "chunked", fused_head: Any = None) -> Any:
+    """Megatron's ``loss_func`` for one micro-batch: logits shard -> TokenLogps -> the core Loss.
+
+    ``fused_head``: an active :class:`~toolkit_megatron.fused_head.OutputHeadSwitch` (the model returns
+    the final hidden states, not logits) and its kernel ops, ``(switch, ops)``; the label log-probs of
+    the trained positions (``label_index``, from :func:`prepare_micro_batches`) go through the fused
+    head. Only for a loss with a uniform token gradient.
+    """
     from megatron.core import parallel_state as ps
 
     from toolkit_megatron.schedule import cp_slice
 
-    def loss_func(micro: dict, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    def loss_func(micro: dict, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         labels = micro["labels"]
         mask = labels != IGNORE_INDEX
         local_labels = cp_slice(labels.clamp(min=0))
-        logps = vocab_parallel_logps(logits, local_labels, micro["real_vocab"], kernel)
+        if fused_head is None:
+            logps = vocab_parallel_logps(output, local_labels, micro["real_vocab"], kernel)
+        else:
+            logps = _fused_logps(output, local_labels, micro, *fused_head)
         if ps.get_context_parallel_world_size() > 1:
             logps = _GatherCP.apply(logps, labels.shape[1])
         logps = logps * mask
@@ -191,9 +202,21 @@ def make_loss_func(loss: Any, ctx: StepContext, kernel: LogpsKernel = "chunked")
                          sequence_meta=meta, reference_logps=meta.get("reference_logps"))
         result = loss(out, ctx)
         reported = {"loss": result.loss.detach(), **{k: v.detach() for k, v in result.metrics.items()}}
-        return result.loss, torch.tensor(1, dtype=torch.int, device=logits.device), reported
+        return result.loss, torch.tensor(1, dtype=torch.int, device=output.device), reported
 
     return loss_func
+
+
+def _fused_logps(hidden: torch.Tensor, local_labels: torch.Tensor, micro: dict, switch: Any, ops: Any) -> torch.Tensor:
+    """``[B, T/cp]`` fp32 log-probs from the hidden states ``[B, T/cp, H]``: the trained positions through the
+    fused head, zeros elsewhere (masked out after the CP gather, as on the logits path)."""
+    from toolkit_megatron.fused_head import fused_label_logps
+
+    index = micro["label_index"]
+    rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
+    picked = fused_label_logps(rows, local_labels.reshape(-1).index_select(0, index), switch.weight, micro["real_vocab"], ops)
+    logps = torch.zeros(local_labels.numel(), dtype=torch.float32, device=hidden.device)
+    return logps.index_copy(0, index, picked).view(local_labels.shape)
 
 
 def _plain_causal(position_ids: torch.Tensor, sequence_ids: torch.Tensor) -> bool:
@@ -206,8 +229,14 @@ def _plain_causal(position_ids: torch.Tensor, sequence_ids: torch.Tensor) -> boo
 
 
 def prepare_micro_batches(micro_batches: list[dict], layout: Any, real_vocab: int, device: torch.device,
-                          longest: int | None = None) -> list[dict]:
-    """Pad every micro-batch to one length (at least ``longest``) that splits over CP/SP, and attach the attention meta."""
+                          longest: int | None = None, label_positions: bool = False) -> list[dict]:
+    """Pad every micro-batch to one length (at least ``longest``) that splits over CP/SP, and attach the attention meta.
+
+    ``label_positions``: also ``label_index``, the flat positions of the trained labels in this CP rank's
+    ``[B, T/cp]`` slice (for the fused head), found on the host so the device is never waited for.
+    """
+    from toolkit_megatron.schedule import cp_slice
+
     multiple = (2 * layout.context if layout.context > 1 else 1) * (layout.tensor if layout.sequence_parallel else 1)
     longest = max(longest or 0, *(mb["input_ids"].shape[1] for mb in micro_batches))
     length = -(-longest // multiple) * multiple
@@ -218,6 +247,8 @@ def prepare_micro_batches(micro_batches: list[dict], layout: Any, real_vocab: in
                   for k, v in (("input_ids", 0), ("labels", IGNORE_INDEX), ("position_ids", 0), ("sequence_ids", -1))}
         plain = _plain_causal(padded["position_ids"].cpu(), padded["sequence_ids"].cpu())
         micro = {**mb, **padded, "meta": None if plain else torch.stack([padded["position_ids"], padded["sequence_ids"]])}
+        if label_positions:
+            micro["label_index"] = (cp_slice(padded["labels"].cpu()) != IGNORE_INDEX).flatten().nonzero().squeeze(1)
         prepared.append({**_to(micro, device), "real_vocab": real_vocab})
     return prepared
 

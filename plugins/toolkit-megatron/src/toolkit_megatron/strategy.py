@@ -14,7 +14,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, NamedTuple
 
 from toolkit.config import option
 from toolkit.contracts import StepContext, StepResult
@@ -44,28 +44,54 @@ class MegatronConfig:
         "auto", help="RMSNorm through the toolkit's fused kernels (toolkit.train.kernels): triton, torch (the "
                      "reference ops), auto (triton on a GPU with Triton, else Megatron-side torch ops), none.")
     overlap_grad_reduce: bool = option(False, help="Overlap the data-parallel gradient reduction with backward (Megatron DDP buckets).")
+    fused_loss: bool | Literal["auto"] = option(
+        "auto", help="Losses that give every label log-prob the same gradient (pt, sft): the last stage's output layer "
+                     "hands over the final hidden states and the label log-probs and the head's input and weight "
+                     "gradients are made in forward a chunk of tokens at a time (vocabulary-parallel under TP), so the "
+                     "[tokens, V/tp] logits never exist. auto (the default): on a GPU only; true/false "
+                     "(--megatron-fused-loss / --no-megatron-fused-loss) force it. Other losses keep the logits path.")
 
 
-def _speed_levers(config: MegatronConfig, device: Any) -> tuple[bool, str, Any]:
-    """``(compile_elementwise, logps_kernel, kernel_ops)`` with ``auto`` resolved for ``device``: the
-    compiled pieces and the Triton kernels on a GPU, the eager ops elsewhere (CPU runs unchanged).
-    Says on stderr (main rank) which levers are on."""
+class SpeedLevers(NamedTuple):
+    compile_elementwise: bool
+    logps_kernel: str
+    kernel_ops: Any
+    fused_loss: bool
+    """The fused output head (:mod:`toolkit_megatron.fused_head`): on, and the loss declares a uniform token gradient."""
+
+
+def _speed_levers(config: MegatronConfig, device: Any, loss: Any = None) -> SpeedLevers:
+    """The speed levers with ``auto`` resolved for ``device``: the compiled pieces, the Triton kernels and
+    the fused head on a GPU, the eager ops elsewhere (CPU runs unchanged). The fused head also needs a
+    ``loss`` that declares a uniform token gradient (pt, sft); forced on for another loss, it is off with
+    a note. Says on stderr (main rank) which levers are on."""
     import sys
 
     import torch
 
     from toolkit.train.kernels import load_ops
+    from toolkit.train.speed import declares_uniform_gradient, resolve_fused_loss
 
     gpu = device.type == "cuda"
     compile_elementwise = gpu if config.compile_elementwise == "auto" else bool(config.compile_elementwise)
     logps_kernel = ("compiled" if gpu else "chunked") if config.logps_kernel == "auto" else config.logps_kernel
     kernel_ops = load_ops(config.kernels, flag="--megatron-kernels")
+    fused_loss = resolve_fused_loss(config.fused_loss, device)
+    main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    if fused_loss and not declares_uniform_gradient(loss):
+        if config.fused_loss is True and main:
+            name = getattr(loss, "name", type(loss).__name__)
+            print(f"toolkit: --megatron-fused-loss is off for the {name} loss: it does not give every token the same "
+                  "gradient (the logits path serves it)", file=sys.stderr)
+        fused_loss = False
     on = [name for name, active in (("compiled elementwise ops", compile_elementwise),
                                     (f"{logps_kernel} log-probs", logps_kernel != "chunked"),
-                                    (f"RMSNorm kernels {getattr(kernel_ops, 'name', '')}", kernel_ops is not None)) if active]
-    if on and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+                                    (f"RMSNorm kernels {getattr(kernel_ops, 'name', '')}", kernel_ops is not None),
+                                    ("fused output head" + (" (auto)" if config.fused_loss == "auto" else ""), fused_loss))
+          if active]
+    if on and main:
         print(f"toolkit: megatron speed levers: {', '.join(on)}", file=sys.stderr)
-    return compile_elementwise, logps_kernel, kernel_ops
+    return SpeedLevers(compile_elementwise, logps_kernel, kernel_ops, fused_loss)
 
 
 class MegatronStrategy:
@@ -152,7 +178,7 @@ class MegatronEngine:
             overrides.update(router_options(source.config, config.moe_aux_loss_coeff, config.moe_z_loss_coeff, config.moe_dispatcher))
         if recipe.gradient_checkpointing:
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-        compile_elementwise, self.logps_kernel, kernel_ops = _speed_levers(config, self.device)
+        compile_elementwise, self.logps_kernel, kernel_ops, fused_loss = _speed_levers(config, self.device, loss)
         if compile_elementwise:
             overrides["bias_activation_fusion"] = True
         chunks = build_model(source.config, self.layout, dtype=self.dtype, attention=config.attention,
@@ -171,6 +197,11 @@ class MegatronEngine:
             if recipe.expert_tensor_parallel != recipe.tensor_parallel:
                 mark_expert_parameters(chunks)
         self.chunks = chunks
+        self.fused_head: tuple[list[Any], Any] | None = None
+        if fused_loss:
+            from toolkit_megatron.fused_head import install_output_switches
+
+            self.fused_head = (install_output_switches(chunks), kernel_ops)
         self.models, self.optimizer = self._wrap(chunks)
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_world_size = ps.get_data_parallel_world_size()
@@ -235,7 +266,9 @@ class MegatronEngine:
         if self.moe:  # one length on every rank: the allgather dispatcher gathers equal token counts
             local = max(mb["input_ids"].shape[1] for mb in micro_batches)
             longest = self.all_reduce_max(local)
-        batches = prepare_micro_batches(micro_batches, self.layout, self.source.config.vocab_size, self.device, longest)
+        fused = self._fused_head_for(loss, forward_only)
+        batches = prepare_micro_batches(micro_batches, self.layout, self.source.config.vocab_size, self.device, longest,
+                                        label_positions=fused is not None)
         router = contextlib.nullcontext()
         share = 1.0 / (len(batches) * ps.get_data_parallel_world_size())  # router losses: mean over forwards
         if self.moe:
@@ -243,9 +276,9 @@ class MegatronEngine:
 
             batches = with_padding_masks(batches, self.layout)
             router = router_loss_scale(share)
-        with router:
-            collected = run_schedule(self.models, batches, make_loss_func(loss, ctx, self.logps_kernel),
-                                     forward_only=forward_only, fp32_logits=self.logps_kernel == "reference")
+        with router, self._switched(fused):
+            collected = run_schedule(self.models, batches, make_loss_func(loss, ctx, self.logps_kernel, fused),
+                                     forward_only=forward_only, fp32_logits=self.logps_kernel == "reference" and not fused)
         counted = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0 \
             and ps.get_context_parallel_rank() == 0
         keys = sorted({k for item in collected for k in item}) if counted else []
@@ -263,6 +296,30 @@ class MegatronEngine:
             names = sorted(router_metrics)
             totals.update(zip(names, self.all_reduce_sum([router_metrics[n] for n in names])))
         return totals.pop("loss", 0.0), totals
+
+    def _fused_head_for(self, loss: Any, forward_only: bool) -> tuple[Any, Any] | None:
+        """``(switch, kernel ops)`` when this run's label log-probs go through the fused head: it is on, this
+        rank holds the output layer, gradients are wanted and ``loss`` gives every token the same gradient
+        (evaluation and the reference pass take the logits path)."""
+        import torch
+
+        from toolkit.train.speed import declares_uniform_gradient
+
+        if self.fused_head is None or forward_only or not torch.is_grad_enabled() or not declares_uniform_gradient(loss):
+            return None
+        switches, ops = self.fused_head
+        return (switches[0], ops) if switches else None
+
+    @contextlib.contextmanager
+    def _switched(self, fused: tuple[Any, Any] | None) -> Iterator[None]:
+        switch = fused[0] if fused is not None else None
+        if switch is not None:
+            switch.active = True
+        try:
+            yield
+        finally:
+            if switch is not None:
+                switch.active, switch.weight = False, None
 
     def train_step(self, micro_batches: list[dict], loss: Any, ctx: StepContext) -> StepResult:
         from toolkit_megatron.compat import cpu_compat

@@ -1,0 +1,175 @@
+"""The fused output head at the last pipeline stage: label log-probs from the final hidden states, with the
+head's input and weight gradients made in forward, so the ``[tokens, V/tp]`` logits never exist whole.
+
+Only for losses that give every label log-prob the same gradient (``pt``/``sft`` declare
+``uniform_token_gradient``): the weight gradient is summed over tokens in forward and backward scales
+it by the mean incoming gradient (see :mod:`toolkit.train.fused_head`, the ``local`` engine's lever).
+:class:`OutputHeadSwitch` makes the model chunk's ``output_layer`` return its (TP-mapped) input instead
+of logits; :func:`fused_label_logps` takes them through the core's ``FusedLinearLogps`` at TP=1, or
+:class:`VocabParallelFusedLogps` (one collective per chunk of tokens) under tensor parallelism.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+FUSED_CHUNK_TOKENS = 2048
+"""Tokens per chunk of the fused head: one ``[chunk, V/tp]`` logits block (plus its fp32 softmax) at a time."""
+
+
+class OutputHeadSwitch:
+    """Replaces the ``forward`` of a last-stage ``GPTModel.output_layer`` (a ``ColumnParallelLinear``).
+
+    While :attr:`active`, the layer returns its input after Megatron's own tensor-parallel mapping (what
+    the layer applies before its GEMM): ``gather_from_sequence_parallel_region`` under sequence
+    parallelism (backward: reduce-scatter of the partial input gradients), otherwise
+    ``copy_to_tensor_model_parallel_region`` (backward: all-reduce). ``GPTModel`` then transposes it to
+    ``[b, s, h]`` as it does logits. The weight Megatron passes (the word embeddings when tied, at the
+    first stage of a tied model or with PP=1) is kept in :attr:`weight` for the loss function.
+    Inactive, the layer is Megatron's own.
+    """
+
+    def __init__(self, layer: Any):
+        self.layer, self.original = layer, layer.forward
+        self.active = False
+        self.weight: torch.Tensor | None = None
+        layer.forward = self.forward
+
+    def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None,
+                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+        if not self.active:
+            return self.original(input_, weight=weight, runtime_gather_output=runtime_gather_output)
+        from megatron.core.tensor_parallel.mappings import (
+            copy_to_tensor_model_parallel_region,
+            gather_from_sequence_parallel_region,
+        )
+
+        layer = self.layer
+        self.weight = layer.weight if weight is None else weight
+        if layer.tp_group.size() > 1:
+            if layer.sequence_parallel:
+                input_ = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=layer.tp_group)
+            else:
+                input_ = copy_to_tensor_model_parallel_region(input_, group=layer.tp_group)
+        return input_, None
+
+
+def install_output_switches(chunks: list[Any]) -> list[OutputHeadSwitch]:
+    """One :class:`OutputHeadSwitch` per model chunk of this rank that holds the output layer."""
+    return [OutputHeadSwitch(chunk.output_layer) for chunk in chunks if getattr(chunk, "post_process", False)]
+
+
+class TorchShardOps:
+    """The per-chunk math of :class:`VocabParallelFusedLogps` on one vocabulary shard, in torch.
+
+    A kernel backend (Triton) can replace it with the same two functions.
+    """
+
+    name = "torch"
+
+    @staticmethod
+    def shard_stats(logits: torch.Tensor, index: torch.Tensor, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 log-sum-exp of each row of ``logits [c, valid]`` and the label's logit where this shard holds it (else 0)."""
+        from toolkit_megatron.logps import _chunk_lse
+
+        lse = _chunk_lse(logits, logits.shape[1])
+        if logits.shape[1] == 0:
+            return lse, torch.zeros_like(lse)
+        label = logits.gather(1, index[:, None]).squeeze(1).float()
+        return lse, torch.where(local, label, 0.0)
+
+    @staticmethod
+    def shard_direction(logits: torch.Tensor, lse: torch.Tensor, index: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """``onehot(label) - softmax`` over this shard (fp32 math, ``lse`` global), in the logits' dtype."""
+        direction = torch.sub(logits, lse[:, None]).exp_().neg_()  # promotes to fp32 while subtracting
+        if logits.shape[1]:
+            direction.scatter_add_(1, index[:, None], local.to(direction.dtype)[:, None])
+        return direction.to(logits.dtype)
+
+
+class VocabParallelFusedLogps(torch.autograd.Function):
+    """``log p(labels)`` for TP-replicated ``hidden [N, H]`` through this rank's vocabulary shard ``weight [V/tp, H]``.
+
+    Per chunk of tokens: local logits ``[c, valid]`` in the compute dtype (padded vocabulary rows left
+    out), fp32 local log-sum-exp and label logit, one all-gather of both over TP (global log-sum-exp;
+    only the owning rank has a nonzero label logit), then ``direction = onehot - softmax`` on this
+    shard, this shard's part of the input gradient ``direction @ w`` (the TP mapping's backward sums the
+    parts) and its weight gradient ``direction^T h``. Backward only scales: the input gradient per token,
+    the weight gradient by the mean incoming gradient (exact for a uniform token gradient).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, start: int, real_vocab: int,
+                group: Any, chunk: int, ops: Any) -> torch.Tensor:
+        rows, shard = hidden.shape[0], weight.shape[0]
+        valid = max(0, min(shard, real_vocab - start))
+        with torch.no_grad():
+            w = weight[:valid].to(hidden.dtype)
+            local = (labels >= start) & (labels < start + valid)
+            index = (labels - start).clamp(0, max(valid - 1, 0))
+            picked = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+            grad_hidden = torch.empty_like(hidden)
+            grad_weight = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device) if weight.requires_grad else None
+            for begin in range(0, rows, chunk):
+                end = min(begin + chunk, rows)
+                h = hidden[begin:end]
+                logits = h @ w.t()
+                lse, label = ops.shard_stats(logits, index[begin:end], local[begin:end])
+                if group is not None:
+                    lse, label = _combine_over_tp(lse, label, group)
+                picked[begin:end] = label - lse
+                direction = ops.shard_direction(logits, lse, index[begin:end], local[begin:end])
+                del logits
+                torch.mm(direction, w, out=grad_hidden[begin:end])
+                if grad_weight is not None:
+                    if grad_weight.dtype == direction.dtype:
+                        grad_weight[:valid].addmm_(direction.t(), h)
+                    else:
+                        grad_weight[:valid] += (direction.t() @ h).to(grad_weight.dtype)
+                del direction
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return picked
+
+    @staticmethod
+    def backward(ctx: Any, grad_picked: torch.Tensor) -> tuple[Any, ...]:
+        grad_hidden, grad_weight = ctx.saved_tensors
+        d_hidden = d_weight = None
+        if ctx.needs_input_grad[0]:
+            d_hidden = grad_picked[:, None].to(grad_hidden.dtype) * grad_hidden
+        if ctx.needs_input_grad[2] and grad_weight is not None:
+            mean = grad_picked.sum() / max(grad_picked.numel(), 1)  # no rows: a zero gradient, not 0/0
+            d_weight = grad_weight * mean.to(grad_weight.dtype)
+        return d_hidden, None, d_weight, None, None, None, None, None
+
+
+def _combine_over_tp(lse: torch.Tensor, label: torch.Tensor, group: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global log-sum-exp and label logit from every TP rank's local ones: one all-gather of ``[2, c]``."""
+    mine = torch.stack([lse, label])
+    parts = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(parts, mine, group=group)
+    gathered = torch.stack(parts)
+    return torch.logsumexp(gathered[:, 0], dim=0), gathered[:, 1].sum(dim=0)
+
+
+def fused_label_logps(hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, real_vocab: int,
+                      kernel_ops: Any = None, chunk: int = FUSED_CHUNK_TOKENS) -> torch.Tensor:
+    """fp32 ``log p(labels)`` of ``hidden [N, H]`` (TP-mapped) through the output ``weight`` shard, gradients made in forward.
+
+    TP=1: :class:`toolkit.train.fused_head.FusedLinearLogps` with ``kernel_ops`` (a
+    :mod:`toolkit.train.kernels` backend; the torch reference ops when ``None``). Under TP, or with no
+    rows (the core function's mean of no gradients would be 0/0): :class:`VocabParallelFusedLogps`.
+    """
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp == 1 and hidden.shape[0] > 0:
+        from toolkit.train.fused_head import FusedLinearLogps
+        from toolkit.train.kernels.reference import TorchOps
+
+        head = weight if real_vocab == weight.shape[0] else weight[:real_vocab]
+        return FusedLinearLogps.apply(hidden, labels, head, chunk, kernel_ops or TorchOps)
+    start = ps.get_tensor_model_parallel_rank() * weight.shape[0]
+    group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+    return VocabParallelFusedLogps.apply(hidden, labels, weight, start, real_vocab, group, chunk, TorchShardOps)
