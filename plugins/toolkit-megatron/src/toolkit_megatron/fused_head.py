@@ -22,11 +22,10 @@ FUSED_CHUNK_TOKENS = 2048
 class OutputHeadSwitch:
     """Replaces the ``forward`` of a last-stage ``GPTModel.output_layer`` (a ``ColumnParallelLinear``).
 
-    While :attr:`active`, the layer returns its input after Megatron's own tensor-parallel mapping (what
-    the layer applies before its GEMM): ``gather_from_sequence_parallel_region`` under sequence
-    parallelism (backward: reduce-scatter of the partial input gradients), otherwise
-    ``copy_to_tensor_model_parallel_region`` (backward: all-reduce). ``GPTModel`` then transposes it to
-    ``[b, s, h]`` as it does logits. The weight Megatron passes (the word embeddings when tied, at the
+    While :attr:`active`, the layer returns its input after the tensor-parallel mapping the layer applies
+    before its GEMM: Megatron's ``gather_from_sequence_parallel_region`` under sequence parallelism
+    (backward: reduce-scatter of the partial input gradients), otherwise :class:`_CopyToTensorParallel`
+    (backward: all-reduce). ``GPTModel`` then transposes it to ``[b, s, h]`` as it does logits. The weight Megatron passes (the word embeddings when tied, at the
     first stage of a tied model or with PP=1) is kept in :attr:`weight` for the loss function.
     Inactive, the layer is Megatron's own.
     """
@@ -41,10 +40,7 @@ class OutputHeadSwitch:
                 runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
         if not self.active:
             return self.original(input_, weight=weight, runtime_gather_output=runtime_gather_output)
-        from megatron.core.tensor_parallel.mappings import (
-            copy_to_tensor_model_parallel_region,
-            gather_from_sequence_parallel_region,
-        )
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
         layer = self.layer
         self.weight = layer.weight if weight is None else weight
@@ -52,8 +48,29 @@ class OutputHeadSwitch:
             if layer.sequence_parallel:
                 input_ = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=layer.tp_group)
             else:
-                input_ = copy_to_tensor_model_parallel_region(input_, group=layer.tp_group)
+                input_ = _CopyToTensorParallel.apply(input_, layer.tp_group)
         return input_, None
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Megatron's ``copy_to_tensor_model_parallel_region`` (identity forward, all-reduce backward) for any gradient layout.
+
+    megatron-core 0.16's ``_reduce`` all-reduces ``grad.contiguous()`` and returns ``grad``: for the
+    transposed (non-contiguous) gradient that ``GPTModel``'s ``[s, b, h] -> [b, s, h]`` sends back, the
+    sum lands in a temporary and is lost. Its own output layer never meets that (its GEMM's backward
+    all-reduces a fresh tensor).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, input_: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return input_
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 def install_output_switches(chunks: list[Any]) -> list[OutputHeadSwitch]:
