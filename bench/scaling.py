@@ -66,11 +66,14 @@ TINY_SHAPES = {
 DENSE_LAYOUTS = {1: ["tp1"], 2: ["tp2", "dp2", "pp2"], 4: ["tp4", "tp2xdp2", "tp2xpp2"], 8: ["tp8", "tp2xpp2xdp2", "tp4xpp2"]}
 MOE_LAYOUTS = {1: ["tp1"], 2: ["ep2"], 4: ["ep4"], 8: ["ep8"]}
 SPEED_VARIANTS = {  # issue 12: engine options measured against each other and the HF baseline (1.24B, 1 GPU)
-    "speed-default": {},  # the engine's defaults: on a GPU compiled log-probs and elementwise ops + Triton RMSNorm
+    # the engine's defaults: on a GPU the fused output head (sft), compiled elementwise ops + Triton RMSNorm
+    "speed-default": {},
+    "speed-unfused": {"fused_loss": False},  # the defaults but the logits path (compiled log-probs): the fused head's lever
     "speed-before": {"logps_kernel": "reference", "fused_adam": False, "foreach_clipping": False,
-                     "compile_elementwise": False, "kernels": "none"},
-    "speed-chunked": {"logps_kernel": "chunked", "compile_elementwise": False, "kernels": "none"},  # defaults until 2026-11-30
-    "speed-compiled": {"logps_kernel": "compiled", "compile_elementwise": True, "kernels": "none"},
+                     "compile_elementwise": False, "kernels": "none", "fused_loss": False},
+    "speed-chunked": {"logps_kernel": "chunked", "compile_elementwise": False, "kernels": "none",  # defaults until 2026-11-30
+                      "fused_loss": False},
+    "speed-compiled": {"logps_kernel": "compiled", "compile_elementwise": True, "kernels": "none", "fused_loss": False},
 }
 
 

@@ -148,7 +148,7 @@ def test_speed_levers_resolve_per_device():
     from toolkit_megatron.strategy import MegatronConfig, _speed_levers
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    assert _speed_levers(MegatronConfig(kernels="none"), cpu) == (False, "chunked", None)
+    assert _speed_levers(MegatronConfig(kernels="none"), cpu) == (False, "chunked", None, False)
     assert _speed_levers(MegatronConfig(kernels="none"), gpu)[:2] == (True, "compiled")
     assert _speed_levers(MegatronConfig(kernels="none", compile_elementwise=False, logps_kernel="reference"), gpu)[:2] == (
         False, "reference")
