@@ -481,9 +481,26 @@ def test_auto_plans_the_engine_levers_as_they_resolve_on_a_gpu():
     from toolkit.plan.auto import local_speed
     from toolkit.recipe import resolve_recipe
 
-    assert local_speed(resolve_recipe({"model": "m"}, source="test")) == {"kernels": "triton", "fused_loss": True}
+    assert local_speed(resolve_recipe({"model": "m"}, source="test")) == {"kernels": "triton", "fused_loss": True,
+                                                                           "megatron_fused_loss": True}
     off = resolve_recipe({"model": "m", "local": {"kernels": "none", "fused_loss": False}}, source="test")
-    assert local_speed(off) == {"kernels": "none", "fused_loss": False}
+    assert local_speed(off) == {"kernels": "none", "fused_loss": False, "megatron_fused_loss": True}
     dpo_like = resolve_recipe({"model": "m"}, source="test")
     object.__setattr__(dpo_like, "loss", "no-such-loss")  # unknown or non-uniform losses keep the chunked head
-    assert local_speed(dpo_like)["fused_loss"] is False
+    assert local_speed(dpo_like)["fused_loss"] is False and local_speed(dpo_like)["megatron_fused_loss"] is False
+
+
+def test_megatron_fused_head_replaces_the_logits_of_the_last_stage():
+    """--megatron-fused-loss: one chunk of the vocabulary shard instead of every token's logits shard."""
+    tokens, chunk, v, h = WORK.micro_batch_tokens, 2048, LLAMA1B.vocab, LLAMA1B.hidden
+    fused = replace(WORK, megatron_fused_loss=True)
+    tp2 = Layout("megatron", tp=2)
+    assert memory(LLAMA1B, tp2).logits == 10 * v / 2 * tokens
+    assert memory(LLAMA1B, tp2, fused).logits == max(4 * h * tokens + 8 * v / 2 * chunk + 2 * v / 2 * h,
+                                                     6 * h * tokens + 4 * v / 2 * h)
+    assert memory(LLAMA1B, tp2, fused).logits < memory(LLAMA1B, tp2).logits
+    longer = replace(fused, seq_len=4 * WORK.seq_len)  # grows with hidden x tokens, not vocabulary x tokens
+    assert memory(LLAMA1B, tp2, longer).logits - memory(LLAMA1B, tp2, fused).logits <= 6 * h * 3 * tokens
+    assert memory(LLAMA1B, Layout("local"), fused).logits == memory(LLAMA1B, Layout("local")).logits  # megatron only
+    lora = memory(LLAMA1B, Layout("megatron"), replace(fused, tuner="lora")).logits  # TP1, torch ops, frozen head
+    assert lora == 4 * h * tokens + max(10 * v * chunk, 2 * h * tokens)

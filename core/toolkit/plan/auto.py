@@ -74,14 +74,17 @@ def local_precision(recipe: Any) -> dict:
 
 
 def local_speed(recipe: Any) -> dict:
-    """The ``local`` engine's speed levers as they resolve on a GPU, as Workload fields: ``auto`` kernels are
-    Triton, the ``auto`` fused loss is on; either way the fused head serves only a loss that declares a
-    uniform token gradient (pt, sft)."""
+    """The ``local`` engine's speed levers (and the megatron engine's fused head) as they resolve on a GPU, as
+    Workload fields: ``auto`` kernels are Triton, the ``auto`` fused losses are on; either way a fused head
+    serves only a loss that declares a uniform token gradient (pt, sft)."""
     local = recipe.section("local") if hasattr(recipe, "section") else {}
+    megatron = recipe.section("megatron") if hasattr(recipe, "section") else {}
     kernels = str(local.get("kernels", "auto") or "auto")
-    fused = local.get("fused_loss", "auto")
+    fused, megatron_fused = local.get("fused_loss", "auto"), megatron.get("fused_loss", "auto")
+    uniform = _uniform_loss(getattr(recipe, "loss", "sft"))
     return {"kernels": planned_kernels(kernels),
-            "fused_loss": (fused == "auto" or bool(fused)) and _uniform_loss(getattr(recipe, "loss", "sft"))}
+            "fused_loss": (fused == "auto" or bool(fused)) and uniform,
+            "megatron_fused_loss": (megatron_fused == "auto" or bool(megatron_fused)) and uniform}
 
 
 def planned_kernels(choice: str) -> str:

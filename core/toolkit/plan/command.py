@@ -29,6 +29,8 @@ from toolkit.plan.memory import STRATEGIES, TUNERS
               show_default=True, help="local strategy: fused RMSNorm/SwiGLU kernels (auto: triton, as on a GPU).")
 @click.option("--local-fused-loss/--no-local-fused-loss", default=True, show_default=True,
               help="local strategy: fused linear + cross-entropy head (the engine's GPU default for pt/sft).")
+@click.option("--megatron-fused-loss/--no-megatron-fused-loss", default=True, show_default=True,
+              help="megatron strategy: fused output head, no [tokens, V/tp] logits (the engine's GPU default for pt/sft).")
 @click.option("--strategies", default=",".join(STRATEGIES), show_default=True, help="Strategies to consider, comma-separated.")
 @click.option("--top", type=int, default=3, show_default=True, help="Layouts to print.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the report.")
@@ -36,7 +38,7 @@ def plan_command(model: str, gpus: int, nodes: int, gpu_kind: str, gpu_memory: s
                  micro_batch_size: int, global_batch_size: int, tuner: str, lora_rank: int, local_master_weights: bool,
                  local_bf16_mode: str | None,
                  local_recompute_logits: bool, local_logps_chunk_tokens: int, local_kernels: str, local_fused_loss: bool,
-                 strategies: str, top: int, as_json: bool) -> None:
+                 megatron_fused_loss: bool, strategies: str, top: int, as_json: bool) -> None:
     """Recommend parallel layouts: per-GPU memory, estimated step time and the reasons.
 
     Example: toolkit plan --model examples/configs/qwen2-72b.json --gpus 32 --nodes 4 --gpu-memory 80GiB
@@ -58,7 +60,8 @@ def plan_command(model: str, gpus: int, nodes: int, gpu_kind: str, gpu_memory: s
                         tuner=tuner, lora_rank=lora_rank,
                         bf16_mode=scheme,
                         recompute_logits=local_recompute_logits, logps_chunk_tokens=local_logps_chunk_tokens,
-                        kernels=planned_kernels(local_kernels), fused_loss=local_fused_loss)
+                        kernels=planned_kernels(local_kernels), fused_loss=local_fused_loss,
+                        megatron_fused_loss=megatron_fused_loss)
     chosen = tuple(s.strip() for s in strategies.split(",") if s.strip())
     result = plan(load_shape(model), cluster, workload, chosen)
     click.echo(json.dumps(to_json(result, top), indent=2) if as_json else render(result, top))

@@ -65,6 +65,10 @@ class Workload:
     """``--local-fused-loss`` (the engine's default on a GPU for pt/sft): the output head's input and
     weight gradients are made in forward, chunk by chunk; nothing of vocabulary size is kept for backward
     (it takes the place of ``recompute_logits``). ``local`` strategy only."""
+    megatron_fused_loss: bool = False
+    """``--megatron-fused-loss`` (the megatron engine's default on a GPU for pt/sft): the last stage hands over
+    hidden states and the head's gradients are made in forward a chunk of tokens at a time, vocabulary-parallel
+    (no ``[tokens, V/tp]`` logits). ``megatron`` strategy only."""
     kernels: str = "none"
     """``--local-kernels`` as it resolves on the target (``auto`` is ``triton`` on a GPU): ``triton`` or
     ``liger`` fuse RMSNorm and SwiGLU (less kept for backward in :data:`KERNEL_FAMILIES`) and write the
@@ -291,9 +295,12 @@ def logits_bytes(shape: ModelShape, layout: Layout, tokens: int, workload: Workl
       bf16 input gradient (2 bytes x hidden x all tokens).
 
     Megatron's vocab-parallel cross entropy keeps bf16 logits plus fp32 softmax for the whole
-    micro-batch, split over TP (10 bytes x vocab / TP per token)."""
+    micro-batch, split over TP (10 bytes x vocab / TP per token); with its fused head, see
+    :func:`megatron_fused_loss_bytes`."""
     workload = workload or Workload()
     if layout.strategy == "megatron":
+        if workload.megatron_fused_loss:
+            return megatron_fused_loss_bytes(shape, layout, workload, tokens)
         return 10 * shape.vocab / layout.tp * tokens
     tokens = tokens // layout.cp
     chunk = min(tokens, workload.logps_chunk_tokens)
@@ -326,6 +333,32 @@ def fused_loss_bytes(shape: ModelShape, workload: Workload, tokens: int, chunk: 
     if workload.bf16_mode != "autocast":
         return max(inputs + per_chunk, 2 * head + 2 * inputs)
     return max(4 * head + inputs + per_chunk, 4 * head + inputs + 6 * head, 8 * head + 2 * inputs)
+
+
+MEGATRON_FUSED_CHUNK_TOKENS = 2048
+"""Tokens per chunk of toolkit-megatron's fused output head (``toolkit_megatron.fused_head``)."""
+
+
+def megatron_fused_loss_bytes(shape: ModelShape, layout: Layout, workload: Workload, tokens: int) -> float:
+    """Loss-time peak of toolkit-megatron's fused output head on one last-stage GPU (:func:`fused_loss_bytes`'
+    counterpart on a vocabulary shard).
+
+    The CP-local tokens (all of them under sequence parallelism: the head gathers them) are kept twice in
+    bf16 (the trained rows and their input gradient); one chunk's bf16 logits over ``V/tp`` with their fp32
+    softmax gradient and its bf16 copy (8 bytes x vocab / TP per token of a chunk; TP=1 goes through the
+    core's head: 10 with the torch ops, 2 with Triton's). The head shard's bf16 weight gradient is filled in
+    forward and, in backward, scaled into a second one beside the scaled input gradient (Megatron's fp32
+    main gradients are counted with the gradients)."""
+    tokens = tokens // layout.cp
+    chunk = min(tokens, MEGATRON_FUSED_CHUNK_TOKENS)
+    shard = shape.vocab / layout.tp
+    per_token = 8 if layout.tp > 1 else (2 if workload.kernels in ("triton", "liger") else 10)
+    per_chunk = per_token * shard * chunk
+    inputs = 2 * shape.hidden * tokens
+    if workload.tuner != "full":  # frozen head: no weight gradient
+        return 2 * inputs + max(per_chunk, inputs)
+    head = shard * shape.hidden
+    return max(2 * inputs + per_chunk + 2 * head, 3 * inputs + 4 * head)
 
 
 def params_on_stage(shape: ModelShape, layout: Layout, first: bool, last: bool) -> tuple[float, float]:

@@ -99,6 +99,15 @@ def test_fused_loss_resolves_per_device_and_loss(capsys):
     assert "off for" not in capsys.readouterr().err  # auto: silently the logits path
 
 
+def test_planner_reads_the_megatron_section():
+    from toolkit.plan.auto import local_speed
+    from toolkit.recipe import resolve_recipe
+
+    assert local_speed(resolve_recipe({"model": "m"}, source="test"))["megatron_fused_loss"] is True
+    off = resolve_recipe({"model": "m", "megatron": {"fused_loss": False}}, source="test")
+    assert local_speed(off)["megatron_fused_loss"] is False and local_speed(off)["fused_loss"] is True
+
+
 CASES = ["llama:tp1:full:sft", "llama:tp2:full:sft", "qwen3:tp2+sp:full:sft", "qwen3:pp2:full:sft", "llama:cp2:full:sft",
          "llama:tp2:lora:sft", "llama:tp2:full:non-uniform"]
 
