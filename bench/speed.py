@@ -63,6 +63,9 @@ CASES = {
     "local+kernels+fused+compile": ("full", COMPILED, False, "+ torch.compile of each decoder layer"),
     "local+compile+cudnn": ("full", {**COMPILED, "attention": "cudnn"}, False, "compiled, with cuDNN attention"),
     "local+liger+fused": ("full", {"kernels": "liger", "fused_loss": True}, False, "Liger's kernels instead of ours"),
+    "local pure": ("full", {"bf16_mode": "pure"}, False, "the defaults with --local-bf16-mode pure: bf16 params, grads "
+                   "and AdamW states, the precision and optimizer of the HF baseline (like against like)"),
+    "local pure+compile": ("full", {**COMPILED, "bf16_mode": "pure"}, False, "pure bf16, + torch.compile of each decoder layer"),
     "local+fp8": ("full", {**COMPILED, "fp8": True}, True, "+ float8 linears (torchao), compiled"),
     "hf-peft": ("hf-peft", {}, False, "HF + PEFT LoRA r=16 all-linear (baseline of the LoRA cases)"),
     "lora defaults": ("lora", {}, False, "toolkit lora tuner with no speed flags: the engine's own defaults"),
@@ -85,14 +88,14 @@ CASES = {
 }
 GROUPS = {
     "full": ["hf", "local defaults", "local", "local+kernels", "local+kernels+fused", "local+kernels+fused+cudnn",
-             "local+kernels+fused+compile", "local+fp8"],
+             "local+kernels+fused+compile", "local pure", "local pure+compile", "local+fp8"],
     "lora": ["hf-peft", "lora defaults", "lora", "lora+kernels+fused", "lora+kernels+fused+cudnn", "lora+kernels+fused+compile"],
     "extra": ["hf", "hf-compile", "local+compile+cudnn", "local+liger+fused"],
     "packed": ["hf-packed", "hf-packed-flex", "local-packed", "local-packed+flex", "local-packed+kernels+fused+flex",
                "local-packed defaults"],
 }
 GROUPS["all"] = list(dict.fromkeys(GROUPS["full"] + GROUPS["lora"] + GROUPS["extra"] + GROUPS["packed"]))
-GROUPS["defaults"] = ["hf", "local defaults", "hf-peft", "lora defaults"]  # what a user gets, beside the baselines, ~2 min
+GROUPS["defaults"] = ["hf", "local defaults", "local pure", "hf-peft", "lora defaults"]  # what a user gets, beside the baselines, ~2 min
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
