@@ -3,7 +3,7 @@
 # parts that each fit one device call (10 minutes) and share one warm machine. Run from the repository root
 # on the lent machine, carrying .whl (bash bench/wheels.sh fills it):
 #
-#   bash bench/gpu_pending.sh speed      # nvidia-h200, ~8 min: local defaults (full, LoRA), packed rows, megatron speed-*
+#   bash bench/gpu_pending.sh speed      # nvidia-h200, ~8 min: local defaults (full, LoRA), packed rows, megatron speed-default/-unfused/-compiled
 #   bash bench/gpu_pending.sh moe        # nvidia-h200, ~8 min: MoE: hf vs toolkit-moe (pure bf16, blocks+logps); hf vs megatron grouped / sequential experts
 #   bash bench/gpu_pending.sh x2         # nvidia-h200-x2, ~9 min: MoE EP2 (toolkit-moe, megatron), 2-GPU layouts
 #
@@ -32,7 +32,7 @@ case "$part" in
   speed)
     run 150 defaults python3 bench/speed.py --group defaults --timeout 100
     run 170 packed python3 bench/speed.py --group packed --timeout 80
-    run 160 megatron python3 bench/scaling.py --gpus 1 --shapes 1b --serial --cases '1b/speed-*,1b/hf' --case-timeout 120
+    run 160 megatron python3 bench/scaling.py --gpus 1 --shapes 1b --serial --cases '1b/speed-default,1b/speed-unfused,1b/speed-compiled,1b/hf' --case-timeout 120
     ;;
   moe)
     run 280 moe-local python3 bench/moe.py --cases hf,toolkit-pure,blocks+logps --timeout 120
