@@ -61,6 +61,38 @@ def test_a_failing_script_rank_fails_the_run_without_waiting_for_the_timeout(tmp
     assert time.monotonic() - start < 40
 
 
+def test_free_port_is_bindable_and_outside_the_ephemeral_range():
+    import socket
+
+    from toolkit.testing import _ephemeral_ports, free_port
+
+    for _ in range(20):
+        port = free_port()
+        assert port not in _ephemeral_ports()
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+
+
+def test_run_distributed_retries_a_rendezvous_port_taken_in_the_meantime(monkeypatch):
+    """The first port handed out is already listened on (what another process did in CI): the run
+    fails with EADDRINUSE there and succeeds on the next port."""
+    import socket
+
+    import toolkit.testing as testing
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    real = testing.free_port
+    monkeypatch.setattr(testing, "free_port", lambda: next(ports, None) or real())
+    try:
+        assert run_distributed(all_reduce_rank_plus_one, nproc=2, args=(2.0,), timeout=120) == \
+            run_distributed(all_reduce_rank_plus_one, nproc=2, args=(2.0,), timeout=120)
+    finally:
+        taken.close()
+
+
 def test_run_distributed_rejects_functions_other_processes_cannot_import():
     def local():
         return 1

@@ -247,7 +247,36 @@ class DistributedError(AssertionError):
     """A rank failed; the message holds every failing rank's exit code and output tail."""
 
 
+def _ephemeral_ports() -> range:
+    """The kernel's range for outgoing connections' local ports (Linux; the usual default elsewhere)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
 def free_port() -> int:
+    """A free TCP port for a rendezvous, chosen at random below the ephemeral range.
+
+    A port the kernel hands out (``bind(("", 0))``) is in the ephemeral range, where any process's
+    next outgoing connection can take it between this call and the rendezvous binding it
+    (EADDRINUSE in CI on a busy machine); a random port outside that range can only be taken by
+    another caller that picks the same one.
+    """
+    import random
+
+    ephemeral = _ephemeral_ports()
+    for _ in range(200):
+        port = random.randrange(20000, 32768)
+        if port in ephemeral:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -349,8 +378,19 @@ def run_distributed(target: Callable[..., Any] | str | Path | Sequence[str], npr
 
     A rank that exits non-zero raises :class:`DistributedError` with each failing rank's output,
     except the known harmless abort at interpreter exit after the rank reported it was done.
+    A rendezvous port that another process took in the meantime (EADDRINUSE) is retried on a new one.
     """
-    port = free_port()
+    for attempt in range(3):
+        try:
+            return _run_distributed_once(target, nproc, args, kwargs, timeout, env, cwd, free_port())
+        except DistributedError as exc:
+            if attempt == 2 or "EADDRINUSE" not in str(exc):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_distributed_once(target: Any, nproc: int, args: Sequence[Any], kwargs: dict[str, Any] | None, timeout: float,
+                          env: dict[str, str] | None, cwd: str | Path | None, port: int) -> list[Any]:
     with tempfile.TemporaryDirectory(prefix="toolkit-dist-") as tmp:
         job = Path(tmp)
         if callable(target):
