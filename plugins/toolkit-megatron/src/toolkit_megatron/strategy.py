@@ -4,7 +4,8 @@ TP / PP (1F1B, interleaved VPP) / SP / CP / DP with Megatron's DDP and (optional
 distributed optimizer; bf16 params with fp32 master weights in Megatron's optimizer. Label
 log-probs are computed vocabulary-parallel at the last stage (the full-vocabulary logits are
 never gathered), gathered over context parallelism, and handed to the core's Loss as
-:class:`~toolkit.contracts.TokenLogps`, so every objective works unchanged.
+:class:`~toolkit.contracts.TokenLogps`, so every objective works unchanged. For pt/sft on a GPU the
+fused output head (``--megatron-fused-loss``) makes them from the final hidden states without logits.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ class MegatronConfig:
 
 
 class SpeedLevers(NamedTuple):
+    """The engine's speed options as they resolved for this device and loss."""
+
     compile_elementwise: bool
     logps_kernel: str
     kernel_ops: Any
