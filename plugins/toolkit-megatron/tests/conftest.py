@@ -57,6 +57,24 @@ def tiny_models(tmp_path_factory):
     return {arch: save_tiny_model(arch, root / arch) for arch in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe")}
 
 
+@pytest.fixture(scope="module")
+def tp1():
+    """Megatron's process groups for one process (TP=PP=CP=1) over an in-process store (no port to take)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from toolkit_megatron.model import Layout, initialize_parallel
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    initialize_parallel(Layout())
+    yield
+    parallel_state.destroy_model_parallel()
+    if created:
+        dist.destroy_process_group()
+
+
 def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 240) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),

@@ -4,29 +4,8 @@ gradient clipping against Megatron's local fallbacks, fused AdamW against torch'
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-
-@pytest.fixture(scope="module")
-def tp1():
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from toolkit_megatron.model import Layout, initialize_parallel
-
-    created = not dist.is_initialized()
-    if created:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29655")
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    initialize_parallel(Layout())
-    yield
-    parallel_state.destroy_model_parallel()
-    if created:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
