@@ -1,14 +1,16 @@
 """The fused output head (--megatron-fused-loss) equals the logits path: the fused functions against plain
 autograd through full logits (padded vocabulary, no rows), and three SFT steps with the head on and off
-at TP1 (DP2), TP2 (padded vocabulary), TP2+SP and PP2 with tied embeddings, CP2 and LoRA under TP2;
+at TP1 (one process, and DP2), TP2 (padded vocabulary), TP2+SP and PP2 with tied embeddings, CP2 and LoRA under TP2;
 a loss without a uniform token gradient keeps the logits path."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from conftest import run_worker
+from conftest import run_worker, torchrun
 
 
 def reference(hidden, labels, weight, real_vocab, scale):
@@ -95,8 +97,11 @@ CASES = ["llama:tp1:full:sft", "llama:tp2:full:sft", "qwen3:tp2+sp:full:sft", "q
 def test_fused_head_training_equals_logits_path(tiny_models, tmp_path):
     """Three SFT steps with --megatron-fused-loss on and off: same losses, gradient norms and weights (fp32)."""
     cases = [c for c in CASES if ":lora:" not in c or _has_peft()]
-    results = run_worker("_fused_head_worker.py", tmp_path, str(tiny_models["llama"].parent), ",".join(cases))
-    for case in cases:
+    root = str(tiny_models["llama"].parent)
+    results = run_worker("_fused_head_worker.py", tmp_path, root, ",".join(cases))  # 2 processes (TP1: DP2)
+    torchrun("_fused_head_worker.py", root, str(tmp_path / "one.json"), "llama:tp1:full:sft", nproc=1)
+    results["one process"] = json.loads((tmp_path / "one.json").read_text())["llama:tp1:full:sft"]
+    for case in [*cases, "one process"]:
         got = results[case]
         uniform = not case.endswith("non-uniform")
         assert got["head_on"] is uniform and got["calls_off"] == 0, (case, got)
