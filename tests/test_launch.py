@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,14 +10,9 @@ from pathlib import Path
 import pytest
 
 from toolkit.commands.launch import torchrun_command
+from toolkit.testing import free_port
 
 WORKER = Path(__file__).with_name("launch_allreduce.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_single_node_command_runs_toolkit():
@@ -41,7 +35,7 @@ def test_bad_launch_flags_are_usage_errors():
 
 @pytest.mark.slow
 def test_two_node_torchrun_job_on_localhost():
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     nodes = [subprocess.Popen([sys.executable, "-m", "toolkit", "launch", "--nproc", "1", "--nnodes", "2",
                                "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
@@ -63,7 +57,7 @@ def test_two_node_torchrun_job_on_localhost():
 
 @pytest.mark.slow
 def test_two_node_toolkit_training_step(tmp_path):
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     args = ["pt", "--model", "tiny-llama", "--strategy", "auto", "--max-steps", "1", "--seq-len", "64",
             "--output", str(tmp_path / "run")]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -13,6 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from toolkit.testing import free_port
 
 FAKE_SERVER = textwrap.dedent("""
     import http.server, json, os, subprocess, sys, time
@@ -32,12 +33,6 @@ FAKE_SERVER = textwrap.dedent("""
             pass
     http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
 """)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def alive(pid: int) -> bool:

@@ -102,12 +102,9 @@ class FSDPEngine(LocalEngine):
     def _ensure_group(self) -> None:
         import torch.distributed as dist
 
-        if not dist.is_initialized():  # FSDP needs a process group even on one process
-            import os
-
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", rank=0, world_size=1)
+        if not dist.is_initialized():  # FSDP needs a process group even on one process: an in-memory store, no port
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                    world_size=1)
             self._own_group = True
 
     def close(self) -> None:
@@ -186,14 +183,6 @@ class _FullStateModel:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class FSDPStrategy(LocalStrategy):
