@@ -21,6 +21,16 @@ from toolkit.train.logps import CausalLMLogps, label_logps, token_logps
 from toolkit.train.runner import run_training
 
 
+def test_fused_head_with_no_trained_tokens_gives_zero_gradients():
+    """A micro-batch (or pipeline chunk) with no trained label: zero gradients, as autograd gives, not 0/0."""
+    head = nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(0, 16, requires_grad=True)
+    out = fused_label_logps(head, hidden, torch.zeros(0, dtype=torch.long), 4)
+    (out * 2.0).sum().backward()
+    assert out.shape == (0,) and hidden.grad.shape == (0, 16)
+    assert torch.equal(head.weight.grad, torch.zeros_like(head.weight))
+
+
 @pytest.mark.parametrize("chunk", [4, 64])
 @pytest.mark.parametrize("trainable", [True, False])
 def test_fused_head_equals_chunked_and_full_logits(chunk, trainable):

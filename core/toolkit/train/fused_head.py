@@ -51,13 +51,23 @@ class FusedLinearLogps(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_picked: torch.Tensor) -> tuple[Any, ...]:
-        grad_hidden, grad_weight = ctx.saved_tensors
-        d_hidden = d_weight = None
-        if ctx.needs_input_grad[0]:
-            d_hidden = (grad_picked[:, None].to(grad_hidden.dtype) * grad_hidden).to(ctx.hidden_dtype)
-        if ctx.needs_input_grad[2] and grad_weight is not None:
-            d_weight = grad_weight * grad_picked.mean().to(grad_weight.dtype)
+        d_hidden, d_weight = scaled_gradients(ctx, grad_picked)
         return d_hidden, None, d_weight, None, None
+
+
+def scaled_gradients(ctx: Any, grad_picked: torch.Tensor) -> tuple[Any, Any]:
+    """Backward of a head whose forward saved ``(grad_hidden, grad_weight)`` (inputs 0 and 2 of its
+    ``apply``): the input gradient scaled per token, the weight gradient by the mean incoming gradient
+    (zero for no tokens, not 0/0); ``ctx.hidden_dtype``, when set, is the input gradient's dtype."""
+    grad_hidden, grad_weight = ctx.saved_tensors
+    d_hidden = d_weight = None
+    if ctx.needs_input_grad[0]:
+        d_hidden = grad_picked[:, None].to(grad_hidden.dtype) * grad_hidden
+        d_hidden = d_hidden.to(getattr(ctx, "hidden_dtype", d_hidden.dtype))
+    if ctx.needs_input_grad[2] and grad_weight is not None:
+        mean = grad_picked.sum() / max(grad_picked.numel(), 1)
+        d_weight = grad_weight * mean.to(grad_weight.dtype)
+    return d_hidden, d_weight
 
 
 def fused_label_logps(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk: int, ops: Any = None) -> torch.Tensor:

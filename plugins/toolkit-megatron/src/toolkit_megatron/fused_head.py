@@ -151,13 +151,9 @@ class VocabParallelFusedLogps(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_picked: torch.Tensor) -> tuple[Any, ...]:
-        grad_hidden, grad_weight = ctx.saved_tensors
-        d_hidden = d_weight = None
-        if ctx.needs_input_grad[0]:
-            d_hidden = grad_picked[:, None].to(grad_hidden.dtype) * grad_hidden
-        if ctx.needs_input_grad[2] and grad_weight is not None:
-            mean = grad_picked.sum() / max(grad_picked.numel(), 1)  # no rows: a zero gradient, not 0/0
-            d_weight = grad_weight * mean.to(grad_weight.dtype)
+        from toolkit.train.fused_head import scaled_gradients
+
+        d_hidden, d_weight = scaled_gradients(ctx, grad_picked)
         return d_hidden, None, d_weight, None, None, None, None, None
 
 
@@ -175,13 +171,13 @@ def fused_label_logps(hidden: torch.Tensor, labels: torch.Tensor, weight: torch.
     """fp32 ``log p(labels)`` of ``hidden [N, H]`` (TP-mapped) through the output ``weight`` shard, gradients made in forward.
 
     TP=1: :class:`toolkit.train.fused_head.FusedLinearLogps` with ``kernel_ops`` (a
-    :mod:`toolkit.train.kernels` backend; the torch reference ops when ``None``). Under TP, or with no
-    rows (the core function's mean of no gradients would be 0/0): :class:`VocabParallelFusedLogps`.
+    :mod:`toolkit.train.kernels` backend; the torch reference ops when ``None``). Under TP:
+    :class:`VocabParallelFusedLogps`.
     """
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
-    if tp == 1 and hidden.shape[0] > 0:
+    if tp == 1:
         from toolkit.train.fused_head import FusedLinearLogps
         from toolkit.train.kernels.reference import TorchOps
 
