@@ -81,7 +81,9 @@ def install_output_switches(chunks: list[Any]) -> list[OutputHeadSwitch]:
 class TorchShardOps:
     """The per-chunk math of :class:`VocabParallelFusedLogps` on one vocabulary shard, in torch.
 
-    A kernel backend (Triton) can replace it with the same two functions.
+    On CUDA each function is one ``torch.compile``-d kernel (:func:`toolkit.train.kernels.compiled.fused`:
+    no fp32 copy of the chunk's logits is written); elsewhere eager ops written in place, which hold one
+    fp32 copy. A kernel backend (Triton) can replace the class with the same two functions.
     """
 
     name = "torch"
@@ -91,19 +93,41 @@ class TorchShardOps:
         """fp32 log-sum-exp of each row of ``logits [c, valid]`` and the label's logit where this shard holds it (else 0)."""
         from toolkit_megatron.logps import _chunk_lse
 
-        lse = _chunk_lse(logits, logits.shape[1])
         if logits.shape[1] == 0:
+            lse = _chunk_lse(logits, 0)
             return lse, torch.zeros_like(lse)
+        if logits.is_cuda:
+            from toolkit.train.kernels.compiled import fused
+
+            lse = fused("megatron_shard_lse", _shard_lse, logits.device)(logits)
+        else:
+            lse = _chunk_lse(logits, logits.shape[1])
         label = logits.gather(1, index[:, None]).squeeze(1).float()
         return lse, torch.where(local, label, 0.0)
 
     @staticmethod
     def shard_direction(logits: torch.Tensor, lse: torch.Tensor, index: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """``onehot(label) - softmax`` over this shard (fp32 math, ``lse`` global), in the logits' dtype."""
+        if logits.is_cuda:
+            from toolkit.train.kernels.compiled import fused
+
+            return fused("megatron_shard_direction", shard_direction_pointwise, logits.device)(logits, lse, index, local)
         direction = torch.sub(logits, lse[:, None]).exp_().neg_()  # promotes to fp32 while subtracting
         if logits.shape[1]:
             direction.scatter_add_(1, index[:, None], local.to(direction.dtype)[:, None])
         return direction.to(logits.dtype)
+
+
+def _shard_lse(logits: torch.Tensor) -> torch.Tensor:
+    return torch.logsumexp(logits.float(), dim=-1)
+
+
+def shard_direction_pointwise(logits: torch.Tensor, lse: torch.Tensor, index: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """:meth:`TorchShardOps.shard_direction` as one pointwise expression (what ``torch.compile`` fuses on CUDA;
+    the one-hot is a comparison, not a scatter)."""
+    columns = torch.arange(logits.shape[1], device=logits.device)
+    onehot = ((columns[None, :] == index[:, None]) & local[:, None]).float()
+    return (onehot - torch.exp(logits.float() - lse[:, None])).to(logits.dtype)
 
 
 class VocabParallelFusedLogps(torch.autograd.Function):
