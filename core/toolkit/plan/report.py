@@ -62,8 +62,8 @@ def render(result: PlanResult, top: int = 3, show_rejected: int = 5) -> str:
         out += [f"  - {line}" for line in why]
         out.append("")
     counts = Counter(_category(c) for c in result.rejected)
-    out.append(f"{len(result.ranked)} layouts fit, {len(result.rejected)} rejected ("
-               + ", ".join(f"{n} {what}" for what, n in counts.most_common()) + ")")
+    reasons = ", ".join(f"{n} {what}" for what, n in counts.most_common())
+    out.append(f"{len(result.ranked)} layouts fit, {len(result.rejected)} rejected" + (f" ({reasons})" if reasons else ""))
     near = sorted((c for c in result.rejected if c.memory), key=lambda c: c.memory.total)[:show_rejected]
     out += [f"  rejected {c.layout.describe()}: {c.rejected}" for c in near]
     return "\n".join(out)
