@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # Everything built but not yet measured on a GPU (docs/benchmarks.md, "Built, not yet measured"), split into
 # parts that each fit one device call (10 minutes) and share one warm machine. Run from the repository root
-# on the lent machine, carrying .whl (bash bench/wheels.sh fills it):
+# on the lent machine, carrying .whl (bash bench/wheels.sh fills it). In order of what the open issues need:
 #
-#   bash bench/gpu_pending.sh speed      # nvidia-h200, ~8 min: local defaults (full, LoRA), packed rows, megatron speed-default/-unfused/-compiled
-#   bash bench/gpu_pending.sh moe        # nvidia-h200, ~8 min: MoE: hf vs toolkit-moe (pure bf16, blocks+logps); hf vs megatron grouped / sequential experts
+#   bash bench/gpu_pending.sh speed      # nvidia-h200, ~8 min: local defaults (full, LoRA), pure bf16, and compiled
+#                                        #   bf16 (master and pure) beside HF: issue 12's 1.3x
+#   bash bench/gpu_pending.sh megatron   # nvidia-h200, ~6 min: megatron speed-default/-unfused/-compiled vs HF, packed rows
+#   bash bench/gpu_pending.sh moe        # nvidia-h200, ~9 min: MoE: hf vs toolkit-moe (pure bf16, blocks+logps); hf vs
+#                                        #   megatron grouped / sequential experts
 #   bash bench/gpu_pending.sh x2         # nvidia-h200-x2, ~9 min: MoE EP2 (toolkit-moe, megatron), 2-GPU layouts
 #
 # Each command runs its baseline in the same script and has its own time limit, so one slow case cannot eat
 # the part; every JSON lands in $OUT (bench/results/ is where they are kept, renamed <kind>-<gpu>-<date>.json).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: bash bench/gpu_pending.sh speed|moe|x2}
+part=${1:?usage: bash bench/gpu_pending.sh speed|megatron|moe|x2}
 : "${OUT:=/tmp/gpu_pending}"
 mkdir -p "$OUT"
 source bench/gpu_setup.sh
@@ -30,9 +33,12 @@ run() {  # run LIMIT NAME COMMAND...: one measurement, its log in $OUT/NAME.log,
 
 case "$part" in
   speed)
-    run 150 defaults python3 bench/speed.py --group defaults --timeout 100
+    run 200 defaults python3 bench/speed.py --group defaults --timeout 100
+    run 360 compiled python3 bench/speed.py --cases 'hf,local+kernels+fused+compile,local pure+compile' --timeout 100 --long-steps 15 --no-check
+    ;;
+  megatron)
+    run 170 megatron python3 bench/scaling.py --gpus 1 --shapes 1b --serial --cases '1b/speed-default,1b/speed-unfused,1b/speed-compiled,1b/hf' --case-timeout 120
     run 170 packed python3 bench/speed.py --group packed --timeout 80
-    run 160 megatron python3 bench/scaling.py --gpus 1 --shapes 1b --serial --cases '1b/speed-default,1b/speed-unfused,1b/speed-compiled,1b/hf' --case-timeout 120
     ;;
   moe)
     run 280 moe-local python3 bench/moe.py --cases hf,toolkit-pure,blocks+logps --timeout 120
@@ -43,7 +49,7 @@ case "$part" in
     run 300 scaling-2gpu python3 bench/scaling.py --gpus 2 --no-speed --budget 240 --case-timeout 100
     ;;
   *)
-    echo "unknown part '$part': use speed, moe or x2" >&2
+    echo "unknown part '$part': use speed, megatron, moe or x2" >&2
     exit 2
     ;;
 esac
