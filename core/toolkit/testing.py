@@ -380,13 +380,13 @@ def run_distributed(target: Callable[..., Any] | str | Path | Sequence[str], npr
     except the known harmless abort at interpreter exit after the rank reported it was done.
     A rendezvous port that another process took in the meantime (EADDRINUSE) is retried on a new one.
     """
-    for attempt in range(3):
+    for _ in range(2):
         try:
             return _run_distributed_once(target, nproc, args, kwargs, timeout, env, cwd, free_port())
         except DistributedError as exc:
-            if attempt == 2 or "EADDRINUSE" not in str(exc):
+            if "EADDRINUSE" not in str(exc):
                 raise
-    raise AssertionError("unreachable")
+    return _run_distributed_once(target, nproc, args, kwargs, timeout, env, cwd, free_port())
 
 
 def _run_distributed_once(target: Any, nproc: int, args: Sequence[Any], kwargs: dict[str, Any] | None, timeout: float,

@@ -40,10 +40,7 @@ class FusedLinearLogps(torch.autograd.Function):
                 del logits  # the Triton op reuses its storage for ``direction``
                 torch.mm(direction, w, out=grad_hidden[start:start + chunk])
                 if grad_weight is not None:
-                    if grad_weight.dtype == direction.dtype:
-                        grad_weight.addmm_(direction.t(), h_chunk)
-                    else:
-                        grad_weight += (direction.t() @ h_chunk).to(grad_weight.dtype)
+                    accumulate_weight_grad(grad_weight, direction, h_chunk)
                 del direction
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.hidden_dtype = hidden.dtype
@@ -53,6 +50,14 @@ class FusedLinearLogps(torch.autograd.Function):
     def backward(ctx: Any, grad_picked: torch.Tensor) -> tuple[Any, ...]:
         d_hidden, d_weight = scaled_gradients(ctx, grad_picked)
         return d_hidden, None, d_weight, None, None
+
+
+def accumulate_weight_grad(grad_weight: torch.Tensor, direction: torch.Tensor, rows: torch.Tensor) -> None:
+    """``grad_weight += direction^T rows`` in place: one GEMM accumulating into it when the dtypes match."""
+    if grad_weight.dtype == direction.dtype:
+        grad_weight.addmm_(direction.t(), rows)
+    else:
+        grad_weight += (direction.t() @ rows).to(grad_weight.dtype)
 
 
 def scaled_gradients(ctx: Any, grad_picked: torch.Tensor) -> tuple[Any, Any]:

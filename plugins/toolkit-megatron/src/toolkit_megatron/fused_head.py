@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from toolkit.train.fused_head import accumulate_weight_grad, scaled_gradients
+
 FUSED_CHUNK_TOKENS = 2048
 """Tokens per chunk of the fused head: one ``[chunk, V/tp]`` logits block (plus its fp32 softmax) at a time."""
 
@@ -165,18 +167,13 @@ class VocabParallelFusedLogps(torch.autograd.Function):
                 del logits
                 torch.mm(direction, w, out=grad_hidden[begin:end])
                 if grad_weight is not None:
-                    if grad_weight.dtype == direction.dtype:
-                        grad_weight[:valid].addmm_(direction.t(), h)
-                    else:
-                        grad_weight[:valid] += (direction.t() @ h).to(grad_weight.dtype)
+                    accumulate_weight_grad(grad_weight[:valid], direction, h)
                 del direction
         ctx.save_for_backward(grad_hidden, grad_weight)
         return picked
 
     @staticmethod
     def backward(ctx: Any, grad_picked: torch.Tensor) -> tuple[Any, ...]:
-        from toolkit.train.fused_head import scaled_gradients
-
         d_hidden, d_weight = scaled_gradients(ctx, grad_picked)
         return d_hidden, None, d_weight, None, None, None, None, None
 
@@ -208,5 +205,5 @@ def fused_label_logps(hidden: torch.Tensor, labels: torch.Tensor, weight: torch.
         head = weight if real_vocab == weight.shape[0] else weight[:real_vocab]
         return FusedLinearLogps.apply(hidden, labels, head, chunk, kernel_ops or TorchOps)
     start = ps.get_tensor_model_parallel_rank() * weight.shape[0]
-    group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+    group = ps.get_tensor_model_parallel_group()
     return VocabParallelFusedLogps.apply(hidden, labels, weight, start, real_vocab, group, chunk, TorchShardOps)
