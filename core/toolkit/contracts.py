@@ -73,6 +73,9 @@ class TokenLogps:
     """Auxiliary losses the model produced (MoE load balancing), already weighted."""
     aux_metrics: dict[str, float] = field(default_factory=dict)
     """Per-forward model metrics (MoE routing: dropped tokens, max load); engines average them."""
+    token_meta: dict[str, torch.Tensor] = field(default_factory=dict)
+    """``[rows, tokens]`` values aligned with ``logps`` that the micro-batch carried under ``token_meta``
+    (RL: the rollout policy's and the reference's per-token log-probs); empty for every other loss."""
 
     def sequence_sums(self, values: torch.Tensor | None = None) -> torch.Tensor:
         """Sum ``values`` (default: masked logps) per sequence: ``[num_sequences]``."""
@@ -268,6 +271,13 @@ class Exporter(Registered, Protocol):
 
 class InferenceBackend(Registered, Protocol):
     def generate(self, model_dir: Path, prompts: list[str], options: Any) -> list[str]: ...
+
+
+class Reward(Registered, Protocol):
+    """A reward function for RL: one score per completion (``None`` where it does not apply)."""
+
+    def __call__(self, prompts: list[str], completions: list[str], completion_ids: list[list[int]],
+                 records: list[dict[str, Any]]) -> list[float | None]: ...
 
 
 class Callback(Registered, Protocol):

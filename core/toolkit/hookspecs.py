@@ -126,6 +126,19 @@ def toolkit_register_callbacks(register: Register) -> None:
 
 
 @hookspec
+def toolkit_register_rewards(register: Register) -> None:
+    """Register reward functions for reinforcement learning (``toolkit grpo --reward NAME``).
+
+    ``register(cls)`` takes a class following :class:`toolkit.contracts.Reward`: ``name``,
+    ``Config`` and ``__call__(prompts, completions, completion_ids, records) -> list[float | None]``,
+    one score per completion (``None``: this reward does not apply to that completion).
+    ``records[i]`` is the dataset record the prompt came from, so a reward can read its ``answer``
+    column. Its ``Config`` fields become flags (``--answer-mode``) and a YAML section, as for losses.
+    Called the first time a reward is looked up (``toolkit grpo``, ``toolkit plugins``).
+    """
+
+
+@hookspec
 def toolkit_register_commands(cli: click.Group) -> None:
     """Add click commands or groups to the ``toolkit`` CLI: ``cli.add_command(cmd)``.
 

@@ -32,6 +32,7 @@ KINDS = {
     "exporter": "toolkit_register_exporters",
     "inference_backend": "toolkit_register_inference_backends",
     "callback": "toolkit_register_callbacks",
+    "reward": "toolkit_register_rewards",
 }
 
 # Names the first-party plugins provide, so an unknown name can say what to install.
@@ -49,6 +50,7 @@ FIRST_PARTY = {
     ("exporter", "lmdeploy"): "toolkit-lmdeploy",
     ("inference_backend", "vllm"): "toolkit-vllm",
     ("inference_backend", "lmdeploy"): "toolkit-lmdeploy",
+    **{("reward", n): "toolkit-rl" for n in ("answer", "format", "length", "overlong", "reward-model")},
 }
 
 

@@ -11,8 +11,8 @@ from toolkit.errors import ConfigError
 
 # Kinds whose registered things expose their Config as CLI flags (``--lora-rank``) and as
 # YAML sections (``lora: {rank: 16}``); an architecture with Config fields (toolkit-moe's
-# ``moe``) gets a section too.
-OPTION_KINDS = ("strategy", "tuner", "loss", "dataset_format", "architecture")
+# ``moe``) gets a section too, and so does a reward (toolkit-rl's ``answer``).
+OPTION_KINDS = ("strategy", "tuner", "loss", "dataset_format", "architecture", "reward")
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Callable
 from typing import Any, Literal, get_args, get_origin
 
 import click
@@ -102,7 +103,13 @@ def _collect_values(params: dict[str, Any], sections: dict[str, tuple[str, str]]
     return values
 
 
-def make_training_command(name: str, loss: str | None, help_text: str, manager: Any) -> click.Command:
+def make_training_command(name: str, loss: str | None, help_text: str, manager: Any,
+                          run: Callable[[Recipe], Any] | None = None) -> click.Command:
+    """``toolkit <name>``: every Recipe flag and every registered thing's options, merged with ``--config``.
+
+    ``run`` trains from the resolved recipe (default: :func:`toolkit.train.runner.run_training`); a
+    plugin with its own loop (toolkit-rl's ``grpo``: rollouts between optimizer steps) passes its own.
+    """
     params: list[click.Parameter] = [
         click.Option(["--config", "config"], type=click.Path(dir_okay=False), default=None,
                      help="YAML recipe; flags given on the command line override it."),
@@ -138,6 +145,9 @@ def make_training_command(name: str, loss: str | None, help_text: str, manager: 
                 raise click.UsageError(f"'toolkit {name}' trains with loss {loss!r}; the recipe asks for {values['loss']!r}. Use 'toolkit train' to choose the loss in the recipe.")
             values["loss"] = loss
         recipe = resolve_recipe(values, source=config or "command line", manager=manager)
+        if run is not None:
+            run(recipe)
+            return
         from toolkit.train.runner import run_training
 
         run_training(recipe)

@@ -296,6 +296,8 @@ def token_logps(module: nn.Module, batch: dict[str, Any], device: torch.device) 
     logps, aux, aux_metrics = outputs[:3]
     scores = outputs[3] if len(outputs) > 3 else None
     meta = {k: to_device(v, device) for k, v in batch["sequence_meta"].items()}
+    token_meta = {k: to_device(v, device) for k, v in batch.get("token_meta", {}).items()}
     return TokenLogps(logps=logps, mask=labels != IGNORE_INDEX, sequence_ids=sequence_ids,
                       num_sequences=batch["num_sequences"], sequence_meta=meta,
-                      reference_logps=meta.get("reference_logps"), aux_loss=aux, aux_metrics=aux_metrics, scores=scores)
+                      reference_logps=meta.get("reference_logps"), aux_loss=aux, aux_metrics=aux_metrics, scores=scores,
+                      token_meta=token_meta)

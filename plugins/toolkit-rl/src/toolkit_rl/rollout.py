@@ -1,0 +1,160 @@
+"""Rollouts: sampling G completions per prompt with the current policy, and the per-token log-probs the loss needs.
+
+The ``hf`` backend keeps an HF copy of the policy (transformers ``generate``), refreshed from
+``engine.export_tensors()`` before each rollout batch, so it works whatever strategy trains the
+model (local, fsdp, deepspeed, megatron; LoRA arrives merged). The same copy scores the rollout
+policy's per-token log-probs (``old_logps``) with the core's :class:`~toolkit.train.logps.CausalLMLogps`,
+the numerics of the training forward; a frozen copy of the starting model scores the reference.
+Written here because no library samples from a model that another engine trains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from toolkit.errors import ToolkitError
+
+
+class RolloutError(ToolkitError):
+    """The rollout backend failed; the message names it and the step."""
+
+
+@dataclasses.dataclass
+class Completions:
+    """``ids[i]``: the i-th completion's tokens (EOS included when the model stopped); prompt-major order."""
+
+    ids: list[list[int]]
+    truncated: list[bool]
+    entropy: list[float]
+    """Mean entropy of the sampling distribution over each completion's tokens."""
+
+
+def load_policy_copy(source: Any, device: Any) -> Any:
+    """The model as an fp32 HF module (log-probs run under the engine's autocast; a sync copies fp32 exactly)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=torch.float32, use_safetensors=True,
+                                                 trust_remote_code=source.trust_remote_code)
+    return model.to(device).eval().requires_grad_(False)
+
+
+class HFRollouts:
+    """Sampling with transformers ``generate`` from an HF copy of the policy."""
+
+    name = "hf"
+
+    def __init__(self, source: Any, recipe: Any, config: Any, device: Any):
+        from toolkit.builtins.strategies import autocast_dtype
+        from toolkit.train.logps import CausalLMLogps
+
+        self.config, self.device = config, device
+        self.tokenizer = source.tokenizer
+        self.model = load_policy_copy(source, device)
+        self.scorer = CausalLMLogps(self.model, autocast_dtype(recipe.precision))
+        eos = self.model.generation_config.eos_token_id
+        eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        self.eos = set(eos) | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
+    def load_weights(self, tensors: Any) -> None:
+        """Copy HF-named tensors (the engine's ``export_tensors()``) into the rollout model."""
+        import torch
+
+        state = self.model.state_dict()
+        seen = 0
+        with torch.no_grad():
+            for name, tensor in tensors:
+                if name not in state:
+                    raise RolloutError(f"rollout backend 'hf': the trained model exports {name!r}, which the rollout "
+                                       "copy of the model does not have")
+                state[name].copy_(tensor.to(state[name].device, state[name].dtype))
+                seen += 1
+        if seen == 0:
+            raise RolloutError("rollout backend 'hf': the engine exported no tensors to refresh the rollout model")
+        if "lm_head.weight" in state and getattr(self.model.config, "tie_word_embeddings", False):
+            self.model.tie_weights()
+
+    def generate(self, prompts: list[list[int]], seed: int) -> Completions:
+        """``num_generations`` samples of every prompt, from a generator seeded by ``seed`` (exact on resume)."""
+        import torch
+
+        c = self.config
+        group = c.num_generations
+        width = max(len(p) for p in prompts)
+        rows = [p for p in prompts for _ in range(group)]
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros_like(ids)
+        for r, prompt in enumerate(rows):  # left padding: generation continues every row at the same column
+            ids[r, width - len(prompt):] = torch.tensor(prompt)
+            attention[r, width - len(prompt):] = 1
+        sampling = {"do_sample": True, "temperature": c.temperature, "top_p": c.top_p, "top_k": c.top_k or None}
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            torch.manual_seed(seed)
+            out = self.model.generate(ids.to(self.device), attention_mask=attention.to(self.device),
+                                      max_new_tokens=c.max_completion_length, pad_token_id=self.pad_id,
+                                      return_dict_in_generate=True, output_logits=True, **sampling)
+        new = out.sequences[:, width:].cpu()
+        logits = torch.stack(out.logits, dim=1).float().cpu() / c.temperature  # [rows, new, vocab]
+        entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+        completions, truncated, entropies = [], [], []
+        for r in range(len(rows)):
+            tokens = new[r].tolist()
+            stop = next((t for t, token in enumerate(tokens) if token in self.eos), None)
+            kept = tokens[: stop + 1] if stop is not None else tokens[: c.max_completion_length]
+            completions.append(kept)
+            truncated.append(stop is None)
+            entropies.append(float(entropy[r, : max(len(kept), 1)].mean()))
+        return Completions(completions, truncated, entropies)
+
+    def token_logps(self, micro_batch: dict, model: Any = None) -> Any:
+        """Per-token label log-probs ``[rows, tokens]`` of a micro-batch under this copy (or ``model``)."""
+        import torch
+
+        from toolkit.train.logps import token_logps
+
+        with torch.no_grad():
+            return token_logps(model or self.scorer, micro_batch, self.device).logps.detach().cpu()
+
+    def close(self) -> None:
+        self.model = self.scorer = None
+
+
+class Reference:
+    """A frozen copy of the starting model: per-token reference log-probs for the KL term."""
+
+    def __init__(self, source: Any, recipe: Any, device: Any):
+        from toolkit.builtins.strategies import autocast_dtype
+        from toolkit.train.logps import CausalLMLogps
+
+        self.scorer = CausalLMLogps(load_policy_copy(source, device), autocast_dtype(recipe.precision))
+
+
+def make_rollouts(source: Any, recipe: Any, config: Any, device: Any) -> Any:
+    if config.rollout_backend == "hf":
+        return HFRollouts(source, recipe, config, device)
+    try:
+        from toolkit_rl.vllm_rollouts import VLLMRollouts
+    except ImportError as exc:
+        raise ToolkitError(f"--rollout-backend vllm needs vLLM ({exc}): pip install toolkit-vllm vllm") from None
+    return VLLMRollouts(source, recipe, config, device)
+
+
+def broadcast_tensors(tensors: Any, engine: Any) -> list[tuple[str, Any]]:
+    """The main rank's exported tensors on every rank (engines export on the main rank only)."""
+    import torch
+    import torch.distributed as dist
+
+    pairs = list(tensors)  # every rank iterates: a sharded engine's gathers are collective
+    header = [[(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in pairs]] if engine.is_main else [None]
+    dist.broadcast_object_list(header, src=0)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    by_name = dict(pairs)
+    out = []
+    for name, shape, dtype in header[0]:
+        tensor = by_name[name].to(device) if engine.is_main else torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+        dist.broadcast(tensor, src=0)
+        out.append((name, tensor))
+    return out
