@@ -124,6 +124,7 @@ class GRPORun:
         dynamic = c.resolved()[4]
         kept: list = []
         seconds, dropped, drawn = 0.0, 0, 0
+        last: list = []
         for _ in range(MAX_DRAWS if dynamic else 1):
             draw = self.draws
             prompts = self.draw_prompts()
@@ -138,20 +139,27 @@ class GRPORun:
             texts = self.source.tokenizer.batch_decode(completions.ids, skip_special_tokens=True)
             table = reward_table(self.rewards, rows, texts, completions.ids, [p.record for p in rows])
             total = combine(table, [w.weight for w in self.rewards])
+            last = []
             for g, prompt in enumerate(prompts):
                 part = slice(g * group, (g + 1) * group)
                 flat = total[part]
+                last.append((prompt, completions.ids[part], texts[part], completions.truncated[part],
+                             completions.entropy[part], table[part], flat))
                 if dynamic and bool(torch.isclose(flat, flat[:1]).all() | torch.isnan(flat).all()):
                     dropped += 1
                     continue
-                kept.append((prompt, completions.ids[part], texts[part], completions.truncated[part],
-                             completions.entropy[part], table[part], flat))
+                kept.append(last[-1])
             drawn += len(prompts)
             full = len(kept) >= c.prompts_per_rollout
             if not dynamic or self.engine.all_reduce_sum([0.0 if full else 1.0])[0] == 0:
                 break
         stats = {"rollout_time": seconds, "groups_dropped": dropped / max(drawn, 1)}
-        return kept[: c.prompts_per_rollout], total, stats
+        if not kept:  # nothing to learn from in MAX_DRAWS draws: train on the last one (only the KL term moves)
+            if self.engine.is_main:
+                print(f"toolkit: step {step + 1}: every group of {MAX_DRAWS} draws had equal rewards (dynamic "
+                      "sampling); training on the last draw, whose advantages are all zero", file=sys.stderr)
+            kept = last
+        return kept[: c.prompts_per_rollout], stats
 
     def backend_died(self, step: int, exc: Exception) -> RolloutError:
         from toolkit.train.checkpoint import save_checkpoint
@@ -170,10 +178,7 @@ class GRPORun:
 
         c, group = self.config, self.config.num_generations
         self.sync_weights()
-        groups, _, stats = self.sample_groups(step)
-        if not groups:
-            raise ToolkitError(f"step {step + 1}: every sampled group had equal rewards for {MAX_DRAWS} draws in a row "
-                               "(dynamic sampling); the rewards cannot tell completions apart")
+        groups, stats = self.sample_groups(step)
         table = torch.cat([g[5] for g in groups])
         total = torch.cat([g[6] for g in groups])
         scale = c.resolved()[3]
