@@ -151,3 +151,13 @@ def test_training_with_the_focal_loss_through_the_core_engine(tmp_path):
     first = accumulated[0]
     assert first["nll"] == pytest.approx(sft["loss"], rel=1e-5)
     assert 0 < first["loss"] < first["nll"] and 0 < first["focal_weight"] < 1
+
+
+def test_the_sentence_reward_is_registered_and_scores_endings():
+    from toolkit.plugins import get_plugin_manager
+    from toolkit_example.rewards import SentenceConfig, SentenceReward
+
+    assert get_plugin_manager().get("reward", "sentence") is SentenceReward
+    assert SentenceReward()(["p"] * 4, ["It is Paris.", "Paris", "  Why? ", ""], [[1]] * 4, [{}] * 4) == [1.0, 0.0, 1.0, 0.0]
+    options = thing_options(resolve_recipe({"sentence": {"endings": "!"}}), SentenceReward)
+    assert options == SentenceConfig(endings="!")

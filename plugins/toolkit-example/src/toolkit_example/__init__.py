@@ -1,4 +1,4 @@
-"""toolkit-example: the template plugin. Registers the ``focal`` loss and the ``toolkit example`` command.
+"""toolkit-example: the template plugin. Registers the ``focal`` loss, the ``sentence`` reward and ``toolkit example``.
 
 This module is what the ``toolkit`` entry point names, so it is imported on every ``toolkit``
 invocation: keep it cheap (no torch here) and import the real code inside the hooks.
@@ -16,6 +16,13 @@ def toolkit_register_losses(register):
     from toolkit_example.losses import FocalLoss
 
     register(FocalLoss)
+
+
+@hookimpl
+def toolkit_register_rewards(register):
+    from toolkit_example.rewards import SentenceReward
+
+    register(SentenceReward)
 
 
 @hookimpl
