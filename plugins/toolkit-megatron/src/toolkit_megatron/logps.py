@@ -199,7 +199,8 @@ def make_loss_func(loss: Any, ctx: StepContext, kernel: LogpsKernel = "chunked",
         logps = logps * mask
         meta = micro["sequence_meta"]
         out = TokenLogps(logps=logps, mask=mask, sequence_ids=micro["sequence_ids"], num_sequences=micro["num_sequences"],
-                         sequence_meta=meta, reference_logps=meta.get("reference_logps"))
+                         sequence_meta=meta, reference_logps=meta.get("reference_logps"),
+                         token_meta=micro.get("token_meta", {}))
         result = loss(out, ctx)
         reported = {"loss": result.loss.detach(), **{k: v.detach() for k, v in result.metrics.items()}}
         return result.loss, torch.tensor(1, dtype=torch.int, device=output.device), reported
@@ -245,6 +246,8 @@ def prepare_micro_batches(micro_batches: list[dict], layout: Any, real_vocab: in
         pad = length - mb["input_ids"].shape[1]
         padded = {k: torch.nn.functional.pad(mb[k], (0, pad), value=v)
                   for k, v in (("input_ids", 0), ("labels", IGNORE_INDEX), ("position_ids", 0), ("sequence_ids", -1))}
+        if "token_meta" in mb:  # per-token loss inputs (toolkit-rl's rollout log-probs) stay aligned with labels
+            padded["token_meta"] = {k: torch.nn.functional.pad(v, (0, pad)) for k, v in mb["token_meta"].items()}
         plain = _plain_causal(padded["position_ids"].cpu(), padded["sequence_ids"].cpu())
         micro = {**mb, **padded, "meta": None if plain else torch.stack([padded["position_ids"], padded["sequence_ids"]])}
         if label_positions:

@@ -52,7 +52,8 @@ class HFRollouts:
         self.config, self.device = config, device
         self.tokenizer = source.tokenizer
         self.model = load_policy_copy(source, device)
-        self.scorer = CausalLMLogps(self.model, autocast_dtype(recipe.precision))
+        self.autocast = autocast_dtype(recipe.precision)
+        self.scorer = CausalLMLogps(self.model, self.autocast)
         eos = self.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
         self.eos = set(eos) | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
@@ -91,7 +92,8 @@ class HFRollouts:
             attention[r, width - len(prompt):] = 1
         sampling = {"do_sample": True, "temperature": c.temperature, "top_p": c.top_p, "top_k": c.top_k or None}
         devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
+        autocast = torch.autocast(self.device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None)
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), autocast:  # sampled in the compute dtype of training
             torch.manual_seed(seed)
             out = self.model.generate(ids.to(self.device), attention_mask=attention.to(self.device),
                                       max_new_tokens=c.max_completion_length, pad_token_id=self.pad_id,
