@@ -18,7 +18,7 @@ from typing import Any
 
 from toolkit.contracts import Example
 from toolkit.errors import ConfigError, DataError, ToolkitError
-from toolkit_rl.phase import RolloutBatch
+from toolkit_rl.phase import RolloutBatch, dp_sum
 from toolkit_rl.rollout import RolloutError
 
 MAX_DRAWS = 4
@@ -205,17 +205,20 @@ class GRPORun:
     def length_metrics(self, groups: list) -> dict[str, float]:
         lengths = [len(ids) for g in groups for ids in g[1]]
         truncated = [t for g in groups for t in g[3]]
-        entropy = [e * len(ids) for g in groups for e, ids in zip(g[4], g[1])]
-        n, tokens, clipped, ent = self.engine.all_reduce_sum([len(lengths), sum(lengths), sum(truncated), sum(entropy)])
-        return {"completion_length": tokens / max(n, 1), "truncated_fraction": clipped / max(n, 1),
-                "entropy": ent / max(tokens, 1)}
+        entropy = [e * len(ids) for g in groups for e, ids in zip(g[4], g[1]) if e is not None]
+        n, tokens, clipped, ent = dp_sum(self.engine, [len(lengths), sum(lengths), sum(truncated), sum(entropy)])
+        metrics = {"completion_length": tokens / max(n, 1), "truncated_fraction": clipped / max(n, 1)}
+        if entropy:  # the vllm backend reports no entropy
+            metrics["entropy"] = ent / max(tokens, 1)
+        return metrics
 
     def sync_weights(self) -> None:
         """The engine's current weights into the rollout backend (every rank takes part in the gather)."""
         from toolkit_rl.rollout import broadcast_tensors
 
         tensors = self.engine.export_tensors()
-        self.rollouts.load_weights(broadcast_tensors(tensors, self.engine) if self.engine.dp_world_size > 1 else tensors)
+        # engines yield on the main rank only; tensor/pipeline ranks sample too (the same rollouts as their DP rank)
+        self.rollouts.load_weights(broadcast_tensors(tensors, self.engine) if _distributed() else tensors)
 
     # ------------------------------------------------------------------ training
     def trainer_state(self, done: int, loss: float | None) -> dict[str, Any]:
@@ -284,7 +287,7 @@ class GRPORun:
                     raise ToolkitError(f"step {step + 1}: the loss is not finite ({result.loss}); lower --lr or check "
                                        "the rewards (rollouts.jsonl shows the last batch)")
                 step += 1
-                tokens = self.engine.all_reduce_sum([float(sum(int((mb["sequence_ids"] >= 0).sum()) for mb in micro_batches))])[0]
+                tokens = dp_sum(self.engine, [float(sum(int((mb["sequence_ids"] >= 0).sum()) for mb in micro_batches))])[0]
                 metrics = {"step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
                            "tokens_per_s": tokens / max(seconds, 1e-9), "train_time": seconds, **result.metrics,
                            **batch.metrics}
@@ -323,6 +326,12 @@ class RolloutLog:
         if self.is_main and samples:
             with self.path.open("a") as handle:
                 handle.write("".join(json.dumps({"step": step, **s}) + "\n" for s in samples))
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _default_device() -> Any:

@@ -92,14 +92,25 @@ def score_log_probs(steps: list[list[dict]], rollouts: Any, reference: Any) -> N
                 micro["token_meta"]["ref_logps"] = rollouts.token_logps(micro, reference.scorer)
 
 
+def dp_sum(engine: Any, values: list[float]) -> list[float]:
+    """Sums over data-parallel replicas: ``engine.all_reduce_sum`` adds every rank, and the tensor/pipeline/context
+    ranks of one replica hold the same rollouts, so each value is divided by the ranks per replica."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    per_replica = max(world // max(engine.dp_world_size, 1), 1)
+    return [v / per_replica for v in engine.all_reduce_sum(values)]
+
+
 def contexts_of(steps: list[list[dict]], engine: Any) -> list[StepContext]:
     """Global counts of each step (summed over data-parallel ranks)."""
     local = []
     for micro_batches in steps:
         local += [sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches),
                   sum(mb["num_sequences"] for mb in micro_batches)]
-    summed = engine.all_reduce_sum([float(v) for v in local]) if local else []
-    return [StepContext(label_tokens=int(summed[2 * k]), sequences=int(summed[2 * k + 1]), examples=int(summed[2 * k + 1]))
+    summed = dp_sum(engine, [float(v) for v in local]) if local else []
+    return [StepContext(label_tokens=round(summed[2 * k]), sequences=round(summed[2 * k + 1]),
+                        examples=round(summed[2 * k + 1]))
             for k in range(len(steps))]
 
 
@@ -108,7 +119,7 @@ def global_mean_std(engine: Any, values: Any) -> tuple[float, float]:
     import torch
 
     kept = values[~torch.isnan(values)]
-    total, squares, count = engine.all_reduce_sum([float(kept.sum()), float((kept ** 2).sum()), float(kept.numel())])
+    total, squares, count = dp_sum(engine, [float(kept.sum()), float((kept ** 2).sum()), float(kept.numel())])
     if count == 0:
         return math.nan, math.nan
     mean = total / count

@@ -26,8 +26,8 @@ class Completions:
 
     ids: list[list[int]]
     truncated: list[bool]
-    entropy: list[float]
-    """Mean entropy of the sampling distribution over each completion's tokens."""
+    entropy: list[float | None]
+    """Mean entropy of the sampling distribution over each completion's tokens (None: the backend cannot tell)."""
 
 
 def load_policy_copy(source: Any, device: Any) -> Any:
