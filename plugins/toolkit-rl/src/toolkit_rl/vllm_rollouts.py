@@ -1,8 +1,8 @@
 """The ``vllm`` rollout backend: vLLM colocated in the training process, the policy's weights loaded into it in place.
 
 After every rollout batch's optimizer steps the engine's exported tensors go into vLLM's model
-(``LLM.apply_model(model.load_weights)``, as TRL's colocate mode does) and the prefix cache is
-reset, so the next rollouts sample from the trained policy without a restart. Each prompt's
+(the workers' in-place ``reload_weights``, vLLM >= 0.32) and the prefix cache is reset, so the next
+rollouts sample from the trained policy without a restart. Each prompt's
 sampling is seeded (vLLM's per-request ``seed``), so a resumed run samples the same completions.
 The rollout policy's per-token log-probs are scored by the HF copy of :class:`~toolkit_rl.rollout.HFRollouts`
 (the training numerics; vLLM's kernels differ at round-off), which the same tensors refresh.
@@ -49,10 +49,9 @@ class VLLMRollouts(HFRollouts):
         pairs = list(tensors)
         super().load_weights(pairs)
 
-        def load(model: Any) -> None:
-            model.load_weights(weights=iter(pairs))
-
-        self.llm.apply_model(load)
+        # vLLM's in-place reload: checkpoint-format tensors re-run its post-load processing (CPU repacking,
+        # fused QKV/gate-up), which a plain model.load_weights after start-up skips
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(pairs), "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
 
     def generate(self, prompts: list[list[int]], seed: int) -> Completions:
