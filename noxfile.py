@@ -185,9 +185,14 @@ def bench(session: nox.Session) -> None:
     """Every benchmark script (bench/*.py, plugins/*/bench/*.py) on its small CPU path (--tiny).
 
     ``nox -s bench -- bench/local_sft.py`` picks scripts; ``-- --full`` runs the real sizes (a GPU
-    machine). Each script prints its table and writes JSON under $OUT (.nox/bench/tmp/out).
+    machine). Plugins with their own test session are installed bare (bench/grpo.py needs toolkit-rl).
+    Each script prints its table and writes JSON under $OUT (.nox/bench/tmp/out).
     """
     install_shared(session)
+    # plugins with their own test session, bare (no test extras or engines), for bench scripts that use them
+    bare = [arg for p in PLUGINS if p.own_session and not p.skip for arg in ("-e", str(p.path))]
+    if bare:
+        install(session, *CONSTRAINTS, *bare)
     full = "--full" in session.posargs
     chosen = [ROOT / a for a in session.posargs if a.endswith(".py")]
     own = {p.path for p in PLUGINS if p.own_session or p.skip}
