@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
-
-from pathlib import Path
 
 from toolkit.recipe import resolve_recipe
 
