@@ -100,11 +100,9 @@ class FSDPEngine(LocalEngine):
         return out.sequence_sums().detach()
 
     def _ensure_group(self) -> None:
-        import torch.distributed as dist
+        from toolkit.train.distributed import one_process_group
 
-        if not dist.is_initialized():  # FSDP needs a process group even on one process: an in-memory store, no port
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                    world_size=1)
+        if one_process_group(self.device):  # FSDP needs a process group even on one process
             self._own_group = True
 
     def close(self) -> None:
