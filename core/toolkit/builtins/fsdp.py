@@ -17,7 +17,7 @@ class FSDPConfig:
     cpu_offload: bool = option(False, help="Keep sharded parameters and optimizer state in CPU memory.")
     mixed_precision: bool = option(True, help="With --precision bf16: bf16 compute copies, fp32 sharded master weights and fp32 gradient reduction.")
     packed_attention: Literal["auto", "flex", "sdpa-mask"] = option(
-        "sdpa-mask", help="Rows holding several samples: flex (FlexAttention, block-causal BlockMask), sdpa-mask (dense mask "
+        "auto", help="Rows holding several samples: flex (FlexAttention, block-causal BlockMask), sdpa-mask (dense mask "
         "for HF's sdpa attention) or auto (flex on a CUDA device when it can run, else sdpa-mask); as --local-packed-attention.")
 
 
