@@ -250,6 +250,11 @@ class _StepLog:
         self.recipe, self.engine, self.loss, self.callbacks, self.eval_batches = recipe, engine, loss, callbacks, eval_batches
         self.total_steps, self.steps_per_epoch, self.logged = total_steps, steps_per_epoch, start_step
         self.window_tokens, self.window_trained, self.window_start = 0, 0, time.perf_counter()
+        self.peak_memory = None
+        import torch
+
+        if torch.cuda.is_available():
+            self.peak_memory = torch.cuda.max_memory_allocated
 
     def record(self, step: int, micro_batches: list, result: Any, lr: float) -> None:
         done, engine = step + 1, self.engine
@@ -263,6 +268,8 @@ class _StepLog:
         metrics = {"step": done, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
                    "tokens_per_s": tokens / max(elapsed, 1e-9), "trained_tokens_per_s": trained_tokens / max(elapsed, 1e-9),
                    "row_fill": real / max(capacity, 1), "epoch": step / self.steps_per_epoch, **result.metrics}
+        if self.peak_memory is not None:  # on a GPU: the allocator's high-water mark so far (no synchronisation)
+            metrics["peak_gib"] = self.peak_memory() / 2**30
         for cb in self.callbacks:
             cb.on_step_end(done, metrics)
         if done % self.recipe.log_every == 0 or done == self.total_steps:
