@@ -6,6 +6,8 @@
     nox -s lint           ruff over the whole repository
     nox -s demo           the README's main job: train the demo, export, generate, score
     nox -s bench          every bench script on its small CPU path (--tiny)
+    nox -s build          wheels of the core (toolkit-core) and of every plugin into dist/
+    nox -s wheels         build, install those wheels (not editable) into a fresh venv, smoke-test it
 
 A plugin takes part without being listed here. Its ``pyproject.toml`` may carry a table::
 
@@ -37,6 +39,7 @@ from nox.command import CommandFailed
 
 ROOT = Path(__file__).resolve().parent
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
+DIST = ROOT / "dist"
 
 nox.options.default_venv_backend = "venv"
 nox.options.sessions = ["lint", "tests"]
@@ -160,6 +163,38 @@ def _own_session(plugin: Plugin) -> None:
 for _plugin in PLUGINS:
     if _plugin.own_session and not _plugin.skip:
         _own_session(_plugin)
+
+
+def build_wheels(session: nox.Session) -> list[tuple[str, str]]:
+    """Build the core's and every plugin's wheel into dist/; returns (name, version) of each."""
+    install(session, "setuptools>=68", "wheel")
+    DIST.mkdir(exist_ok=True)
+    for old in DIST.glob("toolkit*.whl"):  # a wheel of an older build must not be picked up
+        old.unlink()
+    packages = [ROOT, *(p.path for p in PLUGINS)]
+    session.run("python", "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(DIST), *map(str, packages))
+    projects = [tomllib.loads((path / "pyproject.toml").read_text())["project"] for path in packages]
+    return [(project["name"], project["version"]) for project in projects]
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Wheels of the core and of every plugin into dist/ (``pip install --find-links dist/ toolkit-dpo``)."""
+    build_wheels(session)
+    session.log(f"wheels in {DIST}: {', '.join(sorted(w.name for w in DIST.glob('toolkit*.whl')))}")
+
+
+@nox.session(tags=["tests"])
+def wheels(session: nox.Session) -> None:
+    """The install a user does: every wheel from ``nox -s build`` into a fresh venv (not editable),
+    then scripts/smoke_wheels.py (every plugin loads, a two-step SFT run exports and generates)."""
+    skipped = {p.name for p in PLUGINS if p.skip}
+    built = [(name, version) for name, version in build_wheels(session) if name not in skipped]
+    # pinned to the version just built, so a published release of the same name cannot win
+    install(session, *CONSTRAINTS, "--find-links", str(DIST), *[f"{name}=={version}" for name, version in built])
+    workdir = Path(session.create_tmp())
+    session.chdir(workdir)  # away from the repository, so `import toolkit` can only find the installed wheel
+    session.run("python", str(ROOT / "scripts" / "smoke_wheels.py"), *[name for name, _ in built], env={"HF_HUB_OFFLINE": "1"})
 
 
 @nox.session
