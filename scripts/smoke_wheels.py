@@ -14,11 +14,10 @@ import json
 import math
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from importlib import metadata
 from pathlib import Path
-
-REPOSITORY = Path(__file__).resolve().parents[1]
 
 
 def toolkit(*args: str) -> str:
@@ -32,8 +31,9 @@ def check_installed(distributions: list[str]) -> None:
     import toolkit as package
 
     location = Path(package.__file__).resolve()
-    if REPOSITORY in location.parents:
-        raise SystemExit(f"toolkit was imported from the source tree ({location}), not from the installed wheel")
+    site_packages = Path(sysconfig.get_paths()["purelib"]).resolve()
+    if site_packages not in location.parents:
+        raise SystemExit(f"toolkit was imported from {location}, not from the installed wheel in {site_packages}")
     for name in distributions:
         dist = metadata.distribution(name)
         if dist.read_text("direct_url.json") and '"editable": true' in dist.read_text("direct_url.json"):
