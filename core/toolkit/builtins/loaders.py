@@ -225,7 +225,8 @@ class DirectoryLoader:
         return Path(reference).is_dir()
 
     def load(self, reference: str, *, trust_remote_code: bool = False) -> ModelSource:
-        return load_hf_directory(reference, Path(reference), trust_remote_code)
+        # absolute: the directory ends up in files (adapter_config.json) read from other directories
+        return load_hf_directory(reference, Path(reference).expanduser().resolve(), trust_remote_code)
 
 
 def resolve_model(reference: str, trust_remote_code: bool = False) -> ModelSource:
