@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,8 +130,14 @@ class MegatronStrategy:
     def validate(self, recipe: Any, world_size: int) -> list[str]:
         problems = []
         layout = _layout(recipe)
-        if world_size % layout.model_parallel:
-            problems.append(f"world size {world_size} is not divisible by tp*pp*cp = {layout.tensor}*{layout.pipeline}*{layout.context}")
+        needed = math.lcm(layout.model_parallel, max(recipe.expert_parallel, 1) * max(recipe.expert_tensor_parallel, 1) * layout.pipeline)
+        if world_size == 1 and needed > 1:
+            from toolkit.commands.launch import launch_advice
+
+            problems.append(f"{layout.describe()} needs a multiple of {needed} processes and this is one process; {launch_advice(needed)}")
+        elif world_size % layout.model_parallel:
+            problems.append(f"world size {world_size} is not divisible by tp*pp*cp = {layout.tensor}*{layout.pipeline}*{layout.context}; "
+                            f"launch a multiple of {layout.model_parallel} processes")
         if recipe.expert_parallel < 1 or recipe.expert_tensor_parallel < 1:
             problems.append(f"--ep {recipe.expert_parallel} / --etp {recipe.expert_tensor_parallel}: sizes must be >= 1")
         if recipe.tuner not in ("full", "lora", "dora"):
@@ -140,6 +147,16 @@ class MegatronStrategy:
         return problems
 
     def build(self, source: Any, tuner: Any, loss: Any, recipe: Any) -> MegatronEngine:
+        import os
+        import sys
+
+        import torch
+
+        from toolkit_megatron.notices import fallback_notice
+
+        notice = fallback_notice(torch.cuda.is_available(), recipe.tensor_parallel)
+        if notice and os.environ.get("RANK", "0") == "0":
+            print(notice, file=sys.stderr)
         return MegatronEngine(source, tuner, loss, recipe, self.config)
 
     def checkpoint_tensors(self, checkpoint: Path, source: Any, tuner: Any, recipe: Any) -> Iterator[tuple[str, Any]]:
