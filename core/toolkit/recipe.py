@@ -59,6 +59,9 @@ class Recipe:
                                        "samples; padding-free attention on CUDA).")
     group_by_length: bool = option(True, help="Without --packing: put samples of similar length in the same "
                                               "micro-batch (less padding); batches still come in a seeded random order.")
+    streaming: bool = option(False, help="Read the datasets as a stream (datasets' streaming mode), a window of 4096 "
+                                         "records at a time, for sets that do not fit in memory; needs --max-steps; "
+                                         "resumes exactly.")
     isolate_documents: bool = option(False, help="PT: keep each document's attention and positions to itself inside "
                                                  "the joined rows (block-causal mask); default: attention runs across "
                                                  "document boundaries, as in Megatron's GPT pretraining.")
@@ -106,6 +109,13 @@ class Recipe:
             problems.append(f"zero must be 0, 1, 2 or 3, got {self.zero}")
         if not self.dataset:
             problems.append("dataset: give at least one --dataset")
+        if self.streaming:
+            problems += [f"streaming: {why}" for flag, why in (
+                (not self.max_steps, "a stream's length is unknown before it is read: give --max-steps"),
+                (self.eval_samples, "--eval-samples holds examples out of a list; not with --streaming"),
+                (self.dataset_ratios, "--dataset-ratios mixes whole sets; not with --streaming"),
+                (self.precompute_reference, "--precompute-reference needs every example up front; not with --streaming"),
+                (self.max_samples, "--max-samples: give --max-steps instead with --streaming")) if flag]
         return problems
 
     def section(self, name: str) -> dict[str, Any]:

@@ -134,9 +134,9 @@ def run_training(recipe: Recipe) -> Path:
         raise ConfigError(problems, source=f"--tuner {recipe.tuner}")
     run_dir = prepare_run_dir(recipe, world.is_main)
     recipe = keep_global_batch_size(recipe, run_dir, world.is_main)
-    from toolkit.data.pipeline import load_examples
+    from toolkit.data.pipeline import DataStats, load_examples
 
-    examples, stats = load_examples(
+    examples, stats = ([], DataStats()) if recipe.streaming else load_examples(
         recipe.dataset, source.tokenizer, dataset_format=recipe.dataset_format, columns=recipe.columns,
         train_on=getattr(loss, "train_on", "assistant"), seq_len=recipe.seq_len, max_samples=recipe.max_samples,
         example_kinds=loss.example_kinds, options=recipe.options, packing=recipe.packing,
@@ -175,11 +175,22 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
     eval_examples, examples = examples[: recipe.eval_samples], examples[recipe.eval_samples:]
     pad_id = source.tokenizer.pad_token_id if source.tokenizer.pad_token_id is not None else 0
     # PT rows that keep documents apart hold several sequences: they are collated as packed rows
-    packed_rows = recipe.packing or bool(stats.documents and recipe.isolate_documents)
-    batches = Batches(examples, seed=recipe.seed, seq_len=recipe.seq_len, packing=packed_rows,
-                      micro_batch_size=recipe.micro_batch_size, global_batch_size=recipe.global_batch_size,
-                      dp_rank=engine.dp_rank, dp_world_size=engine.dp_world_size, pad_id=pad_id,
-                      group_by_length=recipe.group_by_length, pad_multiple=pad_multiple(init_world().device))
+    pt = getattr(loss, "train_on", "assistant") == "all"
+    packed_rows = recipe.packing or bool((stats.documents or (recipe.streaming and pt)) and recipe.isolate_documents)
+    shared = dict(seed=recipe.seed, seq_len=recipe.seq_len, packing=packed_rows, micro_batch_size=recipe.micro_batch_size,
+                  global_batch_size=recipe.global_batch_size, dp_rank=engine.dp_rank, dp_world_size=engine.dp_world_size,
+                  pad_id=pad_id, group_by_length=recipe.group_by_length, pad_multiple=pad_multiple(init_world().device))
+    if recipe.streaming:
+        from toolkit.data.pipeline import stream_encoder
+        from toolkit.data.streaming import StreamBatches
+
+        encode = stream_encoder(source.tokenizer, dataset_format=recipe.dataset_format, columns=recipe.columns,
+                                train_on=getattr(loss, "train_on", "assistant"), seq_len=recipe.seq_len,
+                                example_kinds=loss.example_kinds, options=recipe.options, packing=recipe.packing,
+                                isolate_documents=recipe.isolate_documents, stats=stats)
+        batches: Any = StreamBatches(recipe.dataset, encode, max_steps=recipe.max_steps, **shared)
+    else:
+        batches = Batches(examples, **shared)
     stats.left_over_per_epoch = batches.left_over_examples(0)
     stats.rows, stats.row_fill = batches.epoch_fill(0)
     total_steps = recipe.max_steps or max(1, math.ceil(recipe.epochs * batches.steps_per_epoch))
@@ -189,6 +200,7 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
     if checkpoint is not None:
         engine.load_checkpoint(checkpoint)
         start_step = read_state(checkpoint)["step"]
+        batches.restore(read_state(checkpoint))
         restore_rng(checkpoint, engine.dp_rank)
         if engine.is_main:
             print(f"toolkit: resumed from {checkpoint} at step {start_step}", file=sys.stderr)
@@ -293,7 +305,7 @@ def _trainer_state(recipe: Recipe, engine: Any, batches: Any, done: int, result:
     loss = result.loss if result is not None and math.isfinite(result.loss) else None
     return {"step": done, "total_steps": total_steps, "epoch": max(done - 1, 0) // batches.steps_per_epoch,
             "loss": loss, "tuner": tuner.name, "strategy": recipe.strategy, "world_size": engine.dp_world_size,
-            "global_batch_size": batches.global_batch_size, "model": recipe.model, **guard.state()}
+            "global_batch_size": batches.global_batch_size, "model": recipe.model, **guard.state(), **batches.state()}
 
 
 def _rollback(engine: Any, checkpoint: Path) -> int:
