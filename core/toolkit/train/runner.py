@@ -111,6 +111,13 @@ def check_model_limits(recipe: Recipe, source: Any) -> None:
                          f"(max_position_embeddings in {source.directory / 'config.json'}); lower --seq-len")
 
 
+def check_eval_samples(recipe: Recipe, count: int) -> None:
+    """Held-out examples must leave some to train on (checked before the model is built)."""
+    if recipe.eval_samples and recipe.eval_samples >= count:
+        raise ConfigError(f"--eval-samples {recipe.eval_samples} holds out every example: the data has {count} after "
+                          f"encoding, so none would be left to train on; lower --eval-samples below {count}")
+
+
 def run_training(recipe: Recipe) -> Path:
     """Train as the recipe says; returns the run directory. Works the same under torchrun."""
     from toolkit.builtins.loaders import resolve_model
@@ -133,6 +140,7 @@ def run_training(recipe: Recipe) -> Path:
         recipe.dataset, source.tokenizer, dataset_format=recipe.dataset_format, columns=recipe.columns,
         train_on=getattr(loss, "train_on", "assistant"), seq_len=recipe.seq_len, max_samples=recipe.max_samples,
         example_kinds=loss.example_kinds, options=recipe.options, packing=recipe.packing)
+    check_eval_samples(recipe, len(examples))
     engine = strategy.build(source, tuner, loss, recipe)
     try:
         if recipe.precompute_reference and getattr(loss, "needs_reference", False):
