@@ -74,3 +74,120 @@ def test_eval_samples_larger_than_the_data_names_the_flag_and_the_count(tmp_path
     with pytest.raises(ConfigError) as error:
         run_training(resolve_recipe({"eval_samples": count, "seq_len": 64, "output": str(tmp_path / "run")}))
     assert f"--eval-samples {count} holds out every example: the data has {count}" in str(error.value)
+
+
+# ----------------------------------------------------------------------------------------------- records
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}"
+    "{% for call in message.tool_calls or [] %}<tool_call>{{ call.function.name }} {{ call.function.arguments | tojson }}"
+    "</tool_call>{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Weather of a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+@pytest.fixture
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from toolkit.builtins.loaders import TOKENIZER_DIR
+
+    return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+
+
+def write_jsonl(path, *records):
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def encode(path, tokenizer, **kw):
+    from toolkit.data.pipeline import load_examples
+
+    return load_examples([path], tokenizer, seq_len=512, **kw)[0]
+
+
+def refusal(path, tokenizer, **kw):
+    from toolkit.errors import DataError
+
+    with pytest.raises(DataError) as error:
+        encode(path, tokenizer, **kw)
+    return str(error.value)
+
+
+GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+
+
+def test_null_content_is_refused_with_file_and_line(tmp_path, tokenizer):
+    bad = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]}
+    path = write_jsonl(tmp_path / "chat.jsonl", GOOD, bad)
+    assert f"{path}, line 2: message 1 'content' must be text, got null" in refusal(path, tokenizer)
+
+
+@pytest.mark.parametrize("field,value,got", [("output", ["a", "b"], "list"), ("output", {"a": 1}, "dict"),
+                                              ("instruction", 7, "int"), ("input", [1], "list")])
+def test_alpaca_fields_that_are_not_text_are_refused(tmp_path, tokenizer, field, value, got):
+    record = {"instruction": "say", "input": "", "output": "ok", field: value}
+    path = write_jsonl(tmp_path / "alpaca.jsonl", {"instruction": "a", "output": "b"}, record)
+    assert f"{path}, line 2: column '{field}' must be text, got {got}" in refusal(path, tokenizer)
+
+
+def test_text_content_parts_are_joined_like_the_string(tmp_path, tokenizer):
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]},
+                          {"role": "assistant", "content": [{"type": "text", "text": "hello"}]}]}
+    plain = {"messages": [{"role": "user", "content": "hi\nthere"}, {"role": "assistant", "content": "hello"}]}
+    (a,), (b,) = encode(write_jsonl(tmp_path / "a.jsonl", parts), tokenizer), encode(write_jsonl(tmp_path / "b.jsonl", plain), tokenizer)
+    assert a.sequences[0].input_ids == b.sequences[0].input_ids and a.sequences[0].labels == b.sequences[0].labels
+
+
+def test_an_image_part_is_refused_naming_its_type(tmp_path, tokenizer):
+    record = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]},
+                           {"role": "assistant", "content": "a cat"}]}
+    path = write_jsonl(tmp_path / "chat.jsonl", record)
+    assert f"{path}, line 1: message 0, content part 0 is type 'image_url'" in refusal(path, tokenizer)
+
+
+def test_tool_calls_and_tools_render_as_the_template_defines_them(tmp_path, tokenizer):
+    tokenizer.chat_template = TOOL_TEMPLATE
+    messages = [{"role": "user", "content": "weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "It is sunny."}]
+    path = write_jsonl(tmp_path / "tools.jsonl", {"messages": messages, "tools": TOOLS, "system": "Be brief."})
+    (example,) = encode(path, tokenizer)
+    reference_messages = [{"role": "system", "content": "Be brief."}, messages[0],
+                          {**messages[1], "content": "", "tool_calls": [
+                              {"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}]},
+                          *messages[2:]]
+    text = tokenizer.apply_chat_template(reference_messages, tools=TOOLS, tokenize=False)
+    assert '<tool_call>weather {"city": "Paris"}</tool_call>' in text and '"name": "weather"' in text
+    ids = example.sequences[0].input_ids
+    assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+    trained = tokenizer.decode([label for label in example.sequences[0].labels if label >= 0])
+    assert "<tool_call>weather" in trained and "It is sunny." in trained and "Paris?" not in trained and "sunny<" not in trained
+
+
+def test_a_template_without_tool_support_is_refused_not_trained_without_the_calls(tmp_path, tokenizer):
+    record = {"messages": [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "weather", "arguments": {}}}]}, {"role": "assistant", "content": "ok"}]}
+    path = write_jsonl(tmp_path / "tools.jsonl", record)
+    assert "message 1 has tool_calls, but the tokenizer's chat template does not render tool calls" in refusal(path, tokenizer)
+    path = write_jsonl(tmp_path / "tools2.jsonl", {**GOOD, "tools": TOOLS})
+    assert f"{path}, line 1: the record has 'tools', but the tokenizer's chat template does not render tools" in refusal(path, tokenizer)
+
+
+def test_a_chat_template_escaping_the_sandbox_is_a_one_line_refusal(tmp_path, tokenizer):
+    tokenizer.chat_template = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    path = write_jsonl(tmp_path / "chat.jsonl", GOOD)
+    assert "chat template tried something jinja's sandbox forbids" in refusal(path, tokenizer)
+
+
+def test_preference_messages_with_null_content_are_refused(tmp_path, tokenizer):
+    pytest.importorskip("toolkit_dpo")
+    record = {"prompt": [{"role": "user", "content": "q"}], "chosen": [{"role": "assistant", "content": None}],
+              "rejected": "no"}
+    path = write_jsonl(tmp_path / "prefs.jsonl", record)
+    message = refusal(path, tokenizer, example_kinds=("preference",))
+    assert f"{path}, line 1: chosen[0] 'content' must be text, got null" in message

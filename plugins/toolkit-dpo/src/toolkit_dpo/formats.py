@@ -27,21 +27,14 @@ def _require(record: dict[str, Any], columns: tuple[str, ...], where: str, fmt: 
 
 
 def _messages(value: Any, where: str, column: str) -> list[dict[str, str]]:
-    from toolkit.data.template import ROLES
+    from toolkit.data.template import normalise_message
 
     if isinstance(value, str):
         return [{"role": "user" if column == "prompt" else "assistant", "content": value}]
     if not isinstance(value, list) or not value:
         raise DataError(f"{where}: column {column!r} must be a string or a non-empty list of messages, "
                         f"got {type(value).__name__}")
-    out = []
-    for i, message in enumerate(value):
-        if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            raise DataError(f"{where}: {column}[{i}] needs 'role' and 'content', got {message!r:.120}")
-        if message["role"] not in ROLES:
-            raise DataError(f"{where}: {column}[{i}] has role {message['role']!r}; roles: {', '.join(ROLES)}")
-        out.append({"role": message["role"], "content": str(message["content"])})
-    return out
+    return [normalise_message(message, f"{column}[{i}]", where) for i, message in enumerate(value)]
 
 
 def _split_prompt(record: dict[str, Any], response_column: str, where: str) -> tuple[list | None, list]:
