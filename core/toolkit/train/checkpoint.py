@@ -116,26 +116,33 @@ def find_resume_checkpoint(run_dir: Path, resume: str, verify: str = "sha256",
     a path: that checkpoint, or a CheckpointError saying what is wrong with it."""
     report = report or (lambda line: print(line, file=sys.stderr, flush=True))
     if resume == "auto":
+        damaged = []
         for path in reversed(step_dirs(run_dir)):
             problem = checkpoint_problem(path, verify)
             if problem is None:
                 if is_unverified(path):
                     report(f"toolkit: checkpoint {path} has no {MANIFEST_FILE} (written before manifests); resuming without verifying it")
                 return path
+            damaged.append(f"{path.name}: {problem}")
             report(f"toolkit: skipping damaged checkpoint {path}: {problem}; falling back to the one before it")
+        if damaged:  # restarting from step 0 would silently throw away the run's history
+            raise CheckpointError(f"every checkpoint in {checkpoints_dir(run_dir)} is damaged ({'; '.join(damaged)}); "
+                                  "there is nothing whole to resume from. Restore one from a backup, or start the run "
+                                  "over with --overwrite instead of --resume")
         return None
     path = Path(resume)
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint {resume} does not exist. {_whole_ones(run_dir)}")
+        raise CheckpointError(f"checkpoint {resume} does not exist. {_whole_ones(run_dir, verify)}")
     problem = checkpoint_problem(path, verify)
     if problem is not None:
-        raise CheckpointError(f"checkpoint {resume} is damaged: {problem}. {_whole_ones(run_dir)} "
+        raise CheckpointError(f"checkpoint {resume} is damaged: {problem}. {_whole_ones(run_dir, verify, path)} "
                               "(--resume auto picks the newest whole one)")
     return path
 
 
-def _whole_ones(run_dir: Path) -> str:
-    found = list_checkpoints(run_dir)
+def _whole_ones(run_dir: Path, verify: str, refused: Path | None = None) -> str:
+    """The whole checkpoints, checked as thoroughly as the refused one was (a byte flip passes a size check)."""
+    found = [p for p in list_checkpoints(run_dir, verify) if refused is None or p.resolve() != refused.resolve()]
     return f"Whole checkpoints in {checkpoints_dir(run_dir)}: {', '.join(p.name for p in found) if found else 'none'}."
 
 
