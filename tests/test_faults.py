@@ -84,3 +84,79 @@ def test_a_kill_during_the_metrics_rewrite_at_resume_loses_no_history(copy, monk
     with pytest.raises(KeyboardInterrupt):
         train(copy, resume="auto", max_steps=8)
     assert (copy / "metrics.jsonl").read_text() == before
+
+
+# ----------------------------------------------------------------------------------------------- exit codes, pipes
+ENV = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+FLAGS = ["sft", "--model", "tiny-llama", "--dataset", "demo", "--seq-len", "64", "--micro-batch-size", "2", "--lr", "1e-3"]
+
+
+def start(*args, **popen):
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-m", "toolkit", *FLAGS, *map(str, args)], env={**os.environ, **ENV}, **popen)
+
+
+def test_a_dead_log_reader_then_ctrl_c_still_saves_and_exits_stopped(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from toolkit.errors import EXIT_STOPPED
+
+    run = tmp_path / "run"
+    # `toolkit sft ... 2>&1 | tee log`, then Ctrl-C: tee dies first, the run's next prints hit a closed pipe
+    process = start("--max-steps", "100000", "--log-every", "1", "--output", run, stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT)
+    assert process.stdout.readline()  # the run is talking
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().count("\n") >= 2):
+        time.sleep(0.1)
+    process.stdout.close()
+    time.sleep(1.0)  # a few step lines are written to the closed pipe
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=120) == EXIT_STOPPED
+    (checkpoint,) = ckpt.list_checkpoints(run, "sha256")
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert ckpt.read_state(checkpoint)["step"] == steps[-1] >= 2
+
+    # the same run resumed to its end with nobody reading at all: finished, exported, status 0
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    last = steps[-1] + 2
+    done = start("--max-steps", last, "--resume", "auto", "--output", run, "--export", "hf", stdout=write_end, stderr=write_end)
+    os.close(write_end)
+    assert done.wait(timeout=120) == 0
+    assert (run / "export" / "model.safetensors").is_file() and ckpt.read_state(ckpt.step_dirs(run)[-1])["step"] == last
+
+
+def test_stop_after_exits_75_and_a_stop_on_the_last_step_still_exports(tmp_path, cli_runner):
+    from toolkit.errors import EXIT_STOPPED
+
+    run = tmp_path / "run"
+    stopped = cli_runner.invoke(*FLAGS, "--max-steps", "4", "--stop-after", "2", "--export", "hf", "--output", run)
+    assert stopped.exit_code == EXIT_STOPPED, stopped.output
+    assert "toolkit: stopped at step 2 of 4; checkpoint" in stopped.stderr and "--resume auto" in stopped.stderr
+    assert "Error" not in stopped.stderr and not (run / "export").exists()
+
+
+def test_a_signal_during_the_last_step_finishes_the_run_and_exports(tmp_path, monkeypatch):
+    import signal
+
+    from toolkit.builtins.strategies import LocalEngine
+
+    real, calls = LocalEngine.train_step, []
+
+    def signalled_on_step_4(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            signal.raise_signal(signal.SIGTERM)  # the handler asks for a stop after this step
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(LocalEngine, "train_step", signalled_on_step_4)
+    run = run_training(resolve_recipe({**RECIPE, "max_steps": 4, "export": "hf", "output": str(tmp_path / "run")}),
+                       raise_if_stopped=True)  # no RunStopped: the run is finished
+    assert len(calls) == 4 and (run / "export" / "model.safetensors").is_file()

@@ -140,7 +140,7 @@ def make_training_command(name: str, loss: str | None, help_text: str, manager: 
         recipe = resolve_recipe(values, source=config or "command line", manager=manager)
         from toolkit.train.runner import run_training
 
-        run_training(recipe)
+        run_training(recipe, raise_if_stopped=True)
 
     return click.Command(name, params=params, callback=callback, help=help_text, short_help=help_text.split("\n")[0],
                          context_settings={"max_content_width": 110})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import signal
 import sys
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from toolkit.errors import ConfigError, LayoutError, ModelError, ToolkitError
+from toolkit.errors import EXIT_STOPPED, ConfigError, LayoutError, ModelError, RunStopped, ToolkitError
 from toolkit.recipe import Recipe, thing_options
 
 
@@ -118,8 +119,13 @@ def check_eval_samples(recipe: Recipe, count: int) -> None:
                           f"encoding, so none would be left to train on; lower --eval-samples below {count}")
 
 
-def run_training(recipe: Recipe) -> Path:
-    """Train as the recipe says; returns the run directory. Works the same under torchrun."""
+def run_training(recipe: Recipe, raise_if_stopped: bool = False) -> Path:
+    """Train as the recipe says; returns the run directory. Works the same under torchrun.
+
+    A run stopped before its last step (a signal, ``--stop-after``) prints where it stopped; with
+    ``raise_if_stopped`` (the CLI) a single process raises :class:`RunStopped` (exit status 75). Ranks under
+    torchrun exit 0, since torchrun reports any other status as its own failure; rank 0 writes ``stopped`` to
+    ``$TOOLKIT_STATUS_FILE`` when set, which ``toolkit launch`` turns into 75."""
     from toolkit.builtins.loaders import resolve_model
     from toolkit.train.distributed import end_if_peer_lost, init_world, shutdown, start_watchdog
     from toolkit.train.numerics import NumericalError
@@ -147,7 +153,7 @@ def run_training(recipe: Recipe) -> Path:
             from toolkit.train.reference import precompute_reference_logps
 
             precompute_reference_logps(engine, examples, recipe, source, run_dir)
-        _train_loop(recipe, run_dir, engine, loss, tuner, source, examples, stats)
+        stopped = _train_loop(recipe, run_dir, engine, loss, tuner, source, examples, stats)
     except NumericalError as exc:
         if not world.distributed:
             raise
@@ -161,12 +167,21 @@ def run_training(recipe: Recipe) -> Path:
         raise
     finally:
         engine.close()
+    if stopped is not None:
+        if raise_if_stopped and not world.distributed:
+            raise RunStopped(stopped)
+        if world.is_main:
+            print(f"toolkit: {stopped}", file=sys.stderr)
+            if os.environ.get("TOOLKIT_STATUS_FILE"):
+                Path(os.environ["TOOLKIT_STATUS_FILE"]).write_text("stopped\n")
     if world.distributed:
         shutdown(exit_code=0)
     return run_dir
 
 
-def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: Any, source: Any, examples: list, stats: Any) -> None:
+def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: Any, source: Any, examples: list,
+                stats: Any) -> str | None:
+    """Train to the last step (returns None) or until a stop is asked for (returns what to tell the user)."""
     from toolkit.data.pipeline import Batches
     from toolkit.train.checkpoint import agree_on_resume, list_checkpoints, read_state, restore_rng, save_checkpoint
     from toolkit.train.distributed import note_collective, start_watchdog
@@ -200,7 +215,7 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
     if checkpoint is not None:
         guard.restore(read_state(checkpoint))
     log = _StepLog(recipe, engine, loss, callbacks, eval_batches, total_steps, batches.steps_per_epoch, start_step)
-    step, result = start_step, None
+    step, result, stopped = start_step, None, None
     with StopFlag() as stop:
         while step < total_steps:
             done = step + 1
@@ -227,15 +242,16 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
             if (recipe.save_every and done % recipe.save_every == 0) or done == total_steps or stopping:
                 state = _trainer_state(recipe, engine, batches, done, result, total_steps, tuner, guard)
                 path = save_checkpoint(run_dir, done, engine, state, recipe.keep_last)
-                if engine.is_main and stopping:
-                    print(f"toolkit: stopped at step {done}; checkpoint {path}. Continue with --resume auto.", file=sys.stderr)
-            if stopping:
+            if stopping and done < total_steps:  # a stop asked for during the last step still finishes the run
+                stopped = (f"stopped at step {done} of {total_steps}; checkpoint {path} is whole. Run the same command "
+                           f"with --resume auto to continue (exit status {EXIT_STOPPED}: stopped, resumable).")
                 break
             step = done
     for cb in callbacks:
         cb.on_train_end(info)
-    if recipe.export and not stop.requested:
+    if recipe.export and stopped is None:
         export_after_training(recipe, run_dir, engine, source, tuner)
+    return stopped
 
 
 class _StepLog:
