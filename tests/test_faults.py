@@ -160,3 +160,28 @@ def test_a_signal_during_the_last_step_finishes_the_run_and_exports(tmp_path, mo
     run = run_training(resolve_recipe({**RECIPE, "max_steps": 4, "export": "hf", "output": str(tmp_path / "run")}),
                        raise_if_stopped=True)  # no RunStopped: the run is finished
     assert len(calls) == 4 and (run / "export" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_toolkit_launch_stops_every_rank_cleanly_with_status_75(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from toolkit.testing import free_port
+
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "toolkit", "launch", "--nproc", "2", "--master-port", str(free_port()), *FLAGS,
+               "--max-steps", "100000", "--output", str(run)]
+    process = subprocess.Popen(command, env={**os.environ, **ENV}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 180
+    while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().count("\n") >= 2):
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends
+    _, err = process.communicate(timeout=180)
+    assert process.returncode == 75, err[-3000:]
+    assert "Traceback" not in err and "SignalException" not in err and "stopped at step" in err
+    (checkpoint,) = ckpt.list_checkpoints(run, "sha256")
+    assert ckpt.read_state(checkpoint)["world_size"] == 2
