@@ -185,3 +185,52 @@ def test_ctrl_c_under_toolkit_launch_stops_every_rank_cleanly_with_status_75(tmp
     assert "Traceback" not in err and "SignalException" not in err and "stopped at step" in err
     (checkpoint,) = ckpt.list_checkpoints(run, "sha256")
     assert ckpt.read_state(checkpoint)["world_size"] == 2
+
+
+# ----------------------------------------------------------------------------------------------- exports
+def test_export_overwrite_refuses_a_folder_that_is_not_a_previous_export(tmp_path, cli_runner):
+    target = tmp_path / "home"
+    target.mkdir()
+    (target / "notes.txt").write_text("mine")
+    refused = cli_runner.invoke("export", "tiny-llama", "--output", target, "--overwrite")
+    assert refused.exit_code == 1 and "Traceback" not in refused.output
+    assert f"--overwrite refuses to replace {target}: it is not a previous toolkit export" in refused.stderr
+    assert (target / "notes.txt").read_text() == "mine"
+    fresh = tmp_path / "export"
+    assert cli_runner.invoke("export", "tiny-llama", "--output", fresh).exit_code == 0
+    again = cli_runner.invoke("export", "tiny-llama", "--output", fresh, "--overwrite")
+    assert again.exit_code == 0, again.output
+    assert (fresh / "model.safetensors").is_file()
+
+
+def test_exports_follow_the_umask(tmp_path, cli_runner):
+    import os
+    import stat
+
+    previous = os.umask(0o022)
+    try:
+        assert cli_runner.invoke("export", "tiny-llama", "--output", tmp_path / "out").exit_code == 0
+    finally:
+        os.umask(previous)
+    out = tmp_path / "out"
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    assert {stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {0o644}
+
+
+def test_sigterm_during_an_export_leaves_no_staging_folder_and_the_next_export_sweeps_dead_ones(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    code = ("import signal, sys; from pathlib import Path; from toolkit.export import atomic_dir\n"
+            f"atomic_dir(Path({str(out)!r}), lambda tmp: ((tmp / 'part').write_text('x'), signal.raise_signal(signal.SIGTERM)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 143, done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+    from toolkit.export import atomic_dir
+
+    dead = tmp_path / ".out-999999999-x1"  # a staging folder of an export killed with SIGKILL (no such process now)
+    dead.mkdir()
+    atomic_dir(out, lambda tmp: (tmp / "weights").write_text("w"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and (out / "weights").is_file()

@@ -12,6 +12,8 @@ from typing import Any
 
 from toolkit.contracts import ExportModel, ModelSource
 from toolkit.errors import ConfigError, ToolkitError
+from toolkit.hfdir import ExportError
+from toolkit.writes import is_write_failure, write_failure_text
 
 
 def hf_dir_tensors(source: ModelSource) -> Callable[[], Iterator[tuple[str, Any]]]:
@@ -87,8 +89,7 @@ def export_model(model: ExportModel, exporter: str, output: str | Path, *, overw
     cls = get_plugin_manager().get("exporter", exporter)
     instance = cls(options if options is not None else cls.Config())
     output = Path(output)
-    if output.exists() and any(output.iterdir()) and not overwrite:
-        raise ToolkitError(f"export output {output} exists and is not empty; pass --overwrite or choose another --output")
+    check_output(output, overwrite)
     if adapter_only:
         if model.adapter is None:
             raise ToolkitError(f"{model.description} has no adapters; --adapter-only applies to LoRA/DoRA/QLoRA runs")
@@ -99,19 +100,102 @@ def export_model(model: ExportModel, exporter: str, output: str | Path, *, overw
     return atomic_dir(output, lambda tmp: instance.export(model, tmp, instance.config))
 
 
+EXPORT_MARKER = ".toolkit-export"
+"""Written into every export: ``--overwrite`` replaces only a folder that holds it (or an empty one)."""
+
+
+def check_output(output: Path, overwrite: bool) -> None:
+    """An existing, non-empty output is replaced only with ``overwrite`` and only when it is a previous export:
+    ``--overwrite`` pointed at the wrong folder must not delete unrelated files."""
+    if output.exists() and not output.is_dir():
+        raise ExportError(f"export output {output} is a file, not a directory; choose another --output")
+    if not output.is_dir() or not any(output.iterdir()):
+        return
+    if not overwrite:
+        raise ExportError(f"export output {output} exists and is not empty; pass --overwrite or choose another --output")
+    in_run = (output.parent / "recipe.yaml").is_file() and output.name.startswith("export")
+    if not (output / EXPORT_MARKER).is_file() and not in_run:
+        shown = ", ".join(sorted(p.name for p in output.iterdir())[:5])
+        raise ExportError(f"--overwrite refuses to replace {output}: it is not a previous toolkit export (no "
+                          f"{EXPORT_MARKER} file) and holds other files ({shown}, ...). Choose an empty or new --output, "
+                          "or remove it yourself")
+
+
 def atomic_dir(output: Path, write: Callable[[Path], Any]) -> Path:
-    """Run ``write`` into a temporary sibling folder, then replace ``output`` with it."""
+    """Run ``write`` into a temporary sibling folder, then replace ``output`` with it.
+
+    The staging folder is named after this process (``.NAME-PID-*``): one left by an export that was killed
+    is removed by the next export to the same place. SIGTERM during the write removes it on the way out.
+    Files get the permissions of the user's umask (mkdtemp makes 0700 folders, safetensors 0600 files)."""
     output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}-", dir=output.parent))
+    remove_dead_staging(output)
     try:
-        write(staging)
-        if output.exists():
-            shutil.rmtree(output)
-        os.replace(staging, output)
-    except BaseException:
+        staging = Path(tempfile.mkdtemp(prefix=f".{output.name}-{os.getpid()}-", dir=output.parent))
+    except OSError as exc:
+        raise ExportError(f"cannot write the export next to {output}: {exc}") from None
+    try:
+        with _sigterm_raises():
+            write(staging)
+            (staging / EXPORT_MARKER).write_text("")
+            apply_umask(staging)
+            if output.exists():
+                shutil.rmtree(output)
+            os.replace(staging, output)
+    except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
+        if is_write_failure(exc):
+            raise ExportError(f"the export to {output} could not be written ({write_failure_text(exc, output.parent)}); "
+                              "nothing was left behind. Free space there or choose another --output") from exc
         raise
     return output
+
+
+def remove_dead_staging(output: Path) -> None:
+    """Remove ``.NAME-PID-*`` staging folders of exports whose process is gone."""
+    for leftover in output.parent.glob(f".{output.name}-*-*"):
+        pid = leftover.name[len(output.name) + 2:].split("-", 1)[0]
+        if leftover.is_dir() and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class _sigterm_raises:
+    """SIGTERM (a scheduler, ``kill``) raises SystemExit(143) in the main thread, so ``finally`` blocks clean up."""
+
+    def __enter__(self) -> None:
+        import signal
+        import threading
+
+        self.previous = None
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            self.previous = signal.signal(signal.SIGTERM, self._raise)
+
+    @staticmethod
+    def _raise(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    def __exit__(self, *exc: Any) -> None:
+        import signal
+
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+
+
+def apply_umask(directory: Path) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [directory, *directory.rglob("*")]:
+        if not path.is_symlink():
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def parse_options(cls: type, extra: tuple[str, ...], flag: str = "--option") -> Any:

@@ -3,7 +3,6 @@ renamed into place; verified before a resume, which falls back past a damaged on
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.errors import ToolkitError
+from toolkit.writes import is_disk_full, is_write_failure
 
 STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"
@@ -25,7 +25,6 @@ MANIFEST_FILE = "manifest.json"
 CHECKPOINT_FORMAT = 2
 STEP_DIR = re.compile(r"^step-(\d+)$")
 LEFTOVER_DIR = re.compile(r"^\.(tmp|del)-step-\d+$")
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 SHARE_PREFIX = ".manifest-share-rank"
 _CHUNK = 8 << 20
 
@@ -313,18 +312,15 @@ def _phase(engine: Any, run_dir: Path, step: int, staging: Path, work: Callable[
             work()
         except Exception as exc:  # noqa: BLE001 - every rank must hear about it before anyone raises
             error = exc
-    failed, disk_full = engine.all_reduce_sum([1.0 if error else 0.0, 1.0 if _is_disk_full(error) else 0.0])
+    disk_full = is_disk_full(error, checkpoints_dir(run_dir))
+    failed, disk_full_anywhere = engine.all_reduce_sum([1.0 if error else 0.0, 1.0 if disk_full else 0.0])
     if not failed:
         return
     if engine.is_main:
         shutil.rmtree(staging, ignore_errors=True)
-    if error is not None and not isinstance(error, OSError):
+    if error is not None and not is_write_failure(error):  # torch's and safetensors' write errors are not OSErrors
         raise error
-    raise write_failure(run_dir, step, error, disk_full > 0) from error
-
-
-def _is_disk_full(error: BaseException | None) -> bool:
-    return isinstance(error, OSError) and error.errno in DISK_FULL
+    raise write_failure(run_dir, step, error, disk_full_anywhere > 0) from error
 
 
 def write_failure(run_dir: Path, step: int, error: BaseException | None, disk_full: bool) -> CheckpointError:
@@ -335,7 +331,7 @@ def write_failure(run_dir: Path, step: int, error: BaseException | None, disk_fu
         kept = f"{whole[-1]} is still whole: `--resume auto` continues from it (step {step_of(whole[-1])})"
     else:
         kept = "there is no earlier checkpoint: the run would restart from step 0"
-    what = "another rank failed" if error is None else f"{type(error).__name__}: {error}"
+    what = "another rank failed" if error is None else f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:240]
     if disk_full:
         free = shutil.disk_usage(root).free if root.is_dir() else 0
         need = f"; the last checkpoint took {_size(whole[-1]) / 2**30:.2f} GiB" if whole else ""

@@ -70,10 +70,17 @@ def prepare_run_dir(recipe: Recipe, is_main: bool) -> Path:
 def write_recipe(recipe: Recipe, run_dir: Path) -> None:
     import yaml
 
+    from toolkit.writes import write_failure_text
+
     data = recipe.to_yaml_dict()
     tmp = run_dir / ".recipe.yaml.tmp"
-    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
-    tmp.replace(run_dir / "recipe.yaml")
+    try:
+        tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+        tmp.replace(run_dir / "recipe.yaml")
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise ToolkitError(f"cannot write {run_dir / 'recipe.yaml'} ({write_failure_text(exc, run_dir)}); nothing "
+                           "was trained or changed. Free space there or choose another --output") from None
 
 
 def resolve_components(recipe: Recipe, world_size: int) -> tuple[Any, Any, Any, Recipe]:
