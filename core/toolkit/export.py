@@ -41,8 +41,12 @@ def load_run_recipe(run_dir: Path) -> Any:
     return resolve_recipe(values, source=str(path))
 
 
-def checkpoint_source(checkpoint: Path, run_dir: Path, adapter_only: bool = False) -> ExportModel:
-    """An ExportModel for a training checkpoint: the run's strategy turns it into HF tensors."""
+def checkpoint_source(checkpoint: Path, run_dir: Path, adapter_only: bool = False,
+                      trust_remote_code: bool = False) -> ExportModel:
+    """An ExportModel for a training checkpoint: the run's strategy turns it into HF tensors.
+
+    ``trust_remote_code`` comes from this command's flag, never from the run's recipe.yaml: whoever
+    hands over a run directory writes its recipe too."""
     from toolkit.builtins.loaders import resolve_model
     from toolkit.plugins import get_plugin_manager
     from toolkit.recipe import thing_options
@@ -51,7 +55,7 @@ def checkpoint_source(checkpoint: Path, run_dir: Path, adapter_only: bool = Fals
     manager = get_plugin_manager()
     strategy_cls, tuner_cls = manager.get("strategy", recipe.strategy), manager.get("tuner", recipe.tuner)
     strategy, tuner = strategy_cls(thing_options(recipe, strategy_cls)), tuner_cls(thing_options(recipe, tuner_cls))
-    source = resolve_model(recipe.model, recipe.trust_remote_code)
+    source = resolve_model(recipe.model, trust_remote_code)
     adapter = None
     if hasattr(tuner, "adapter_from_checkpoint"):
         adapter = lambda: tuner.adapter_from_checkpoint(checkpoint, source, recipe)  # noqa: E731
@@ -61,7 +65,7 @@ def checkpoint_source(checkpoint: Path, run_dir: Path, adapter_only: bool = Fals
                        adapter=adapter, description=f"checkpoint {checkpoint}")
 
 
-def resolve_export_source(reference: str, adapter_only: bool = False) -> ExportModel:
+def resolve_export_source(reference: str, adapter_only: bool = False, trust_remote_code: bool = False) -> ExportModel:
     from toolkit.builtins.loaders import resolve_model
     from toolkit.plugins import get_plugin_manager
     from toolkit.train.checkpoint import MANIFEST_FILE, STATE_FILE, find_resume_checkpoint
@@ -74,11 +78,11 @@ def resolve_export_source(reference: str, adapter_only: bool = False) -> ExportM
         newest = find_resume_checkpoint(path, "auto")
         if newest is None:
             raise ToolkitError(f"run {path} has no complete checkpoint under {path / 'checkpoints'} yet")
-        return checkpoint_source(newest, path, adapter_only)
+        return checkpoint_source(newest, path, adapter_only, trust_remote_code)
     if (path / STATE_FILE).is_file() or (path / MANIFEST_FILE).is_file():
         find_resume_checkpoint(path.parent.parent, str(path))  # a damaged one is a CheckpointError saying what is wrong
-        return checkpoint_source(path, path.parent.parent, adapter_only)
-    source = resolve_model(reference)
+        return checkpoint_source(path, path.parent.parent, adapter_only, trust_remote_code)
+    source = resolve_model(reference, trust_remote_code)
     return ExportModel(source=source, tensors=hf_dir_tensors(source), description=f"model {reference}")
 
 
@@ -215,14 +219,14 @@ def parse_options(cls: type, extra: tuple[str, ...], flag: str = "--option") -> 
 
 
 def run_export(reference: str, exporter: str, output: str, *, merge_lora: bool = True, adapter_only: bool = False,
-               extra: tuple[str, ...] = (), overwrite: bool = False) -> Path:
+               extra: tuple[str, ...] = (), overwrite: bool = False, trust_remote_code: bool = False) -> Path:
     from toolkit.plugins import get_plugin_manager
 
     cls = get_plugin_manager().get("exporter", exporter)
     options = parse_options(cls, extra)
     if not merge_lora and not adapter_only:
         adapter_only = True
-    model = resolve_export_source(reference, adapter_only)
+    model = resolve_export_source(reference, adapter_only, trust_remote_code)
     path = export_model(model, exporter, output, overwrite=overwrite, options=options, adapter_only=adapter_only)
     print(f"exported {model.description} with {exporter!r} to {path}")
     return path

@@ -106,11 +106,32 @@ def materialize_preset(name: str, directory: Path | None = None, seed: int = 0, 
     return target
 
 
+def check_remote_code(directory: Path, trust_remote_code: bool) -> None:
+    """Refuse a model whose config or tokenizer names its own Python code (``auto_map``) unless this command was
+    given ``--trust-remote-code``: transformers would otherwise ask on a terminal (one "y" runs it) or fail
+    with an EOFError without one."""
+    if trust_remote_code:
+        return
+    for name in ("config.json", "tokenizer_config.json"):
+        path = Path(directory) / name
+        try:
+            data = json.loads(path.read_text()) if path.is_file() else {}
+        except (OSError, ValueError):
+            continue  # an unreadable config is reported by the loader that reads it
+        auto_map = data.get("auto_map") if isinstance(data, dict) else None
+        if auto_map:
+            shown = ", ".join(sorted({str(v if isinstance(v, str) else v[0]).split(".")[0] for v in
+                                      (auto_map.values() if isinstance(auto_map, dict) else [auto_map]) if v}))
+            raise ModelError(f"{path} asks to run the model's own Python code ({shown or 'auto_map'}); it was not run. "
+                             "Remote code runs only when --trust-remote-code is given on this command line")
+
+
 def load_hf_directory(reference: str, directory: Path, trust_remote_code: bool = False) -> ModelSource:
     from transformers import AutoConfig, AutoTokenizer
 
     if not (directory / "config.json").is_file():
         raise ModelError(f"{directory} is not a Hugging Face model directory: config.json is missing")
+    check_remote_code(directory, trust_remote_code)
     weights = sorted(directory.glob("*.safetensors"))
     if not weights:
         found = ", ".join(sorted(p.name for p in directory.iterdir())) or "nothing"

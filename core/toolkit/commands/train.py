@@ -127,6 +127,9 @@ def make_training_command(name: str, loss: str | None, help_text: str, manager: 
 
         config = kwargs.get("config")
         values = read_yaml(config) if config else {}
+        if values.get("trust_remote_code") is True and not kwargs.get("trust_remote_code"):
+            raise click.UsageError(f"{config} sets trust_remote_code: true; the model's own code runs only when "
+                                   "--trust-remote-code is given on this command line")
         flags = _collect_values(kwargs, sections)
         for key, value in flags.items():
             if isinstance(value, dict) and isinstance(values.get(key), dict):

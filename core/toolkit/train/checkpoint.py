@@ -360,7 +360,9 @@ def restore_rng(checkpoint: Path, rank: int) -> None:
     path = checkpoint / f"rng-rank{rank}.pt"
     if not path.is_file():
         return
-    rng = torch.load(path, weights_only=True)
+    from toolkit.train.safe_load import load_tensors_file
+
+    rng = load_tensors_file(path)
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
@@ -393,6 +395,9 @@ def read_model_state(checkpoint: Path, templates: dict[str, Any]) -> dict[str, A
     import torch
     import torch.distributed.checkpoint as dcp
 
+    from toolkit.train.safe_load import check_dcp_metadata
+
+    check_dcp_metadata(checkpoint / "dcp")  # torch unpickles .metadata: refuse one that would run code
     state = {name: torch.empty(tensor.shape, dtype=tensor.dtype) for name, tensor in templates.items()}
     dcp.load({"model": state}, checkpoint_id=str(checkpoint / "dcp"), no_dist=True)
     return state
