@@ -234,3 +234,28 @@ def test_sigterm_during_an_export_leaves_no_staging_folder_and_the_next_export_s
     dead.mkdir()
     atomic_dir(out, lambda tmp: (tmp / "weights").write_text("w"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and (out / "weights").is_file()
+
+
+# ----------------------------------------------------------------------------------------------- resume with other settings
+def test_resuming_with_other_training_settings_names_them_and_needs_resume_changed(copy):
+    from toolkit.errors import ConfigError
+
+    recipe = (copy / "recipe.yaml").read_text()
+    with pytest.raises(ConfigError) as error:
+        train(copy, resume="auto", max_steps=8, lr=3e-4, seed=7, dataset=["demo", "demo"])
+    message = str(error.value)
+    assert "this command trains differently from its" in message and "--resume-changed" in message
+    assert "lr: 0.001 -> 0.0003" in message and "seed: 42 -> 7" in message and "dataset: ['demo'] -> ['demo', 'demo']" in message
+    assert "max_steps" not in message  # a longer run is a resume, not a different one
+    assert (copy / "recipe.yaml").read_text() == recipe
+    train(copy, resume="auto", max_steps=8, lr=3e-4, resume_changed=True)
+    assert "lr: 0.0003" in (copy / "recipe.yaml").read_text()
+
+
+def test_resuming_with_another_model_is_refused_before_the_model_loads(copy, monkeypatch):
+    import toolkit.builtins.loaders as loaders
+    from toolkit.errors import ConfigError
+
+    monkeypatch.setattr(loaders, "resolve_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(ConfigError, match="model: 'tiny-llama' -> 'tiny-qwen2'"):
+        train(copy, resume="auto", model="tiny-qwen2")

@@ -63,6 +63,9 @@ class Recipe:
     keep_last: int = option(2, help="Checkpoints to keep.")
     stop_after: int = option(0, help="Stop with a checkpoint after N steps of this invocation (time-boxed jobs); the schedule still spans the whole run.")
     resume: str | None = option(None, help="'auto' (newest whole checkpoint; damaged ones are reported and skipped) or a checkpoint path.")
+    resume_changed: bool = option(False, help="With --resume: go on although the training settings differ from the run's "
+                                              "recipe.yaml (model, data, seed, lr, ...); without it such a resume is refused, "
+                                              "naming what changed.")
     checkpoint_verify: Literal["sha256", "size"] = option("sha256", help="How --resume checks a checkpoint against its "
                                                           "manifest.json: sha256 (every byte) or size (file sizes only; "
                                                           "for checkpoints too big to read back).")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -101,8 +102,6 @@ def resolve_components(recipe: Recipe, world_size: int) -> tuple[Any, Any, Any, 
 
 
 def choose_auto_strategy(recipe: Recipe, world_size: int) -> Recipe:
-    import dataclasses
-
     try:
         from toolkit.plan import choose_strategy
     except ImportError:
@@ -117,6 +116,42 @@ def check_model_limits(recipe: Recipe, source: Any) -> None:
     if limit and recipe.seq_len > limit:
         raise ModelError(f"--seq-len {recipe.seq_len} exceeds the model's maximum of {limit} positions "
                          f"(max_position_embeddings in {source.directory / 'config.json'}); lower --seq-len")
+
+
+# What a run may change when it resumes: where and how often it logs, saves and stops, how it reacts to trouble,
+# its layout (checkpoints load at any layout) and its length. Everything else shapes the training itself.
+RESUME_MAY_CHANGE = {"output", "resume", "resume_changed", "overwrite", "log_every", "save_every", "keep_last",
+                     "stop_after", "checkpoint_verify", "dist_timeout", "export", "on_nan", "max_nan_steps", "max_steps",
+                     "epochs", "strategy", "tensor_parallel", "pipeline_parallel", "virtual_pipeline", "context_parallel",
+                     "expert_parallel", "expert_tensor_parallel", "sequence_parallel", "zero", "micro_batch_size",
+                     "global_batch_size", "gradient_checkpointing", "trust_remote_code", "precompute_reference"}
+
+
+def check_resume_changes(recipe: Recipe, is_main: bool) -> None:
+    """A resume must continue the same training: refuse (before anything loads) one whose model, data, seed,
+    optimizer or objective differ from the run's recipe.yaml, naming each difference, unless --resume-changed."""
+    import yaml
+
+    path = Path(recipe.output) / "recipe.yaml"
+    if not recipe.resume or not path.is_file():
+        return
+    try:
+        saved = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return  # written by an older or broken run: the checkpoint checks still apply
+    current = recipe.to_yaml_dict()
+    sections = {recipe.tuner, recipe.loss, recipe.dataset_format}
+    keys = [k for k in dict.fromkeys([*saved, *current]) if k not in RESUME_MAY_CHANGE
+            and (k in {f.name for f in dataclasses.fields(Recipe)} or k in sections)]
+    changes = [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)]
+    if not changes:
+        return
+    if not recipe.resume_changed:
+        raise ConfigError(f"--resume continues the run in {recipe.output}, but this command trains differently from its "
+                          f"{path}: {'; '.join(changes)}. Pass --resume-changed to go on with the new settings (recipe.yaml "
+                          "is then rewritten), or give the run's settings, or choose another --output")
+    if is_main:
+        print(f"toolkit: resuming with changed settings (--resume-changed): {'; '.join(changes)}", file=sys.stderr)
 
 
 def check_eval_samples(recipe: Recipe, count: int) -> None:
@@ -140,6 +175,7 @@ def run_training(recipe: Recipe, raise_if_stopped: bool = False) -> Path:
     world = init_world(recipe.dist_timeout)
     start_watchdog(recipe.dist_timeout)
     strategy, tuner, loss, recipe = resolve_components(recipe, world.world_size)
+    check_resume_changes(recipe, world.is_main)
     source = resolve_model(recipe.model, recipe.trust_remote_code)
     check_model_limits(recipe, source)
     problems = tuner.validate(recipe, source)
@@ -313,8 +349,6 @@ def keep_global_batch_size(recipe: Recipe, run_dir: Path, is_main: bool) -> Reci
     same global batch size continues the data exactly where the checkpoint stopped; more or fewer
     ranks only change how each step's rows are split into micro-batches (gradient accumulation).
     """
-    import dataclasses
-
     from toolkit.train.checkpoint import find_resume_checkpoint, read_state
 
     # only the batch size is read here: sizes are checked, silently; agree_on_resume verifies and reports later
