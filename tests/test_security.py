@@ -201,3 +201,34 @@ def test_infer_stdout_holds_only_the_completion(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout == "the completion\n"
     assert "WARNING engine" in done.stderr and "INFO from C++" in done.stderr
+
+
+def test_a_tokenizer_with_its_own_code_is_refused_in_one_line(tmp_path, cli_runner):
+    from toolkit.builtins.loaders import materialize_preset
+
+    model = tmp_path / "model"
+    shutil.copytree(materialize_preset("tiny-llama"), model)
+    marker = tmp_path / "ran"
+    (model / "tokenization_evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["auto_map"] = {"AutoTokenizer": [None, "tokenization_evil.EvilTokenizer"]}
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    for command in (["infer", model, "--prompt", "hi"], ["export", model, "--output", tmp_path / "out"],
+                    [*TRAIN, "--model", model, "--output", tmp_path / "run"]):
+        result = cli_runner.invoke(*command, input="y\n")
+        one_line_refusal(result, f"{model / 'tokenizer_config.json'} asks to run the model's own Python code (tokenization_evil)")
+    assert not marker.exists()
+
+
+def test_infer_with_a_chat_template_that_escapes_the_sandbox_is_one_line(tmp_path, cli_runner):
+    from toolkit.builtins.loaders import materialize_preset
+
+    model = tmp_path / "model"
+    shutil.copytree(materialize_preset("tiny-llama"), model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    for name in ("chat_template.jinja", "chat_template.json"):
+        (model / name).unlink(missing_ok=True)
+    result = cli_runner.invoke("infer", model, "--prompt", "hi")
+    one_line_refusal(result, "chat template tried something jinja's sandbox forbids")

@@ -120,8 +120,9 @@ def check_remote_code(directory: Path, trust_remote_code: bool) -> None:
             continue  # an unreadable config is reported by the loader that reads it
         auto_map = data.get("auto_map") if isinstance(data, dict) else None
         if auto_map:
-            shown = ", ".join(sorted({str(v if isinstance(v, str) else v[0]).split(".")[0] for v in
-                                      (auto_map.values() if isinstance(auto_map, dict) else [auto_map]) if v}))
+            values = auto_map.values() if isinstance(auto_map, dict) else [auto_map]
+            names = [n for v in values for n in (v if isinstance(v, list) else [v]) if isinstance(n, str)]
+            shown = ", ".join(sorted({name.split("--")[-1].split(".")[0] for name in names}))
             raise ModelError(f"{path} asks to run the model's own Python code ({shown or 'auto_map'}); it was not run. "
                              "Remote code runs only when --trust-remote-code is given on this command line")
 
