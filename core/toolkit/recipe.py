@@ -51,8 +51,15 @@ class Recipe:
     max_grad_norm: float = option(1.0, help="Gradient clipping norm; 0 disables clipping.")
     micro_batch_size: int = option(1, help="Rows per micro-batch per data-parallel rank.")
     global_batch_size: int = option(0, help="Rows per optimizer step over all ranks; 0 means micro-batch x DP.")
-    seq_len: int = option(512, help="Maximum tokens per row (longer samples are truncated).")
-    packing: bool = option(False, help="Pack several samples per row (no attention across samples).")
+    seq_len: int = option(512, help="Tokens per row. Longer SFT/preference samples are truncated (and counted); PT "
+                                    "documents are joined and cut into rows of this length, never truncated.")
+    packing: bool = option(False, help="Pack several samples per row by best-fit decreasing (no attention across "
+                                       "samples; padding-free attention on CUDA).")
+    group_by_length: bool = option(True, help="Without --packing: put samples of similar length in the same "
+                                              "micro-batch (less padding); batches still come in a seeded random order.")
+    isolate_documents: bool = option(False, help="PT: keep each document's attention and positions to itself inside "
+                                                 "the joined rows (block-causal mask); default: attention runs across "
+                                                 "document boundaries, as in Megatron's GPT pretraining.")
     precision: Literal["fp32", "bf16", "fp16"] = option("fp32", help="Training precision (bf16 keeps fp32 master weights).")
     gradient_checkpointing: bool = option(False, help="Recompute activations in the backward pass.")
     seed: int = option(42, help="Seed for initialisation, shuffling and dropout.")

@@ -43,11 +43,11 @@ class LocalConfig:
         "auto", help="The torch SDPA kernel to try first for HF's sdpa attention: auto (torch's own order), cudnn, "
         "flash or efficient; inputs a kernel cannot take fall through to the next one.")
     packed_attention: Literal["auto", "flex", "sdpa-mask"] = option(
-        "sdpa-mask", help="Rows holding several samples (--packing, or padded rows): flex (FlexAttention with a "
+        "auto", help="Rows holding several samples (--packing, or padded rows): flex (FlexAttention with a "
         "block-causal BlockMask built from the sequence ids: the compiled kernel skips masked blocks), sdpa-mask (a "
         "dense [B,1,T,T] boolean mask for HF's sdpa attention: no flash/cuDNN kernel) or auto (flex on a "
         "CUDA device when torch has FlexAttention and the model runs sdpa attention, else sdpa-mask). A micro-batch "
-        "whose rows each hold one unpadded sample always takes is_causal SDPA.")
+        "whose rows each hold one sample (right-padded or not) always takes is_causal SDPA.")
     fp8: bool = option(
         False, help="float8 training of the decoder's linear layers (torchao, dynamic tensorwise scaling; output head "
         "excluded): Hopper/Ada GPUs, full or freeze tuner. Best with --local-compile.")

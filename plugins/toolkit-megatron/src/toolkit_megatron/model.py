@@ -214,12 +214,30 @@ def _moe_spec(config: Any, experts: ExpertsKind = "grouped") -> Any:
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 
     spec = get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=config.num_moe_experts, moe_grouped_gemm=False)
-    if experts == "grouped" and spec.submodules.experts.module is SequentialMLP:
+    if experts == "grouped":
         from toolkit_megatron.experts import GroupedExperts
 
         # same parameters and checkpoint keys as SequentialMLP, one grouped matmul instead of a loop over experts
-        spec.submodules.experts.module = GroupedExperts
+        _replace_experts(spec, SequentialMLP, GroupedExperts)
     return spec
+
+
+def _replace_experts(spec: Any, old: type, new: type) -> None:
+    """Swap the MoE layer's experts class in ``spec``, in place.
+
+    megatron-core up to 0.18 describes the experts as a ``ModuleSpec`` (``module=SequentialMLP``);
+    0.19 as a builder, ``functools.partial(SequentialMLP, submodules=...)``, inside a
+    ``partial(MoELayer, submodules=MoESubmodules(...))``.
+    """
+    import functools
+
+    submodules = spec.keywords["submodules"] if isinstance(spec, functools.partial) else spec.submodules
+    builder = submodules.experts
+    if isinstance(builder, functools.partial):
+        if builder.func is old:
+            submodules.experts = functools.partial(new, *builder.args, **builder.keywords)
+    elif builder.module is old:
+        builder.module = new
 
 
 def build_model(hf_config: Any, layout: Layout, dtype: Any = None, attention: AttentionKind = "sdpa",

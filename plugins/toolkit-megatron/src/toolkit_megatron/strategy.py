@@ -157,10 +157,9 @@ class MegatronEngine:
 
         self.world = init_world()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        if not torch.distributed.is_initialized():
-            from toolkit_megatron.checkpoint import ensure_process_group
+        from toolkit.train.distributed import one_process_group
 
-            ensure_process_group()
+        one_process_group(self.device)  # one GPU or CPU without torchrun: NCCL on CUDA, gloo on CPU
         self.recipe, self.source, self.config, self.tuner = recipe, source, config, tuner
         self.layout = _layout(recipe)
         check_layout(self.layout, source.config, torch.distributed.get_world_size(), recipe.seq_len)

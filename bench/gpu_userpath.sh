@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# bench/userpath.py on the lent GPU machine, in two parts that each fit one device call (10 minutes), and the
+# toolkit-megatron test suite against the image's megatron-core (0.19.x, Python 3.12) on its CPUs beside part 1.
+# Carry .whl (bash bench/wheels.sh; WITH_BNB=1 adds bitsandbytes for the qlora case):
+#   bash bench/gpu_userpath.sh 1    # pt, sft packed/unpacked, HF and TRL SFT baselines, megatron dense and MoE + the megatron tests
+#   bash bench/gpu_userpath.sh 2    # LoRA/DoRA/QLoRA, fsdp, deepspeed, dpo/rm beside TRL DPO, MoE local, export + infer
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part=${1:?usage: bash bench/gpu_userpath.sh 1|2}
+: "${OUT:=/tmp/gpu_userpath}"
+mkdir -p "$OUT"
+source bench/gpu_setup.sh
+python3 -c "import megatron.core, trl, datasets; print('megatron-core', megatron.core.__version__, 'trl', trl.__version__, 'datasets', datasets.__version__)"
+case "$part" in
+  1)
+    (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 timeout 480 python3 -m pytest -q -x -p no:cacheprovider -n 8 plugins/toolkit-megatron/tests \
+      > "$OUT/megatron-tests.log" 2>&1; echo "megatron tests: rc $?" >> "$OUT/megatron-tests.log") &
+    tests=$!
+    timeout 500 python3 bench/userpath.py --case-timeout 110 --cases pt,sft-pack,sft-nopack,hf-sft,trl-sft-bfd,trl-sft-padded,sft-megatron,moe-megatron
+    wait $tests
+    tail -5 "$OUT/megatron-tests.log"
+    ;;
+  2)
+    timeout 540 python3 bench/userpath.py --case-timeout 100 --cases sft-lora,sft-dora,sft-qlora,sft-fsdp,sft-deepspeed,dpo,trl-dpo,rm,moe-sft,export-infer,pt-isolated,sft-megatron-torchrun
+    ;;
+esac
+nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
