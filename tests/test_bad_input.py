@@ -191,3 +191,17 @@ def test_preference_messages_with_null_content_are_refused(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "prefs.jsonl", record)
     message = refusal(path, tokenizer, example_kinds=("preference",))
     assert f"{path}, line 1: chosen[0] 'content' must be text, got null" in message
+
+
+def test_preference_records_pass_tools_and_tool_calls_to_the_template(tmp_path, tokenizer):
+    pytest.importorskip("toolkit_dpo")
+    tokenizer.chat_template = TOOL_TEMPLATE
+    call = {"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}
+    prompt = [{"role": "user", "content": "weather in Paris?"}]
+    chosen = [{"role": "assistant", "content": None, "tool_calls": [call]}]
+    record = {"prompt": prompt, "chosen": chosen, "rejected": "It rains.", "tools": TOOLS}
+    (example,) = encode(write_jsonl(tmp_path / "prefs.jsonl", record), tokenizer, example_kinds=("preference",))
+    text = tokenizer.apply_chat_template([*prompt, {**chosen[0], "content": ""}], tools=TOOLS, tokenize=False)
+    assert example.sequences[0].input_ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+    trained = tokenizer.decode([label for label in example.sequences[0].labels if label >= 0])
+    assert "<tool_call>weather" in trained and "Paris?" not in trained
