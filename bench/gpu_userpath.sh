@@ -3,7 +3,8 @@
 # toolkit-megatron test suite against the image's megatron-core (0.19.x, Python 3.12) on its CPUs beside part 1.
 # Carry .whl (bash bench/wheels.sh; WITH_BNB=1 adds bitsandbytes for the qlora case):
 #   bash bench/gpu_userpath.sh 1    # pt, sft packed/unpacked, HF and TRL SFT baselines, megatron dense and MoE + the megatron tests
-#   bash bench/gpu_userpath.sh 2    # LoRA/DoRA/QLoRA, fsdp, deepspeed, dpo/rm beside TRL DPO, MoE local, export + infer
+#   bash bench/gpu_userpath.sh 2    # sft packed (longer limit), megatron dense and MoE, dpo beside TRL DPO, LoRA
+#   bash bench/gpu_userpath.sh 3    # fsdp, deepspeed, rm, MoE local, export + infer, QLoRA, DoRA, isolated PT + the megatron tests
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:?usage: bash bench/gpu_userpath.sh 1|2}
@@ -21,7 +22,15 @@ case "$part" in
     tail -5 "$OUT/megatron-tests.log"
     ;;
   2)
-    timeout 540 python3 bench/userpath.py --case-timeout 100 --cases sft-lora,sft-dora,sft-qlora,sft-fsdp,sft-deepspeed,dpo,trl-dpo,rm,moe-sft,export-infer,pt-isolated,sft-megatron-torchrun
+    timeout 520 python3 bench/userpath.py --case-timeout 170 --cases sft-pack,sft-megatron,dpo,trl-dpo,sft-lora,moe-megatron
+    ;;
+  3)
+    (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 timeout 420 python3 -m pytest -q -p no:cacheprovider -n 8 plugins/toolkit-megatron/tests \
+      > "$OUT/megatron-tests.log" 2>&1; echo "megatron tests: rc $?" >> "$OUT/megatron-tests.log") &
+    tests=$!
+    timeout 480 python3 bench/userpath.py --case-timeout 120 --cases sft-fsdp,sft-deepspeed,rm,moe-sft,export-infer,sft-qlora,sft-dora,pt-isolated
+    wait $tests
+    tail -5 "$OUT/megatron-tests.log"
     ;;
 esac
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader

@@ -96,7 +96,7 @@ def prepare(args: argparse.Namespace) -> dict[str, Path]:
         paths[kind] = directory
     data = work / "data"
     if not (data / "prefs.jsonl").is_file():
-        sizes = dict(chats=300, docs=40, pairs=200) if args.tiny else dict(chats=4000, docs=600, pairs=1500)
+        sizes = dict(chats=300, docs=40, pairs=200) if args.tiny else dict(chats=1500, docs=200, pairs=600)
         write(data, **sizes, max_chat=min(8000, args.seq_len))
     paths.update({name: data / f"{name}.jsonl" for name in ("chats", "docs", "prefs")})
     return paths

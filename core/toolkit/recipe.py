@@ -22,6 +22,9 @@ class Recipe:
 
     model: str = option("tiny-llama", help="HF model directory or embedded preset (tiny-llama, tiny-qwen2, ...).")
     dataset: list[str] = option(["demo"], help="Dataset file (jsonl/json/parquet/csv) or bundled name; repeatable.")
+    dataset_ratios: list[float] = option([], help="Mix the --dataset files in these proportions (one per --dataset, "
+                                                  "repeatable, e.g. 0.7 then 0.3); the mix keeps their total size, "
+                                                  "drawing from small sets more than once. Default: each as it is.")
     dataset_format: str = option("auto", help="Record format: auto, alpaca, messages, sharegpt, text, or a plugin's.")
     columns: dict[str, str] = option({}, help="Column remapping, 'ours=theirs' (e.g. instruction=question).")
     output: str = option("runs/latest", help="Run directory (recipe.yaml, metrics.jsonl, checkpoints/).")

@@ -80,46 +80,37 @@ def truncate(example: Example, seq_len: int, stats: DataStats, packing_share: bo
 def load_examples(datasets: list[str], tokenizer: Any, *, dataset_format: str = "auto", columns: dict[str, str] | None = None,
                   train_on: str = "assistant", seq_len: int = 512, max_samples: int = 0, example_kinds: tuple[str, ...] = ("lm",),
                   manager: Any = None, options: dict[str, Any] | None = None, packing: bool = False,
-                  isolate_documents: bool = False) -> tuple[list[Example], DataStats]:
-    """Read and encode every dataset; report problems with file and line.
+                  isolate_documents: bool = False, ratios: list[float] | None = None, seed: int = 0) -> tuple[list[Example], DataStats]:
+    """Read and encode every dataset (through the tokenized cache); report problems with file and line.
 
-    With ``train_on="all"`` (PT) the documents are not truncated: they are joined and cut into rows of
-    ``seq_len`` (:func:`toolkit.data.packing.stream_rows`), so every token trains once per epoch.
+    SFT-style examples longer than ``seq_len`` are truncated (and counted). With ``train_on="all"`` (PT)
+    documents are not truncated: they are joined and cut into rows of ``seq_len``
+    (:func:`toolkit.data.packing.stream_rows`), so every token trains once per epoch. ``ratios`` (one per
+    dataset) mix the datasets in those proportions (:func:`mix`).
     """
     from toolkit.plugins import get_plugin_manager
 
     manager = manager or get_plugin_manager()
-    template = ChatTemplate(tokenizer, train_on=train_on)
     stats = DataStats()
-    examples: list[Example] = []
+    if ratios and len(ratios) != len(datasets):
+        raise ConfigError(f"--dataset-ratios gives {len(ratios)} ratios for {len(datasets)} datasets; give one per --dataset")
+    parts = []
     for reference in datasets:
-        path, records = read_records(reference, limit=max_samples)
-        if not records:
-            raise DataError(f"{path} holds no records")
-        rename = {theirs: ours for ours, theirs in (columns or {}).items()}
-        first = {rename.get(k, k): v for k, v in records[0].items() if k != "__line__"}
-        fmt = pick_format(dataset_format, list(first), str(path), manager, options)
-        if fmt.example_kind not in example_kinds:
-            raise ConfigError(f"{path} is in format {fmt.name!r} ({fmt.example_kind} examples), but the loss needs "
-                              f"{' or '.join(example_kinds)} examples. Pick a matching --dataset or loss.")
-        for index, record in enumerate(records):
-            where = f"{path}, line {record.get('__line__', index + 1)}"
-            record = {rename.get(k, k): v for k, v in record.items() if k != "__line__"}
-            try:
-                example = fmt.encode(record, tokenizer, template, where=where)
-                if not (train_on == "all" and len(example.sequences) == 1):
-                    example = truncate(example, seq_len, stats, packing)
-            except DataError as exc:  # every record-level problem names the file and line
-                if where in str(exc):
-                    raise
-                raise DataError(f"{where}: {exc}") from exc
-            example.source = where
+        path, encoded, records = encode_dataset(reference, tokenizer, dataset_format=dataset_format, columns=columns,
+                                                train_on=train_on, max_samples=max_samples, example_kinds=example_kinds,
+                                                manager=manager, options=options)
+        kept = []
+        for example in encoded:
+            if not (train_on == "all" and len(example.sequences) == 1):
+                example = truncate(example, seq_len, stats, packing)
             if any(all(label == IGNORE_INDEX for label in seq.labels) for seq in example.sequences):
                 stats.dropped_no_labels += 1
                 continue
-            examples.append(example)
-        stats.records += len(records)
-        stats.per_file[str(path)] = len(records)
+            kept.append(example)
+        parts.append(kept)
+        stats.records += records
+        stats.per_file[str(path)] = records
+    examples = mix(parts, ratios, seed) if ratios else [e for part in parts for e in part]
     if train_on == "all" and examples and all(len(e.sequences) == 1 for e in examples):
         from toolkit.data.packing import stream_rows
 
@@ -132,6 +123,67 @@ def load_examples(datasets: list[str], tokenizer: Any, *, dataset_format: str = 
         raise DataError(f"no trainable examples left in {', '.join(datasets)} after encoding and filtering "
                         f"({stats.records} records; {stats.dropped_no_labels} had no trainable tokens within --seq-len {seq_len})")
     return examples, stats
+
+
+def encode_dataset(reference: str, tokenizer: Any, *, dataset_format: str, columns: dict[str, str] | None, train_on: str,
+                   max_samples: int, example_kinds: tuple[str, ...], manager: Any,
+                   options: dict[str, Any] | None) -> tuple[Any, list[Example], int]:
+    """``(path, examples, records)`` of one dataset, before truncation: from the tokenized cache
+    (:mod:`toolkit.data.cache`) when an entry matches, else read, encoded and stored there."""
+    from toolkit.data import cache
+    from toolkit.data.reading import resolve_dataset_path
+
+    path = resolve_dataset_path(reference)
+    # the format as asked for (auto included) and every option section: what can change the encoding
+    encoding = {"dataset_format": dataset_format, "options": options or {}, "kinds": list(example_kinds),
+                "columns": columns or {}, "train_on": train_on, "limit": max_samples}
+    key = cache.entry_key(path, encoding, tokenizer)
+    hit = cache.load(key)
+    if hit is not None:
+        return path, hit[0], hit[1]
+    path, records = read_records(reference, limit=max_samples)
+    if not records:
+        raise DataError(f"{path} holds no records")
+    rename = {theirs: ours for ours, theirs in (columns or {}).items()}
+    first = {rename.get(k, k): v for k, v in records[0].items() if k != "__line__"}
+    fmt = pick_format(dataset_format, list(first), str(path), manager, options)
+    if fmt.example_kind not in example_kinds:
+        raise ConfigError(f"{path} is in format {fmt.name!r} ({fmt.example_kind} examples), but the loss needs "
+                          f"{' or '.join(example_kinds)} examples. Pick a matching --dataset or loss.")
+    template = ChatTemplate(tokenizer, train_on=train_on)
+    examples = []
+    for index, record in enumerate(records):
+        where = f"{path}, line {record.get('__line__', index + 1)}"
+        record = {rename.get(k, k): v for k, v in record.items() if k != "__line__"}
+        try:
+            example = fmt.encode(record, tokenizer, template, where=where)
+        except DataError as exc:  # every record-level problem names the file and line
+            if where in str(exc):
+                raise
+            raise DataError(f"{where}: {exc}") from exc
+        example.source = where
+        examples.append(example)
+    cache.store(key, examples, len(records))
+    return path, examples, len(records)
+
+
+def mix(parts: list[list[Example]], ratios: list[float], seed: int) -> list[Example]:
+    """The datasets mixed in proportion to ``ratios``, as many examples as they hold together: dataset ``i``
+    gives ``ratio_i / sum(ratios)`` of them, drawn without replacement (seeded) while it has enough, and
+    repeated whole (then drawn) where its share is larger than it is."""
+    if any(not r >= 0 for r in ratios) or not sum(ratios) > 0:
+        raise ConfigError(f"--dataset-ratios {','.join(map(str, ratios))}: ratios must be 0 or more and not all 0")
+    total = sum(len(p) for p in parts)
+    rng = random.Random(seed * 7_368_787 + 17)
+    mixed: list[Example] = []
+    for part, ratio in zip(parts, ratios):
+        want = round(total * ratio / sum(ratios))
+        if want and not part:
+            raise DataError("a dataset given a ratio above 0 holds no trainable examples")
+        whole, rest = divmod(want, len(part)) if part else (0, 0)
+        mixed.extend(part * whole)
+        mixed.extend(rng.sample(part, rest))
+    return mixed
 
 
 def build_units(examples: list[Example], order: list[int], seq_len: int, packing: bool, group: int = 0) -> list[list[int]]:

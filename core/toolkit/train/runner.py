@@ -190,7 +190,7 @@ def run_training(recipe: Recipe, raise_if_stopped: bool = False) -> Path:
         recipe.dataset, source.tokenizer, dataset_format=recipe.dataset_format, columns=recipe.columns,
         train_on=getattr(loss, "train_on", "assistant"), seq_len=recipe.seq_len, max_samples=recipe.max_samples,
         example_kinds=loss.example_kinds, options=recipe.options, packing=recipe.packing,
-        isolate_documents=recipe.isolate_documents)
+        isolate_documents=recipe.isolate_documents, ratios=recipe.dataset_ratios, seed=recipe.seed)
     check_eval_samples(recipe, len(examples))
     engine = strategy.build(source, tuner, loss, recipe)
     try:
