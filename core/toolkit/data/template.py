@@ -134,7 +134,7 @@ def normalise_messages(messages: Any, where: str, system: Any = None) -> list[di
 
 def normalise_message(message: Any, label: str, where: str) -> dict[str, Any]:
     """One OpenAI-style message: ``content`` as text (text parts joined), ``tool_calls`` checked and kept."""
-    if not isinstance(message, dict) or "role" not in message or ("content" not in message and "tool_calls" not in message):
+    if not isinstance(message, dict) or "role" not in message:
         raise DataError(f"{where}: {label} needs 'role' and 'content', got {message!r:.120}")
     role = message["role"]
     if role not in ROLES:
@@ -145,7 +145,7 @@ def normalise_message(message: Any, label: str, where: str) -> dict[str, Any]:
         if role != "assistant":
             raise DataError(f"{where}: {label} has tool_calls, which only an assistant message can make")
         out["tool_calls"] = [_tool_call(call, f"{label}, tool call {j}", where) for j, call in enumerate(_list(calls, label, where))]
-    content = message.get("content")
+    content = message.get("content")  # a null the reading layer dropped is missing: refused like null
     if content is None and calls:  # the OpenAI format's assistant turn that only calls tools
         out["content"] = ""
     else:
