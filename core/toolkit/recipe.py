@@ -71,7 +71,7 @@ class Recipe:
 
     save_every: int = option(0, help="Save a checkpoint every N steps (0: only at the end).")
     keep_last: int = option(2, help="Checkpoints to keep.")
-    stop_after: int = option(0, help="Stop with a checkpoint after N steps of this invocation (time-boxed jobs); the schedule still spans the whole run.")
+    stop_after: int = option(0, help="Stop with a checkpoint after N steps of this invocation (time-boxed jobs; exit status 75, resumable); the schedule still spans the whole run.")
     resume: str | None = option(None, help="'auto' (newest whole checkpoint; damaged ones are reported and skipped) or a checkpoint path.")
     resume_changed: bool = option(False, help="With --resume: go on although the training settings differ from the run's "
                                               "recipe.yaml (model, data, seed, lr, ...); without it such a resume is refused, "
