@@ -24,6 +24,14 @@ case "$part" in
   2)
     timeout 520 python3 bench/userpath.py --case-timeout 170 --cases sft-pack,sft-megatron,dpo,trl-dpo,sft-lora,moe-megatron
     ;;
+  final)
+    (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 timeout 300 python3 -m pytest -q -p no:cacheprovider -n 10 plugins/toolkit-megatron/tests \
+      > "$OUT/megatron-tests.log" 2>&1; echo "megatron tests: rc $?" >> "$OUT/megatron-tests.log") &
+    tests=$!
+    timeout 300 python3 bench/userpath.py --case-timeout 130 --cases sft-megatron,dpo,moe-megatron
+    wait $tests
+    tail -5 "$OUT/megatron-tests.log"
+    ;;
   3)
     (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 timeout 420 python3 -m pytest -q -p no:cacheprovider -n 8 plugins/toolkit-megatron/tests \
       > "$OUT/megatron-tests.log" 2>&1; echo "megatron tests: rc $?" >> "$OUT/megatron-tests.log") &

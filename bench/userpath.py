@@ -23,6 +23,7 @@ import datetime
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -158,6 +159,7 @@ def run_case(case: dict, paths: dict[str, Path], args: argparse.Namespace) -> di
         return {**result, "status": status, "log_tail": log[-1500:]}
     figures = read_baseline(run_dir.with_suffix(".json")) if "baseline" in case else read_metrics(run_dir / "metrics.jsonl", args.warmup)
     result.update(figures)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # 1B-parameter checkpoints fill a 64 GiB disk in three cases
     if case.get("then_infer"):
         argv = [sys.executable, "-m", "toolkit", "infer", str(run_dir), "--prompt", "What is the capital of France?",
                 "--max-new-tokens", "8"]
@@ -239,21 +241,27 @@ def main() -> None:
             print(f"{name:24s} {' '.join(table[name].get('cmd', [table[name].get('baseline', '')]))}")
         return
     paths = prepare(args)
-    results = []
+    results: list[dict] = []
     for name in chosen:
         print(f"userpath: {name} ({datetime.datetime.now(datetime.UTC):%H:%M:%S})", file=sys.stderr, flush=True)
         results.append(run_case(table[name], paths, args))
         print_table(results[-1:])
+        save(results, args)  # after every case: a run cut short keeps what it measured
     print_table(results)
-    if os.environ.get("OUT"):
-        import torch
 
-        gpu = torch.cuda.get_device_name(0).split()[-1].lower() if torch.cuda.is_available() else "cpu"
-        date = datetime.date.today().isoformat()
-        meta = {"date": date, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-                "command": shlex.join([sys.executable, *sys.argv]), "steps": args.steps, "seq_len": args.seq_len,
-                "micro_batch": args.micro_batch}
-        Path(os.environ["OUT"], f"userpath-{gpu}-{date}.json").write_text(json.dumps({**meta, "results": results}, indent=2))
+
+def save(results: list[dict], args: argparse.Namespace) -> None:
+    """$OUT/userpath-<gpu>-<date>.json with the run's settings and a ``results`` list (when OUT is set)."""
+    if not os.environ.get("OUT"):
+        return
+    import torch
+
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    date = datetime.date.today().isoformat()
+    meta = {"date": date, "gpu": name, "command": shlex.join([sys.executable, *sys.argv]), "steps": args.steps,
+            "warmup": args.warmup, "seq_len": args.seq_len, "micro_batch": args.micro_batch}
+    path = Path(os.environ["OUT"], f"userpath-{name.split()[-1].lower()}-{date}.json")
+    path.write_text(json.dumps({**meta, "results": results}, indent=2))
 
 
 if __name__ == "__main__":

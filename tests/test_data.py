@@ -118,3 +118,20 @@ def test_order_is_deterministic_and_sharded(tokenizer):
     assert sorted(sum(full, [])) == sorted(sum(split, [])) and len(sum(split, [])) == 8
     other = Batches(examples, dp_rank=0, dp_world_size=1, **{**kwargs, "seed": 4})
     assert other.step_units(0) != whole.step_units(0)
+
+
+def test_data_inspect_reads_with_the_training_format_flags(cli_runner, tmp_path):
+    path = tmp_path / "notes.jsonl"
+    path.write_text(json.dumps({"body": "Lopehes is a city by the sea."}) + "\n" + json.dumps({"body": "Second note."}) + "\n")
+    result = cli_runner.invoke("data", "inspect", str(path), "--dataset-format", "text", "--text-column", "body", "-n", "1")
+    assert result.exit_code == 0, result.output
+    shown = result.stdout.replace("[[", "").replace("]]", "")
+    assert "Lopehes is a city by the sea." in shown and "Second note." not in shown
+    without = cli_runner.invoke("data", "inspect", str(path), "--dataset-format", "text")
+    assert without.exit_code != 0 and "text" in without.output
+    asked = tmp_path / "asked.jsonl"
+    asked.write_text(json.dumps({"question": "Capital of Lopehes?", "answer": "Vemor"}) + "\n")
+    renamed = cli_runner.invoke("data", "inspect", str(asked), "--columns", "instruction=question", "--columns", "output=answer")
+    assert renamed.exit_code == 0, renamed.output
+    prompt, trained = renamed.stdout.split("--- sample 0")[1].split("[[", 1)
+    assert "Capital of Lopehes?" in prompt and "Vemor" in trained  # the answer column is what trains

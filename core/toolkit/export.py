@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -93,6 +94,7 @@ def export_model(model: ExportModel, exporter: str, output: str | Path, *, overw
     cls = get_plugin_manager().get("exporter", exporter)
     instance = cls(options if options is not None else cls.Config())
     output = Path(output)
+    model = dataclasses.replace(model, destination=output.resolve())
     check_output(output, overwrite)
     if adapter_only:
         if model.adapter is None:

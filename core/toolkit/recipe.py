@@ -195,12 +195,7 @@ def resolve_recipe(values: dict[str, Any], source: str = "recipe", manager: Any 
                     continue
                 sections.setdefault(section, {}).update(content or {})
         else:
-            import difflib
-
-            candidates = sorted(recipe_fields - {"options"}) + _option_names(manager)
-            close = difflib.get_close_matches(name, candidates, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            problems.append(f"unknown key {key!r}{hint}")
+            problems.append(_unknown_key(key, sorted(recipe_fields - {"options"}) + _option_names(manager)))
     recipe = build_dataclass(Recipe, top, source, problems)
     for kind, attr in (("strategy", "strategy"), ("tuner", "tuner"), ("loss", "loss"), ("exporter", "export")):
         name = getattr(recipe, attr)
@@ -224,6 +219,20 @@ def resolve_recipe(values: dict[str, Any], source: str = "recipe", manager: Any 
 def _option_names(manager: Any) -> list[str]:
     """Names that may head a YAML option section (registered strategies, tuners, losses, formats)."""
     return sorted({name for kind in OPTION_KINDS for name in manager.registry(kind).names()})
+
+
+def _unknown_key(key: str, candidates: list[str]) -> str:
+    """A recipe key nobody registered: the plugin that provides a section of that name (``moe:``,
+    ``deepspeed:``) when it is a first-party one that is not installed, else the closest key."""
+    import difflib
+
+    from toolkit.plugins import FIRST_PARTY, install_hint
+
+    provider = next((dist for (kind, name), dist in FIRST_PARTY.items() if name == key and kind in OPTION_KINDS), None)
+    if provider:
+        return f"section {key!r} holds the options of {provider}, which is not installed: {install_hint(provider)}"
+    close = difflib.get_close_matches(key.replace("-", "_"), candidates, n=1)
+    return f"unknown key {key!r}" + (f"; did you mean {close[0]!r}?" if close else "")
 
 
 def _option_owner(manager: Any, name: str) -> type | None:

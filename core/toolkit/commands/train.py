@@ -61,7 +61,7 @@ def _options_for(cls: type, prefix: str | None, dest_prefix: str) -> list[click.
             is_dict = get_origin(tp) is dict
             help_text += " (repeatable" + (", KEY=VALUE)" if is_dict else ")")
             options.append(click.Option([*names, dest], type=ctype, multiple=True, default=None, help=help_text,
-                                        callback=_key_value_pairs if is_dict else None))
+                                        callback=key_value_pairs if is_dict else None))
         else:
             default = field.default if field.default is not dataclasses.MISSING else None
             show = f" [default: {default}]" if default not in (None, "") else ""
@@ -70,7 +70,7 @@ def _options_for(cls: type, prefix: str | None, dest_prefix: str) -> list[click.
     return options
 
 
-def _key_value_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...] | None) -> dict[str, str] | None:
+def key_value_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...] | None) -> dict[str, str] | None:
     """``--columns instruction=question`` (repeatable) -> ``{"instruction": "question"}``."""
     if not value:
         return None
@@ -83,7 +83,7 @@ def _key_value_pairs(ctx: click.Context, param: click.Parameter, value: tuple[st
     return pairs
 
 
-def _collect_values(params: dict[str, Any], sections: dict[str, tuple[str, str]]) -> dict[str, Any]:
+def collect_values(params: dict[str, Any], sections: dict[str, tuple[str, str]]) -> dict[str, Any]:
     """Flags the user actually set, as a nested dict like a YAML recipe.
 
     ``sections`` maps the parameter name of a plugin option to its (section, field).
@@ -102,15 +102,13 @@ def _collect_values(params: dict[str, Any], sections: dict[str, tuple[str, str]]
     return values
 
 
-def make_training_command(name: str, loss: str | None, help_text: str, manager: Any) -> click.Command:
-    params: list[click.Parameter] = [
-        click.Option(["--config", "config"], type=click.Path(dir_okay=False), default=None,
-                     help="YAML recipe; flags given on the command line override it."),
-    ]
-    params += _options_for(Recipe, None, "")
+def add_registered_options(params: list[click.Parameter], manager: Any, kinds: tuple[str, ...]) -> dict[str, tuple[str, str]]:
+    """Append ``--<name>-<field>`` options for the ``Config`` of every registered thing of ``kinds``
+    to ``params`` (skipping flags already taken); returns parameter name -> (section, field),
+    for :func:`collect_values`."""
     taken = {flag for p in params for flag in (*p.opts, *p.secondary_opts)}
     sections: dict[str, tuple[str, str]] = {}
-    for kind in OPTION_KINDS:
+    for kind in kinds:
         for thing_name, cls in manager.registry(kind).items():
             # Parameter names must be identifiers; thing names may hold dashes.
             prefix = f"opt{len(sections)}_{kind}__"
@@ -121,6 +119,16 @@ def make_training_command(name: str, loss: str | None, help_text: str, manager: 
                 taken |= flags
                 sections[opt.name] = (thing_name, opt.name.removeprefix(prefix))
                 params.append(opt)
+    return sections
+
+
+def make_training_command(name: str, loss: str | None, help_text: str, manager: Any) -> click.Command:
+    params: list[click.Parameter] = [
+        click.Option(["--config", "config"], type=click.Path(dir_okay=False), default=None,
+                     help="YAML recipe; flags given on the command line override it."),
+    ]
+    params += _options_for(Recipe, None, "")
+    sections = add_registered_options(params, manager, OPTION_KINDS)
 
     def callback(**kwargs: Any) -> None:
         from toolkit.recipe import read_yaml, resolve_recipe
@@ -130,7 +138,7 @@ def make_training_command(name: str, loss: str | None, help_text: str, manager: 
         if values.get("trust_remote_code") is True and not kwargs.get("trust_remote_code"):
             raise click.UsageError(f"{config} sets trust_remote_code: true; the model's own code runs only when "
                                    "--trust-remote-code is given on this command line")
-        flags = _collect_values(kwargs, sections)
+        flags = collect_values(kwargs, sections)
         for key, value in flags.items():
             if isinstance(value, dict) and isinstance(values.get(key), dict):
                 values[key] = {**values[key], **value}

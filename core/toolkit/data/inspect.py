@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from toolkit.contracts import IGNORE_INDEX
@@ -24,15 +26,18 @@ def render_sample(tokenizer, input_ids: list[int], labels: list[int]) -> str:
     return "".join(out)
 
 
-def inspect_dataset(dataset: str, *, model: str, dataset_format: str, loss: str, num: int, seq_len: int) -> None:
+def inspect_dataset(dataset: str, *, model: str, dataset_format: str, loss: str, num: int, seq_len: int,
+                    columns: dict[str, str] | None = None, options: dict[str, dict[str, Any]] | None = None) -> None:
+    """Print ``num`` samples of ``dataset`` read exactly as training reads it (format, columns,
+    format options from the ``--<format>-<field>`` flags)."""
     from toolkit.builtins.loaders import resolve_model
     from toolkit.data.pipeline import load_examples
     from toolkit.plugins import get_plugin_manager
 
     loss_cls = get_plugin_manager().get("loss", loss)
     source = resolve_model(model)
-    examples, stats = load_examples([dataset], source.tokenizer, dataset_format=dataset_format,
-                                    train_on=getattr(loss_cls, "train_on", "assistant"), seq_len=seq_len,
+    examples, stats = load_examples([dataset], source.tokenizer, dataset_format=dataset_format, columns=columns,
+                                    options=options, train_on=getattr(loss_cls, "train_on", "assistant"), seq_len=seq_len,
                                     example_kinds=loss_cls.example_kinds)
     click.echo(f"{stats.summary()}; trained tokens are shown in [[brackets]]")
     for index, example in enumerate(examples[:num]):

@@ -75,9 +75,15 @@ def write_recipe(recipe: Recipe, run_dir: Path) -> None:
     from toolkit.writes import write_failure_text
 
     data = recipe.to_yaml_dict()
+    header = ""
+    model = Path(recipe.model).expanduser()
+    if model.is_dir() and str(model.resolve()) != recipe.model:
+        # absolute, so `toolkit export` / `toolkit infer` of this run work from any directory
+        data["model"] = str(model.resolve())
+        header = f"# --model as given: {recipe.model}\n"
     tmp = run_dir / ".recipe.yaml.tmp"
     try:
-        tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+        tmp.write_text(header + yaml.safe_dump(data, sort_keys=False))
         tmp.replace(run_dir / "recipe.yaml")
     except OSError as exc:
         tmp.unlink(missing_ok=True)
