@@ -65,9 +65,9 @@ def test_the_cli_refuses_a_bad_lr_before_loading_the_model(cli_runner, monkeypat
 
 def test_eval_samples_larger_than_the_data_names_the_flag_and_the_count(tmp_path, monkeypatch):
     import toolkit.builtins.strategies as strategies
+    from toolkit.builtins.loaders import resolve_model
     from toolkit.data.pipeline import load_examples
     from toolkit.train.runner import run_training
-    from toolkit.builtins.loaders import resolve_model
 
     count = len(load_examples(["demo"], resolve_model("tiny-llama").tokenizer, seq_len=64)[0])
     monkeypatch.setattr(strategies.LocalStrategy, "build", lambda *a, **k: pytest.fail("the model was built"))

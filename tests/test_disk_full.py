@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.train import checkpoint as ckpt
-
 FLAGS = ["sft", "--model", "tiny-llama", "--dataset", "demo", "--seq-len", "64", "--micro-batch-size", "2",
          "--max-steps", "2", "--save-every", "1"]
 

@@ -133,7 +133,6 @@ class FSDPEngine(LocalEngine):
             torch.save(self.scheduler.state_dict() if self.scheduler else {}, directory / "scheduler.pt")
 
     def load_checkpoint(self, directory: Path) -> None:
-        import torch
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 

@@ -362,7 +362,6 @@ class LocalEngine:
                 save_file(host(master_state), str(directory / "master.safetensors"), metadata={"format": "pt"})
 
     def load_checkpoint(self, directory: Path) -> None:
-        import torch
         from safetensors.torch import load_file
 
         from toolkit.train.safe_load import load_tensors_file
