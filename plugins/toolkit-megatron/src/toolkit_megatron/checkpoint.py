@@ -140,6 +140,9 @@ def load_mcore(models: list[Any], directory: str | Path, optimizer: Any = None) 
     state = model_sharded_state_dict(models)
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, **_optimizer_format(optimizer))
+    from toolkit.train.safe_load import check_dcp_metadata
+
+    check_dcp_metadata(Path(directory))  # torch_dist's .metadata is a pickle: refuse one that would run code
     with cpu_compat(), torch.no_grad():
         loaded = dist_checkpointing.load(state, str(directory))
         for i, model in enumerate(models):
