@@ -20,7 +20,6 @@ from typing import Any
 from toolkit.contracts import IGNORE_INDEX, Example, StepContext
 from toolkit.errors import ConfigError, DataError
 
-
 STREAM_WINDOW = 4096
 """Records per window (the unit of reading, packing and resuming)."""
 
