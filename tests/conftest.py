@@ -81,6 +81,14 @@ PROBE_FLAGS = ["--loss", "probe", "--strategy", "probe-strategy", "--tuner", "pr
 PROBE_YAML = "loss: probe\nstrategy: probe-strategy\ntuner: probe-tuner\n"
 
 
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The tiny presets' tokenizer."""
+    from toolkit.builtins.loaders import resolve_model
+
+    return resolve_model("tiny-llama").tokenizer
+
+
 @pytest.fixture
 def probe_manager(toolkit_manager):
     """Built-ins plus the probe plugin (no other installed plugins)."""

@@ -6,20 +6,10 @@ import json
 
 import pytest
 
-from toolkit.builtins.loaders import resolve_model
 from toolkit.contracts import IGNORE_INDEX
 from toolkit.data.pipeline import Batches, collate, load_examples
 from toolkit.errors import DataError
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return resolve_model("tiny-llama").tokenizer
-
-
-def write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return str(path)
+from toolkit.testing import write_jsonl
 
 
 def trained_text(tokenizer, example):

@@ -2,25 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
 
-from toolkit.builtins.loaders import resolve_model
 from toolkit.contracts import IGNORE_INDEX, Example, Sequence
 from toolkit.data.packing import best_fit_decreasing, stream_rows
 from toolkit.data.pipeline import Batches, load_examples
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return resolve_model("tiny-llama").tokenizer
-
-
-def write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return str(path)
+from toolkit.testing import write_jsonl
 
 
 def long_tailed_lengths(count: int, seed: int = 0) -> list[int]:

@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from toolkit.builtins.loaders import resolve_model
 from toolkit.data import cache
 from toolkit.data.pipeline import load_examples
 from toolkit.data.reading import read_records
 from toolkit.errors import ConfigError, DataError
+from toolkit.testing import write_jsonl
 
 CHATS = [{"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i} " * (i % 5 + 1)}]}
          for i in range(12)]
 
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return resolve_model("tiny-llama").tokenizer
 
 
 @pytest.fixture
@@ -26,10 +20,6 @@ def own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache"
 
-
-def write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return str(path)
 
 
 def token_ids(examples):

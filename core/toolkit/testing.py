@@ -443,6 +443,14 @@ def _run_distributed_fixture() -> Callable[..., list[Any]]:
 # ----------------------------------------------------------------------------- throwaway plugins
 
 
+def write_jsonl(path: Path, records: list[dict[str, Any]]) -> str:
+    """Write ``records`` as a JSONL dataset file; returns the path as text (what ``--dataset`` takes)."""
+    import json
+
+    Path(path).write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
 def write_plugin_distribution(site: Path, name: str, source: str, *, version: str = "0.0.1",
                               entry_point: str | None = None, module: str | None = None) -> Path:
     """Write an installed-looking distribution ``name`` into ``site`` (a directory to put on
