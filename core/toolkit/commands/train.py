@@ -102,14 +102,20 @@ def _collect_values(params: dict[str, Any], sections: dict[str, tuple[str, str]]
     return values
 
 
-def make_training_command(name: str, loss: str | None, help_text: str, manager: Any) -> click.Command:
-    params: list[click.Parameter] = [
-        click.Option(["--config", "config"], type=click.Path(dir_okay=False), default=None,
-                     help="YAML recipe; flags given on the command line override it."),
-    ]
-    params += _options_for(Recipe, None, "")
-    taken = {flag for p in params for flag in (*p.opts, *p.secondary_opts)}
+def recipe_options() -> list[click.Option]:
+    """The flags of :class:`Recipe`'s own fields (``--model``, ``--tp``); each option's name is the field's."""
+    return _options_for(Recipe, None, "")
+
+
+def plugin_options(manager: Any, taken: set[str]) -> tuple[list[click.Option], dict[str, tuple[str, str]]]:
+    """The flags of every registered thing's ``Config`` and, per option name, its (section, field).
+
+    A flag already in ``taken`` is left out (the YAML section still sets it); ``toolkit-webui``
+    writes its command lines from this table, so they parse back to the same recipe.
+    """
+    options: list[click.Option] = []
     sections: dict[str, tuple[str, str]] = {}
+    taken = set(taken)
     for kind in OPTION_KINDS:
         for thing_name, cls in manager.registry(kind).items():
             # Parameter names must be identifiers; thing names may hold dashes.
@@ -120,7 +126,18 @@ def make_training_command(name: str, loss: str | None, help_text: str, manager: 
                     continue  # e.g. a thing named "seq" with a field "len": the YAML section still works
                 taken |= flags
                 sections[opt.name] = (thing_name, opt.name.removeprefix(prefix))
-                params.append(opt)
+                options.append(opt)
+    return options, sections
+
+
+def make_training_command(name: str, loss: str | None, help_text: str, manager: Any) -> click.Command:
+    params: list[click.Parameter] = [
+        click.Option(["--config", "config"], type=click.Path(dir_okay=False), default=None,
+                     help="YAML recipe; flags given on the command line override it."),
+    ]
+    params += recipe_options()
+    extra, sections = plugin_options(manager, {flag for p in params for flag in (*p.opts, *p.secondary_opts)})
+    params += extra
 
     def callback(**kwargs: Any) -> None:
         from toolkit.recipe import read_yaml, resolve_recipe
