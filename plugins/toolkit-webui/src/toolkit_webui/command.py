@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import signal
 from pathlib import Path
 
 import click
@@ -33,11 +34,20 @@ def serve(runs_dir: Path, data_dirs: list[Path], host: str, port: int, block: bo
     # allowed here: the page shows file contents itself, after Roots has checked each path.
     page.queue(default_concurrency_limit=4)
     page.launch(server_name=host, server_port=port, share=False, ssr_mode=False, allowed_paths=[], show_error=False,
-                inbrowser=False, prevent_thread_lock=not block, quiet=not block)
+                inbrowser=False, prevent_thread_lock=True, quiet=not block)
     if not block:
         return page
-    app.runs.close()
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM too ends Gradio's loop, so runs below are stopped
+    try:
+        page.block_thread()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        app.runs.close()
     return page
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 @click.command("webui")

@@ -228,5 +228,7 @@ def curves(metrics: list[dict[str, Any]]) -> dict[str, Any]:
     for title, keys in plots.items():
         points = [(row["step"], float(row[key]), key) for row in metrics for key in keys
                   if isinstance(row.get(key), (int, float)) and not isinstance(row.get(key), bool)]
-        out[title] = pd.DataFrame(points, columns=["step", "value", "series"])
+        frame = pd.DataFrame(points, columns=["step", "value", "series"])
+        # typed even when empty: Gradio takes an empty object column for a category axis
+        out[title] = frame.astype({"step": "int64", "value": "float64", "series": "object"})
     return out

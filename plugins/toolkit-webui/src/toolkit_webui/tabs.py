@@ -27,9 +27,11 @@ def runs_tab(app: Any) -> Any:
         stop = gr.Button("Stop (saves a checkpoint)", elem_id="stop-run", scale=1)
         resume = gr.Button("Resume", elem_id="resume-run", scale=1)
     message = gr.Markdown(elem_id="runs-message")
-    with gr.Row():
-        plots = [gr.LinePlot(x="step", y="value", color="series", title=title, label=title, elem_id=f"plot-{title.split()[0]}",
-                             height=220) for title in ("loss", "learning rate", "tokens/s", "reward")]
+    plots = []
+    for pair in (("loss", "learning rate"), ("tokens/s", "reward")):
+        with gr.Row():
+            plots += [gr.LinePlot(x="step", y="value", color="series", title=title, label=title, x_title="step", y_title=title,
+                                  elem_id=f"plot-{title.split()[0].replace('/', '')}", height=240) for title in pair]
     log = gr.Code(label="log (webui.log)", elem_id="run-log", interactive=False)
     timer = gr.Timer(REFRESH_SECONDS)
 
