@@ -7,8 +7,9 @@ every handler turns a ``ToolkitError`` into a message on the page instead of a t
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from toolkit.errors import ConfigError, ToolkitError
 from toolkit_webui import forms, tools
