@@ -43,15 +43,28 @@ def wait_text(page, elem_id: str, pattern: str, timeout: float = 120) -> str:
     raise AssertionError(f"#{elem_id} never matched {pattern!r}; it shows:\n{text}")
 
 
-def shot(page, name: str) -> None:
+def shot(page, name: str, full_page: bool = False) -> None:
     if SHOTS:
         page.wait_for_timeout(800)
-        page.screenshot(path=str(Path(SHOTS) / f"webui-{name}.png"), full_page=False)
+        page.screenshot(path=str(Path(SHOTS) / f"webui-{name}.png"), full_page=full_page)
 
 
 def toolkit(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, cwd=cwd, env=env, check=True)
+
+
+def loss_line_points(page, at_least: int, timeout: float = 120) -> int:
+    """Vertices of the line vega drew in the loss plot, once there are ``at_least``."""
+    deadline = time.monotonic() + timeout
+    count = 0
+    while time.monotonic() < deadline:
+        paths = page.locator("#plot-loss .mark-line path[stroke]")  # drawn in a colour, not only in the DOM
+        count = max([len(re.findall(r"[ML]", paths.nth(i).get_attribute("d") or "")) for i in range(paths.count())] or [0])
+        if count >= at_least:
+            return count
+        time.sleep(0.5)
+    raise AssertionError(f"the loss plot shows a line of {count} points, not {at_least}")
 
 
 def last_step(run_dir: Path) -> int:
@@ -71,6 +84,7 @@ def test_third_party_loss_gets_its_options_without_ui_code(page):
     assert command.strip().splitlines()[-1].startswith("toolkit focal ")
     yaml_text = wait_text(page, "recipe-yaml", r"detach_weight: true")
     assert re.search(r"focal:\s*\n\s*gamma: 0\.5", yaml_text)
+    shot(page, "recipe", full_page=True)
     choose(page, "field-recipe-loss", "sft")
     page.locator("#section-focal").wait_for(state="hidden")
     assert "focal" not in wait_text(page, "recipe-yaml", r"loss: sft")
@@ -82,6 +96,23 @@ def test_bad_value_is_named(page):
     assert "lr must be positive" in status
     fill(page, "field-recipe-dataset", "/etc/passwd")
     assert "outside the directories" in wait_text(page, "recipe-status", r"outside")
+
+
+def test_save_and_load_recipe(page, server):
+    fill(page, "field-recipe-max_steps", "7")
+    wait_text(page, "recipe-yaml", r"max_steps: 7")
+    fill(page, "recipe-path", "recipes/seven.yaml")
+    page.locator("#save-recipe").click()
+    wait_text(page, "recipe-message", r"Saved")
+    assert "max_steps: 7" in (server.runs / "recipes" / "seven.yaml").read_text()
+    fill(page, "field-recipe-max_steps", "9")
+    wait_text(page, "recipe-yaml", r"max_steps: 9")
+    page.locator("#load-recipe").click()
+    wait_text(page, "recipe-yaml", r"max_steps: 7")
+    assert page.locator("#field-recipe-max_steps input").input_value() == "7"
+    fill(page, "recipe-path", "/etc/hostname")
+    page.locator("#load-recipe").click()
+    assert "outside the directories" in wait_text(page, "recipe-message", r"Error")
 
 
 @pytest.mark.slow
@@ -119,25 +150,24 @@ def test_launch_watch_stop_resume_export_chat(page, server):
     fill(page, "field-recipe-output", "e2e")
     fill(page, "field-recipe-max_steps", "100000")
     wait_text(page, "recipe-command", r"--max-steps 100000")
-    shot(page, "recipe")
     page.locator("#launch").click()
     page.locator("#runs-table").wait_for(state="visible")
     run_dir = server.runs / "e2e"
     first = wait_text(page, "runs-table", r"e2e\s+running\s+([3-9]|\d\d+)")
-    page.locator("#plot-loss canvas, #plot-loss svg").first.wait_for(state="visible")
-    later = wait_text(page, "runs-table", r"e2e\s+running")
-    shot(page, "runs")
+    drawn = loss_line_points(page, at_least=3)
+    assert loss_line_points(page, at_least=drawn + 3) > drawn  # the curve grows while the run trains
     page.locator("#stop-run").click()
     stopped = wait_text(page, "runs-table", r"e2e\s+stopped at step (\d+)")
     step = int(re.search(r"stopped at step (\d+)", stopped).group(1))
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert metrics[-1]["step"] == step and (run_dir / "checkpoints" / f"step-{step}").is_dir(), (first, later)
+    assert metrics[-1]["step"] == step and (run_dir / "checkpoints" / f"step-{step}").is_dir(), first
     page.locator("#resume-run").click()
     wait_text(page, "run-log", rf"resumed from .*step-{step}")
     wait_text(page, "runs-table", r"e2e\s+running")
     deadline = time.monotonic() + 120
-    while last_step(run_dir) <= step + 2 and time.monotonic() < deadline:
+    while last_step(run_dir) <= step + 20 and time.monotonic() < deadline:
         time.sleep(0.5)
+    shot(page, "runs")
     page.locator("#stop-run").click()
     resumed = wait_text(page, "runs-table", r"e2e\s+stopped at step (\d+)")
     assert int(re.search(r"stopped at step (\d+)", resumed).group(1)) > step

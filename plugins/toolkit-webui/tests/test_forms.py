@@ -4,6 +4,7 @@ parses back, through the real ``toolkit`` CLI, to the same resolved recipe as it
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -83,3 +84,31 @@ def test_bad_values_are_named(fields):
     _, problems = forms.recipe_values(fields, raw)
     assert any(p.startswith("--max-steps:") for p in problems), problems
     assert any(p.startswith("--columns:") and "KEY=VALUE" in p for p in problems), problems
+
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[3] / "examples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_recipes_survive_the_form(fields, path):
+    """Every example recipe the installed plugins can resolve: file -> form -> recipe resolves the same."""
+    from toolkit.errors import ToolkitError
+
+    data = read_yaml(path)
+    try:
+        expected = resolve_recipe(data, source=str(path))
+    except ToolkitError:
+        pytest.skip(f"{path.name} needs a plugin that is not installed here")
+    values, problems = forms.recipe_values(fields, forms.values_from_recipe(fields, data))
+    assert problems == []
+    assert without_default_sections(resolve_recipe(values, source="the form")) == without_default_sections(expected)
+
+
+def without_default_sections(recipe):
+    """A section holding only its Config's defaults means the same as no section."""
+    from toolkit.recipe import _option_owner
+
+    manager = get_plugin_manager()
+    options = {name: section for name, section in recipe.options.items()
+               if section != dataclasses.asdict(_option_owner(manager, name).Config())}
+    return dataclasses.replace(recipe, options=options)

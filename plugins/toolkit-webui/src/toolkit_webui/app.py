@@ -204,7 +204,7 @@ def _recipe_tab(app: App) -> tuple:
                 widgets.update(_grid([f for f in app.fields if f.section is None and f.key not in widgets]))
             for section, kind, fields in _sections(app.fields):
                 visible = kind == "architecture" or section == _default_choice(by_key, kind)
-                with gr.Accordion(f"{section} ({kind}) options", open=kind != "architecture", visible=visible,
+                with gr.Accordion(f"{section} ({kind}) options", open=kind in ("loss", "tuner"), visible=visible,
                                   elem_id=f"section-{section}") as group:
                     widgets.update(_grid(fields))
                 groups[section] = (kind, group)

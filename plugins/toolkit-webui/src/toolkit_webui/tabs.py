@@ -35,16 +35,23 @@ def runs_tab(app: Any) -> Any:
     log = gr.Code(label="log (webui.log)", elem_id="run-log", interactive=False)
     timer = gr.Timer(REFRESH_SECONDS)
 
-    def refresh(selected: str | None) -> list:
+    known = gr.State([])  # the run choices this browser tab has: sent again only when they change
+
+    def refresh(selected: str | None, shown: list) -> list:
         try:
             rows, choices, *curves, text = app.run_view(selected)
         except Exception:  # a run directory vanishing mid-read: the next tick shows it again
-            return [gr.update() for _ in range(len(plots) + 3)]
-        return [rows, gr.update(choices=choices), *curves, text]
+            return [gr.skip() for _ in range(len(plots) + 4)]
+        choices = [list(c) for c in choices]
+        # colors_in_legend on every update redraws the plot with a colour for each series: an update of
+        # the data alone keeps the colour scale of the first drawing (none, if that had no data yet)
+        plotted = [gr.update(value=frame, colors_in_legend=sorted(set(frame["series"])) or None) for frame in curves]
+        return [rows, gr.update(choices=choices) if choices != shown else gr.skip(), choices, *plotted, text]
 
-    outputs = [table, select, *plots, log]
-    timer.tick(refresh, select, outputs, show_progress="hidden")
-    select.change(refresh, select, outputs)
+    outputs = [table, select, known, *plots, log]
+    once = {"concurrency_id": "runs-refresh", "concurrency_limit": 1, "trigger_mode": "always_last"}
+    timer.tick(refresh, [select, known], outputs, show_progress="hidden", **once)
+    select.change(refresh, [select, known], outputs, show_progress="hidden", **once)
 
     def do_stop(selected: str | None) -> str:
         try:
