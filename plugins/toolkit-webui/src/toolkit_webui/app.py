@@ -213,8 +213,9 @@ def _recipe_tab(app: App) -> tuple:
             launch_button = gr.Button("Launch", variant="primary", elem_id="launch")
             message = gr.Markdown(elem_id="recipe-message")
             status = gr.Markdown(elem_id="recipe-status")
-            yaml_box = gr.Code(language="yaml", label="recipe.yaml", elem_id="recipe-yaml", interactive=False)
-            command_box = gr.Code(language="shell", label="command line", elem_id="recipe-command", interactive=False)
+            yaml_box = gr.Code(language="yaml", label="recipe.yaml", elem_id="recipe-yaml", interactive=False, wrap_lines=True)
+            command_box = gr.Code(language="shell", label="command line", elem_id="recipe-command", interactive=False,
+                                  wrap_lines=True)
             path = gr.Textbox(label="recipe file (inside the runs or data directories)", value="recipes/recipe.yaml",
                               elem_id="recipe-path")
             with gr.Row():
