@@ -8,7 +8,10 @@ import sys
 import click
 
 from toolkit import __version__
-from toolkit.errors import ToolkitError
+from toolkit.errors import ConfigError, DataError, LayoutError, ModelError, RegistryError, ToolkitError
+
+# Errors in the user's input: every rank of a torchrun job hits the same one, so only rank 0 prints it.
+INPUT_ERRORS = (ConfigError, DataError, LayoutError, ModelError, RegistryError, click.UsageError)
 
 
 class ToolkitGroup(click.Group):
@@ -70,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     except click.UsageError as exc:  # one paragraph instead of click's usage block
         ctx = exc.ctx
         hint = f" See '{ctx.command_path} --help'." if ctx is not None else ""
-        click.echo(f"Error: {exc.format_message()}{hint}", err=True)
+        _print_error(exc, f"Error: {exc.format_message()}{hint}")
         sys.exit(exc.exit_code)
     except click.ClickException as exc:
         exc.show()
@@ -78,8 +81,20 @@ def main(argv: list[str] | None = None) -> None:
     except ToolkitError as exc:
         if os.environ.get("TOOLKIT_DEBUG"):
             raise
-        click.echo(f"Error: {exc}", err=True)
-        click.echo("(run with --debug for the traceback)", err=True)
+        _print_error(exc, f"Error: {exc}\n(run with --debug for the traceback)")
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+def _print_error(exc: Exception, text: str) -> None:
+    """Print once per job: an input error on rank 0 only; any other error on its rank, so marked."""
+    rank = int(os.environ.get("RANK", "0") or 0)
+    if rank == 0:
+        click.echo(text, err=True)
+    elif not isinstance(exc, INPUT_ERRORS):
+        click.echo(f"[rank {rank}] {text}", err=True)
+    else:
+        import time
+
+        time.sleep(3)  # torchrun stops every rank once one exits: give rank 0 the time to print it

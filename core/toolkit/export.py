@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -87,6 +88,7 @@ def export_model(model: ExportModel, exporter: str, output: str | Path, *, overw
     cls = get_plugin_manager().get("exporter", exporter)
     instance = cls(options if options is not None else cls.Config())
     output = Path(output)
+    model = dataclasses.replace(model, destination=output.resolve())
     if output.exists() and any(output.iterdir()) and not overwrite:
         raise ToolkitError(f"export output {output} exists and is not empty; pass --overwrite or choose another --output")
     if adapter_only:

@@ -37,8 +37,18 @@ def backend_instance(name: str, values: dict[str, Any]) -> Any:
     return cls(cls.Config(**{k: v for k, v in values.items() if k in fields}))
 
 
-def run_infer(reference: str, prompts: list[str], backend: str, **options: Any) -> list[str]:
+def run_infer(reference: str, prompts: list[str], backend: str, extra: tuple[str, ...] = (), **options: Any) -> list[str]:
     instance = backend_instance(backend, options)
+    if extra:  # --option KEY=VALUE: fields of the backend's Config (generation reads no engine flags)
+        import dataclasses
+
+        from toolkit.serving import split_extra
+
+        instance.config, rest = split_extra(instance.config, extra)
+        if rest:
+            names = ", ".join(f.name for f in dataclasses.fields(instance.config))
+            raise ToolkitError(f"--option {', '.join(rest)}: not an option of backend {backend!r} for toolkit infer; "
+                               f"its options: {names}")
     with tempfile.TemporaryDirectory(prefix="toolkit-infer-") as workdir:
         directory = model_directory(reference, Path(workdir))
         completions = instance.generate(directory, prompts, instance.config)

@@ -21,6 +21,7 @@ from toolkit import __version__, hookspecs
 from toolkit.errors import PluginLoadError, RegistryError
 
 ENTRY_POINT_GROUP = "toolkit"
+DISTRIBUTION = "toolkit-core"  # the core's distribution name ("toolkit" on PyPI is an unrelated project)
 
 KINDS = {
     "model_loader": "toolkit_register_model_loaders",
@@ -44,12 +45,26 @@ FIRST_PARTY = {
     **{("loss", n): "toolkit-dpo" for n in ("dpo", "ipo", "hinge", "kto", "simpo", "orpo", "cpo", "rm")},
     ("dataset_format", "preference"): "toolkit-dpo",
     ("dataset_format", "kto"): "toolkit-dpo",
+    ("architecture", "moe"): "toolkit-moe",
     ("exporter", "mcore"): "toolkit-megatron",
     ("exporter", "vllm"): "toolkit-vllm",
     ("exporter", "lmdeploy"): "toolkit-lmdeploy",
     ("inference_backend", "vllm"): "toolkit-vllm",
     ("inference_backend", "lmdeploy"): "toolkit-lmdeploy",
 }
+
+
+def install_hint(distribution: str, extra: str = "") -> str:
+    """The commands that install a first-party plugin: the one that works once it is published,
+    and the one that works from a clone of this repository today (plugins/<distribution>).
+
+    >>> install_hint("toolkit-peft", "qlora")
+    "pip install 'toolkit-peft[qlora]' (from a clone: pip install -c constraints.txt -e 'plugins/toolkit-peft[qlora]')"
+    """
+    if extra:
+        return (f"pip install '{distribution}[{extra}]' "
+                f"(from a clone: pip install -c constraints.txt -e 'plugins/{distribution}[{extra}]')")
+    return f"pip install {distribution} (from a clone: pip install -c constraints.txt -e plugins/{distribution})"
 
 
 @dataclass
@@ -108,7 +123,7 @@ class Registry:
         installed = ", ".join(sorted(self._items)) or "none"
         provider = FIRST_PARTY.get((self.kind, name))
         if provider:
-            hint = f"{self.kind} {name!r} is not installed: pip install {provider}"
+            hint = f"{self.kind} {name!r} is not installed: {install_hint(provider)}"
         else:
             close = difflib.get_close_matches(name, list(self._items), n=1)
             hint = f"unknown {self.kind} {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")

@@ -21,6 +21,9 @@ class Recipe:
 
     model: str = option("tiny-llama", help="HF model directory or embedded preset (tiny-llama, tiny-qwen2, ...).")
     dataset: list[str] = option(["demo"], help="Dataset file (jsonl/json/parquet/csv) or bundled name; repeatable.")
+    dataset_ratios: list[float] = option([], help="Mix the --dataset files in these proportions (one per --dataset, "
+                                                  "repeatable, e.g. 0.7 then 0.3); the mix keeps their total size, "
+                                                  "drawing from small sets more than once. Default: each as it is.")
     dataset_format: str = option("auto", help="Record format: auto, alpaca, messages, sharegpt, text, or a plugin's.")
     columns: dict[str, str] = option({}, help="Column remapping, 'ours=theirs' (e.g. instruction=question).")
     output: str = option("runs/latest", help="Run directory (recipe.yaml, metrics.jsonl, checkpoints/).")
@@ -50,8 +53,15 @@ class Recipe:
     max_grad_norm: float = option(1.0, help="Gradient clipping norm; 0 disables clipping.")
     micro_batch_size: int = option(1, help="Rows per micro-batch per data-parallel rank.")
     global_batch_size: int = option(0, help="Rows per optimizer step over all ranks; 0 means micro-batch x DP.")
-    seq_len: int = option(512, help="Maximum tokens per row (longer samples are truncated).")
-    packing: bool = option(False, help="Pack several samples per row (no attention across samples).")
+    seq_len: int = option(512, help="Tokens per row. Longer SFT/preference samples are truncated (and counted); PT "
+                                    "documents are joined and cut into rows of this length, never truncated.")
+    packing: bool = option(False, help="Pack several samples per row by best-fit decreasing (no attention across "
+                                       "samples; padding-free attention on CUDA).")
+    group_by_length: bool = option(True, help="Without --packing: put samples of similar length in the same "
+                                              "micro-batch (less padding); batches still come in a seeded random order.")
+    isolate_documents: bool = option(False, help="PT: keep each document's attention and positions to itself inside "
+                                                 "the joined rows (block-causal mask); default: attention runs across "
+                                                 "document boundaries, as in Megatron's GPT pretraining.")
     precision: Literal["fp32", "bf16", "fp16"] = option("fp32", help="Training precision (bf16 keeps fp32 master weights).")
     gradient_checkpointing: bool = option(False, help="Recompute activations in the backward pass.")
     seed: int = option(42, help="Seed for initialisation, shuffling and dropout.")
@@ -155,12 +165,7 @@ def resolve_recipe(values: dict[str, Any], source: str = "recipe", manager: Any 
                     continue
                 sections.setdefault(section, {}).update(content or {})
         else:
-            import difflib
-
-            candidates = sorted(recipe_fields - {"options"}) + _option_names(manager)
-            close = difflib.get_close_matches(name, candidates, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            problems.append(f"unknown key {key!r}{hint}")
+            problems.append(_unknown_key(key, sorted(recipe_fields - {"options"}) + _option_names(manager)))
     recipe = build_dataclass(Recipe, top, source, problems)
     for kind, attr in (("strategy", "strategy"), ("tuner", "tuner"), ("loss", "loss")):
         name = getattr(recipe, attr)
@@ -184,6 +189,20 @@ def resolve_recipe(values: dict[str, Any], source: str = "recipe", manager: Any 
 def _option_names(manager: Any) -> list[str]:
     """Names that may head a YAML option section (registered strategies, tuners, losses, formats)."""
     return sorted({name for kind in OPTION_KINDS for name in manager.registry(kind).names()})
+
+
+def _unknown_key(key: str, candidates: list[str]) -> str:
+    """A recipe key nobody registered: the plugin that provides a section of that name (``moe:``,
+    ``deepspeed:``) when it is a first-party one that is not installed, else the closest key."""
+    import difflib
+
+    from toolkit.plugins import FIRST_PARTY, install_hint
+
+    provider = next((dist for (kind, name), dist in FIRST_PARTY.items() if name == key and kind in OPTION_KINDS), None)
+    if provider:
+        return f"section {key!r} holds the options of {provider}, which is not installed: {install_hint(provider)}"
+    close = difflib.get_close_matches(key.replace("-", "_"), candidates, n=1)
+    return f"unknown key {key!r}" + (f"; did you mean {close[0]!r}?" if close else "")
 
 
 def _option_owner(manager: Any, name: str) -> type | None:

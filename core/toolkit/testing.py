@@ -171,6 +171,11 @@ class TinyModels:
         return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
 
 
+def pytest_configure(config: Any) -> None:
+    """Each test session tokenizes into a cache of its own (:mod:`toolkit.data.cache`), never the user's."""
+    os.environ.setdefault("TOOLKIT_CACHE", tempfile.mkdtemp(prefix="toolkit-test-cache-"))
+
+
 @pytest.fixture
 def tiny_model_factory(tmp_path: Path) -> TinyModels:
     """``tiny_model_factory("qwen2", num_hidden_layers=1)`` -> a tiny HF model; also ``.config(...)``,

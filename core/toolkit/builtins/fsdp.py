@@ -17,7 +17,7 @@ class FSDPConfig:
     cpu_offload: bool = option(False, help="Keep sharded parameters and optimizer state in CPU memory.")
     mixed_precision: bool = option(True, help="With --precision bf16: bf16 compute copies, fp32 sharded master weights and fp32 gradient reduction.")
     packed_attention: Literal["auto", "flex", "sdpa-mask"] = option(
-        "sdpa-mask", help="Rows holding several samples: flex (FlexAttention, block-causal BlockMask), sdpa-mask (dense mask "
+        "auto", help="Rows holding several samples: flex (FlexAttention, block-causal BlockMask), sdpa-mask (dense mask "
         "for HF's sdpa attention) or auto (flex on a CUDA device when it can run, else sdpa-mask); as --local-packed-attention.")
 
 
@@ -100,11 +100,9 @@ class FSDPEngine(LocalEngine):
         return out.sequence_sums().detach()
 
     def _ensure_group(self) -> None:
-        import torch.distributed as dist
+        from toolkit.train.distributed import one_process_group
 
-        if not dist.is_initialized():  # FSDP needs a process group even on one process: an in-memory store, no port
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                    world_size=1)
+        if one_process_group(self.device):  # FSDP needs a process group even on one process
             self._own_group = True
 
     def close(self) -> None:

@@ -7,10 +7,10 @@ import click
 
 def torchrun_command(args: tuple[str, ...], nproc: int, nnodes: int = 1, node_rank: int = 0,
                      master_addr: str | None = None, master_port: int = 29500, script: str | None = None) -> list[str]:
-    """The ``python -m torch.distributed.run ...`` command line for these flags."""
+    """The torchrun command line for these flags (through :func:`torchrun_main`)."""
     import sys
 
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={master_port}"]
+    command = [sys.executable, "-m", "toolkit.commands.launch", f"--nproc-per-node={nproc}", f"--master-port={master_port}"]
     if nnodes > 1 or master_addr:
         command += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={master_addr or '127.0.0.1'}"]
     return command + ([script] if script else ["-m", "toolkit"]) + list(args)
@@ -51,3 +51,38 @@ def launch_command(nproc: int, nnodes: int, node_rank: int, master_addr: str | N
         click.echo(" ".join(command))
         return
     raise SystemExit(subprocess.call(command))
+
+
+def launch_advice(processes: int, argv: list[str] | None = None) -> str:
+    """How to run this same command on ``processes`` processes (for a one-process run that needs more)."""
+    import sys
+
+    args = " ".join(sys.argv[1:] if argv is None else argv) or "sft ..."
+    return (f"launch {processes} processes: toolkit launch --nproc {processes} {args}  "
+            f"(or: torchrun --nproc-per-node {processes} -m toolkit {args})")
+
+
+def torchrun_main(argv: list[str]) -> None:
+    """``torch.distributed.run`` without the agent's traceback when a worker fails: the worker
+    already printed its error (once, from rank 0 for input errors), so one line names the ranks."""
+    import logging
+    import sys
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main
+
+    # its "closing signal" / "failed (exitcode ...)" lines repeat what the line below says
+    logging.getLogger("torch.distributed.elastic.multiprocessing").setLevel(logging.CRITICAL)
+    try:
+        main(argv)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        print(f"toolkit launch: rank {rank} failed (exit code {failure.exitcode}) and the others were stopped; "
+              "its error is printed above", file=sys.stderr)
+        sys.exit(failure.exitcode if isinstance(failure.exitcode, int) and failure.exitcode > 0 else 1)
+
+
+if __name__ == "__main__":
+    import sys
+
+    torchrun_main(sys.argv[1:])

@@ -61,7 +61,7 @@ def _options_for(cls: type, prefix: str | None, dest_prefix: str) -> list[click.
             is_dict = get_origin(tp) is dict
             help_text += " (repeatable" + (", KEY=VALUE)" if is_dict else ")")
             options.append(click.Option([*names, dest], type=ctype, multiple=True, default=None, help=help_text,
-                                        callback=_key_value_pairs if is_dict else None))
+                                        callback=key_value_pairs if is_dict else None))
         else:
             default = field.default if field.default is not dataclasses.MISSING else None
             show = f" [default: {default}]" if default not in (None, "") else ""
@@ -70,7 +70,7 @@ def _options_for(cls: type, prefix: str | None, dest_prefix: str) -> list[click.
     return options
 
 
-def _key_value_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...] | None) -> dict[str, str] | None:
+def key_value_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...] | None) -> dict[str, str] | None:
     """``--columns instruction=question`` (repeatable) -> ``{"instruction": "question"}``."""
     if not value:
         return None
@@ -83,7 +83,7 @@ def _key_value_pairs(ctx: click.Context, param: click.Parameter, value: tuple[st
     return pairs
 
 
-def _collect_values(params: dict[str, Any], sections: dict[str, tuple[str, str]]) -> dict[str, Any]:
+def collect_values(params: dict[str, Any], sections: dict[str, tuple[str, str]]) -> dict[str, Any]:
     """Flags the user actually set, as a nested dict like a YAML recipe.
 
     ``sections`` maps the parameter name of a plugin option to its (section, field).
@@ -102,21 +102,13 @@ def _collect_values(params: dict[str, Any], sections: dict[str, tuple[str, str]]
     return values
 
 
-def recipe_options() -> list[click.Option]:
-    """The flags of :class:`Recipe`'s own fields (``--model``, ``--tp``); each option's name is the field's."""
-    return _options_for(Recipe, None, "")
-
-
-def plugin_options(manager: Any, taken: set[str]) -> tuple[list[click.Option], dict[str, tuple[str, str]]]:
-    """The flags of every registered thing's ``Config`` and, per option name, its (section, field).
-
-    A flag already in ``taken`` is left out (the YAML section still sets it); ``toolkit-webui``
-    writes its command lines from this table, so they parse back to the same recipe.
-    """
-    options: list[click.Option] = []
+def add_registered_options(params: list[click.Parameter], manager: Any, kinds: tuple[str, ...]) -> dict[str, tuple[str, str]]:
+    """Append ``--<name>-<field>`` options for the ``Config`` of every registered thing of ``kinds``
+    to ``params`` (skipping flags already taken); returns parameter name -> (section, field),
+    for :func:`collect_values`."""
+    taken = {flag for p in params for flag in (*p.opts, *p.secondary_opts)}
     sections: dict[str, tuple[str, str]] = {}
-    taken = set(taken)
-    for kind in OPTION_KINDS:
+    for kind in kinds:
         for thing_name, cls in manager.registry(kind).items():
             # Parameter names must be identifiers; thing names may hold dashes.
             prefix = f"opt{len(sections)}_{kind}__"
@@ -126,8 +118,17 @@ def plugin_options(manager: Any, taken: set[str]) -> tuple[list[click.Option], d
                     continue  # e.g. a thing named "seq" with a field "len": the YAML section still works
                 taken |= flags
                 sections[opt.name] = (thing_name, opt.name.removeprefix(prefix))
-                options.append(opt)
-    return options, sections
+                params.append(opt)
+    return sections
+
+
+def recipe_options() -> list[click.Option]:
+    """The flags of :class:`Recipe`'s own fields (``--model``, ``--tp``); each option's name is its field's.
+
+    With :func:`add_registered_options` this is the training commands' whole flag table, which
+    toolkit-webui writes its command lines from, so they parse back to the same recipe.
+    """
+    return _options_for(Recipe, None, "")
 
 
 def make_training_command(name: str, loss: str | None, help_text: str, manager: Any) -> click.Command:
@@ -136,15 +137,14 @@ def make_training_command(name: str, loss: str | None, help_text: str, manager: 
                      help="YAML recipe; flags given on the command line override it."),
     ]
     params += recipe_options()
-    extra, sections = plugin_options(manager, {flag for p in params for flag in (*p.opts, *p.secondary_opts)})
-    params += extra
+    sections = add_registered_options(params, manager, OPTION_KINDS)
 
     def callback(**kwargs: Any) -> None:
         from toolkit.recipe import read_yaml, resolve_recipe
 
         config = kwargs.get("config")
         values = read_yaml(config) if config else {}
-        flags = _collect_values(kwargs, sections)
+        flags = collect_values(kwargs, sections)
         for key, value in flags.items():
             if isinstance(value, dict) and isinstance(values.get(key), dict):
                 values[key] = {**values[key], **value}

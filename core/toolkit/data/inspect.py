@@ -32,16 +32,18 @@ def render_sample(tokenizer, input_ids: list[int], labels: list[int]) -> str:
     return "".join(f"[[{text}]]" if trained else text for text, trained in sample_segments(tokenizer, input_ids, labels))
 
 
-def inspect_samples(dataset: str, *, model: str, dataset_format: str, loss: str, num: int, seq_len: int) -> tuple[str, Any, list]:
-    """The data summary, the tokenizer and the first ``num`` examples, tokenised as training with ``loss`` sees them."""
+def inspect_samples(dataset: str, *, model: str, dataset_format: str, loss: str, num: int, seq_len: int,
+                    columns: dict[str, str] | None = None, options: dict[str, dict[str, Any]] | None = None) -> tuple[str, Any, list]:
+    """The data summary, the tokenizer and the first ``num`` examples of ``dataset``, read exactly as
+    training reads it (format, columns, format options from the ``--<format>-<field>`` flags)."""
     from toolkit.builtins.loaders import resolve_model
     from toolkit.data.pipeline import load_examples
     from toolkit.plugins import get_plugin_manager
 
     loss_cls = get_plugin_manager().get("loss", loss)
     source = resolve_model(model)
-    examples, stats = load_examples([dataset], source.tokenizer, dataset_format=dataset_format,
-                                    train_on=getattr(loss_cls, "train_on", "assistant"), seq_len=seq_len,
+    examples, stats = load_examples([dataset], source.tokenizer, dataset_format=dataset_format, columns=columns,
+                                    options=options, train_on=getattr(loss_cls, "train_on", "assistant"), seq_len=seq_len,
                                     example_kinds=loss_cls.example_kinds)
     return stats.summary(), source.tokenizer, examples[:num]
 
@@ -52,8 +54,11 @@ def sample_title(index: int, seq) -> str:
     return f"--- sample {index}{role}: {len(seq.input_ids)} tokens, {trained} trained"
 
 
-def inspect_dataset(dataset: str, *, model: str, dataset_format: str, loss: str, num: int, seq_len: int) -> None:
-    summary, tokenizer, examples = inspect_samples(dataset, model=model, dataset_format=dataset_format, loss=loss, num=num, seq_len=seq_len)
+def inspect_dataset(dataset: str, *, model: str, dataset_format: str, loss: str, num: int, seq_len: int,
+                    columns: dict[str, str] | None = None, options: dict[str, dict[str, Any]] | None = None) -> None:
+    """Print ``num`` samples of ``dataset`` as :func:`inspect_samples` reads them, trained tokens in [[brackets]]."""
+    summary, tokenizer, examples = inspect_samples(dataset, model=model, dataset_format=dataset_format, loss=loss, num=num,
+                                                   seq_len=seq_len, columns=columns, options=options)
     click.echo(f"{summary}; trained tokens are shown in [[brackets]]")
     for index, example in enumerate(examples):
         for seq in example.sequences:

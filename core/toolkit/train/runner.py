@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from toolkit.contracts import IGNORE_INDEX
 from toolkit.errors import ConfigError, LayoutError, ModelError, ToolkitError
 from toolkit.recipe import Recipe, thing_options
 
@@ -70,8 +71,14 @@ def write_recipe(recipe: Recipe, run_dir: Path) -> None:
     import yaml
 
     data = recipe.to_yaml_dict()
+    header = ""
+    model = Path(recipe.model).expanduser()
+    if model.is_dir() and str(model.resolve()) != recipe.model:
+        # absolute, so `toolkit export` / `toolkit infer` of this run work from any directory
+        data["model"] = str(model.resolve())
+        header = f"# --model as given: {recipe.model}\n"
     tmp = run_dir / ".recipe.yaml.tmp"
-    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+    tmp.write_text(header + yaml.safe_dump(data, sort_keys=False))
     tmp.replace(run_dir / "recipe.yaml")
 
 
@@ -132,7 +139,8 @@ def run_training(recipe: Recipe) -> Path:
     examples, stats = load_examples(
         recipe.dataset, source.tokenizer, dataset_format=recipe.dataset_format, columns=recipe.columns,
         train_on=getattr(loss, "train_on", "assistant"), seq_len=recipe.seq_len, max_samples=recipe.max_samples,
-        example_kinds=loss.example_kinds, options=recipe.options, packing=recipe.packing)
+        example_kinds=loss.example_kinds, options=recipe.options, packing=recipe.packing,
+        isolate_documents=recipe.isolate_documents, ratios=recipe.dataset_ratios, seed=recipe.seed)
     engine = strategy.build(source, tuner, loss, recipe)
     try:
         if recipe.precompute_reference and getattr(loss, "needs_reference", False):
@@ -161,15 +169,19 @@ def run_training(recipe: Recipe) -> Path:
 def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: Any, source: Any, examples: list, stats: Any) -> None:
     from toolkit.data.pipeline import Batches
     from toolkit.train.checkpoint import agree_on_resume, list_checkpoints, read_state, restore_rng, save_checkpoint
-    from toolkit.train.distributed import note_collective, start_watchdog
+    from toolkit.train.distributed import init_world, note_collective, start_watchdog
     from toolkit.train.numerics import NonFiniteGuard
 
     eval_examples, examples = examples[: recipe.eval_samples], examples[recipe.eval_samples:]
     pad_id = source.tokenizer.pad_token_id if source.tokenizer.pad_token_id is not None else 0
-    batches = Batches(examples, seed=recipe.seed, seq_len=recipe.seq_len, packing=recipe.packing,
+    # PT rows that keep documents apart hold several sequences: they are collated as packed rows
+    packed_rows = recipe.packing or bool(stats.documents and recipe.isolate_documents)
+    batches = Batches(examples, seed=recipe.seed, seq_len=recipe.seq_len, packing=packed_rows,
                       micro_batch_size=recipe.micro_batch_size, global_batch_size=recipe.global_batch_size,
-                      dp_rank=engine.dp_rank, dp_world_size=engine.dp_world_size, pad_id=pad_id)
+                      dp_rank=engine.dp_rank, dp_world_size=engine.dp_world_size, pad_id=pad_id,
+                      group_by_length=recipe.group_by_length, pad_multiple=pad_multiple(init_world().device))
     stats.left_over_per_epoch = batches.left_over_examples(0)
+    stats.rows, stats.row_fill = batches.epoch_fill(0)
     total_steps = recipe.max_steps or max(1, math.ceil(recipe.epochs * batches.steps_per_epoch))
     engine.set_total_steps(total_steps)
     start_step = 0
@@ -230,6 +242,12 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
         export_after_training(recipe, run_dir, engine, source, tuner)
 
 
+def pad_multiple(device: Any) -> int:
+    """Rows are padded to a multiple of this: on a GPU, few distinct shapes for compiled kernels and
+    tensor-core-friendly sizes; elsewhere no padding beyond the longest row."""
+    return 64 if device.type == "cuda" else 1
+
+
 class _StepLog:
     """Metrics of each trained step to the callbacks; tokens/s over the steps since the last log line."""
 
@@ -237,15 +255,27 @@ class _StepLog:
                  steps_per_epoch: int, start_step: int):
         self.recipe, self.engine, self.loss, self.callbacks, self.eval_batches = recipe, engine, loss, callbacks, eval_batches
         self.total_steps, self.steps_per_epoch, self.logged = total_steps, steps_per_epoch, start_step
-        self.window_tokens, self.window_start = 0, time.perf_counter()
+        self.window_tokens, self.window_trained, self.window_start = 0, 0, time.perf_counter()
+        self.peak_memory = None
+        import torch
+
+        if torch.cuda.is_available():
+            self.peak_memory = torch.cuda.max_memory_allocated
 
     def record(self, step: int, micro_batches: list, result: Any, lr: float) -> None:
         done, engine = step + 1, self.engine
-        self.window_tokens += sum(int((mb["sequence_ids"] >= 0).sum()) for mb in micro_batches)
+        real = sum(int((mb["sequence_ids"] >= 0).sum()) for mb in micro_batches)
+        capacity = sum(mb["sequence_ids"].numel() for mb in micro_batches)
+        trained = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches)
+        self.window_tokens += real
+        self.window_trained += trained
         elapsed = time.perf_counter() - self.window_start
-        tokens_per_s = engine.all_reduce_sum([self.window_tokens])[0] / max(elapsed, 1e-9)
+        tokens, trained_tokens = engine.all_reduce_sum([self.window_tokens, self.window_trained])
         metrics = {"step": done, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
-                   "tokens_per_s": tokens_per_s, "epoch": step / self.steps_per_epoch, **result.metrics}
+                   "tokens_per_s": tokens / max(elapsed, 1e-9), "trained_tokens_per_s": trained_tokens / max(elapsed, 1e-9),
+                   "row_fill": real / max(capacity, 1), "epoch": step / self.steps_per_epoch, **result.metrics}
+        if self.peak_memory is not None:  # on a GPU: the allocator's high-water mark so far (no synchronisation)
+            metrics["peak_gib"] = self.peak_memory() / 2**30
         for cb in self.callbacks:
             cb.on_step_end(done, metrics)
         if done % self.recipe.log_every == 0 or done == self.total_steps:
@@ -254,7 +284,7 @@ class _StepLog:
                 metrics.update({f"eval_{k}": v for k, v in evaluated.items()})
             for cb in self.callbacks:
                 cb.on_log(done, metrics)
-            self.window_tokens, self.window_start = 0, time.perf_counter()
+            self.window_tokens, self.window_trained, self.window_start = 0, 0, time.perf_counter()
         self.logged = done
 
 

@@ -160,3 +160,15 @@ def test_an_adapter_vllm_refuses_leaves_the_merged_export_and_says_why(tmp_path,
     assert (out / "config.json").is_file() and not (out / "lora").exists()
     assert json.loads((out / "toolkit_export.json").read_text())["lora_modules"] == {}
     assert "the adapter is not written (vLLM would refuse it): the adapter uses DoRA" in caplog.text
+
+
+def test_the_serve_line_names_the_final_folder_not_the_staging_one(tmp_path):
+    import shlex
+
+    from toolkit.export import export_model
+
+    net, tok = tiny.model("llama")
+    out = export_model(tiny.export_model(net, tok), "vllm", tmp_path / "served")  # written to a staging folder, renamed
+    serve = shlex.split(json.loads((out / "toolkit_export.json").read_text())["serve"])
+    assert serve[:2] == ["vllm", "serve"] and serve[2] == str((tmp_path / "served").resolve())
+    assert (tmp_path / "served" / "config.json").is_file()

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from toolkit.errors import LayoutError, ModelError
+from toolkit.train.distributed import one_process_group
 from toolkit_megatron.bridge import unwrap
 from toolkit_megatron.compat import cpu_compat
 from toolkit_megatron.model import Layout
@@ -159,7 +160,7 @@ def mcore_to_hf_tensors(directory: str | Path, lora: tuple | None = None) -> Ite
     from toolkit_megatron.model import build_model, initialize_parallel
 
     hf_config = AutoConfig.from_pretrained(directory)
-    own_group = ensure_process_group()
+    own_group = one_process_group()  # reads to CPU: gloo
     try:
         layout = Layout()
         padded = check_reload_layout(directory, layout)
@@ -183,9 +184,3 @@ def mcore_to_hf_tensors(directory: str | Path, lora: tuple | None = None) -> Ite
             torch.distributed.destroy_process_group()
 
 
-def ensure_process_group() -> bool:
-    if torch.distributed.is_initialized():
-        return False
-    store = torch.distributed.HashStore()
-    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
-    return True

@@ -129,10 +129,12 @@ def config_fields(cls: type, section: str | None, kind: str | None, flags: dict[
 
 def form_fields(manager: Any) -> list[Field]:
     """Every Recipe field, then every registered thing's Config fields, with the flags of the CLI."""
-    from toolkit.commands.train import plugin_options, recipe_options
+    from toolkit.commands.train import add_registered_options, recipe_options
 
     own = recipe_options()
-    plugin, sections = plugin_options(manager, {flag for o in own for flag in (*o.opts, *o.secondary_opts)})
+    params: list[Any] = list(own)
+    sections = add_registered_options(params, manager, OPTION_KINDS)
+    plugin = params[len(own):]
     choices = {name: sorted(manager.registry(kind).names()) + EXTRA_CHOICES.get(name, [])
                for name, kind in NAMED_BY_REGISTRY.items()}
     fields = config_fields(Recipe, None, None, {o.name: o for o in own}, choices)
