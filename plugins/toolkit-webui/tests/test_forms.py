@@ -112,3 +112,17 @@ def without_default_sections(recipe):
     options = {name: section for name, section in recipe.options.items()
                if section != dataclasses.asdict(_option_owner(manager, name).Config())}
     return dataclasses.replace(recipe, options=options)
+
+
+def test_launch_refuses_a_directory_that_holds_a_run(fields, tmp_path):
+    from toolkit.errors import ToolkitError
+    from toolkit_webui.app import App
+    from toolkit_webui.paths import Roots
+
+    app = App(Roots(tmp_path))
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "recipe.yaml").write_text("model: tiny-llama\n")
+    raw = {**defaults(fields), "output": "old"}
+    with pytest.raises(ToolkitError, match="already holds a run"):
+        app.launch(raw, 1)
+    assert app.runs.processes == {}  # nothing started

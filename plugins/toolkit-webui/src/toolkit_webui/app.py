@@ -118,8 +118,12 @@ class App:
         values, problems = self.compose(raw)
         if problems:
             raise ToolkitError("the recipe has problems:\n" + "\n".join(f"- {p}" for p in problems))
+        output = Path(values["output"])
+        if (output / "recipe.yaml").is_file() and not values.get("resume") and not values.get("overwrite"):
+            raise ToolkitError(f"{output} already holds a run: resume it on the Runs tab, set --overwrite (under All recipe "
+                               "options) to start it over, or choose another --output")
         args = forms.command_args(self.fields, values, self.manager)
-        process = self.runs.launch(args, Path(values["output"]), int(nproc or 1))
+        process = self.runs.launch(args, output, int(nproc or 1))
         return values["output"], f"Launched {Path(values['output']).name} (process {process.pid})."
 
     def load(self, path: str) -> dict[str, Any]:
