@@ -62,3 +62,10 @@ def test_server_serves_no_file(server):
     assert status_of(server.url) == 200
     for path in ("/etc/passwd", str(server.runs / "mine.txt"), str(server.root / "webui-server.log")):
         assert status_of(f"{server.url}gradio_api/file={path}") in (403, 404), path
+
+
+def test_page_calls_no_outside_host(server):
+    """The page and its theme load nothing from a web font service (Gradio 6 serves its fonts itself)."""
+    for path in ("", "theme.css"):
+        text = urllib.request.urlopen(f"{server.url}{path}", timeout=10).read().decode()
+        assert "fonts.googleapis" not in text and "fonts.gstatic" not in text, path
