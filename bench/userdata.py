@@ -1,6 +1,6 @@
 """Realistic training data for bench/userpath.py: what users bring, not uniform random rows.
 
-    python bench/userdata.py DIR [--chats 3000] [--docs 400] [--pairs 1500] [--tiny]
+    python bench/userdata.py [DIR] [--chats 3000] [--docs 400] [--pairs 1500] [--tiny]
 
 Writes ``chats.jsonl`` (``messages``; total lengths log-normal like public instruction sets: median about
 600 tokens, most between 100 and 1500, a tail to 8k; one in five has several turns), ``docs.jsonl``
@@ -80,14 +80,21 @@ def write(directory: Path, chats: int, docs: int, pairs: int, seed: int = 0, max
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("directory", type=Path)
+    parser.add_argument("directory", type=Path, nargs="?", default=None, help="where to write (default: a temporary folder)")
     parser.add_argument("--chats", type=int, default=3000)
     parser.add_argument("--docs", type=int, default=400)
     parser.add_argument("--pairs", type=int, default=1500)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tiny", action="store_true", help="a few records of each (nox -s bench)")
     args = parser.parse_args()
-    for name, path in write(args.directory, args.chats, args.docs, args.pairs, args.seed).items():
-        print(f"{name}: {path}")
+    if args.tiny:
+        args.chats, args.docs, args.pairs = 20, 4, 10
+    import tempfile
+
+    directory = args.directory or Path(tempfile.mkdtemp(prefix="userdata-"))
+    for name, path in write(directory, args.chats, args.docs, args.pairs, args.seed).items():
+        lines = path.read_text().splitlines()
+        print(f"{name}: {path} ({len(lines)} records)")
 
 
 if __name__ == "__main__":

@@ -96,5 +96,5 @@ def captured_runs(monkeypatch):
     except ImportError:
         runner_module = types.ModuleType("toolkit.train.runner")
         monkeypatch.setitem(sys.modules, "toolkit.train.runner", runner_module)
-    monkeypatch.setattr(runner_module, "run_training", runs.append, raising=False)
+    monkeypatch.setattr(runner_module, "run_training", lambda recipe, **_: runs.append(recipe), raising=False)
     return runs

@@ -133,18 +133,20 @@ class FSDPEngine(LocalEngine):
             torch.save(self.scheduler.state_dict() if self.scheduler else {}, directory / "scheduler.pt")
 
     def load_checkpoint(self, directory: Path) -> None:
-        import torch
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+        from toolkit.train.safe_load import check_dcp_metadata, load_tensors_file
 
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         trainable = self._trainable_names()
         state = {"model": {k: v for k, v in model_state.items() if k in trainable}, "optimizer": optim_state}
+        check_dcp_metadata(directory / "dcp")  # its .metadata is a pickle: refuse one that would run code
         dcp.load(state, checkpoint_id=str(directory / "dcp"))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        options=StateDictOptions(strict=False))
         if self.scheduler is not None:
-            self.scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=True))
+            self.scheduler.load_state_dict(load_tensors_file(directory / "scheduler.pt"))
 
     def adapter_export(self) -> Any:
         """``ExportModel.adapter`` after training: the adapters of the newest checkpoint, read by rank 0 alone.

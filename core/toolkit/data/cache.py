@@ -22,8 +22,9 @@ from typing import Any
 from toolkit.contracts import Example, Sequence
 from toolkit.data.reading import quiet_datasets
 
-ENCODING_VERSION = 1
-"""Bumped whenever an encoding change would make old entries wrong."""
+ENCODING_VERSION = 2
+"""Bumped whenever an encoding change would make old entries wrong (2: null content, non-text fields and
+parts refused; tool calls, tools and system columns rendered)."""
 
 
 def cache_root() -> Path | None:

@@ -99,23 +99,11 @@ def load_examples(datasets: list[str], tokenizer: Any, *, dataset_format: str = 
         path, encoded, records = encode_dataset(reference, tokenizer, dataset_format=dataset_format, columns=columns,
                                                 train_on=train_on, max_samples=max_samples, example_kinds=example_kinds,
                                                 manager=manager, options=options)
-        kept = []
-        for example in encoded:
-            if not (train_on == "all" and len(example.sequences) == 1):
-                example = truncate(example, seq_len, stats, packing)
-            if any(all(label == IGNORE_INDEX for label in seq.labels) for seq in example.sequences):
-                stats.dropped_no_labels += 1
-                continue
-            kept.append(example)
-        parts.append(kept)
+        parts.append(fit(encoded, train_on, seq_len, stats, packing))
         stats.records += records
         stats.per_file[str(path)] = records
-    examples = mix(parts, ratios, seed) if ratios else [e for part in parts for e in part]
-    if train_on == "all" and examples and all(len(e.sequences) == 1 for e in examples):
-        from toolkit.data.packing import stream_rows
-
-        stats.documents = len(examples)
-        examples = stream_rows(examples, seq_len, isolate_documents)
+    examples = pt_rows(mix(parts, ratios, seed) if ratios else [e for part in parts for e in part], train_on, seq_len,
+                       isolate_documents, stats)
     stats.examples = len(examples)
     stats.tokens = sum(len(s.input_ids) for e in examples for s in e.sequences)
     stats.trained_tokens = sum(1 for e in examples for s in e.sequences for label in s.labels if label != IGNORE_INDEX)
@@ -151,20 +139,78 @@ def encode_dataset(reference: str, tokenizer: Any, *, dataset_format: str, colum
         raise ConfigError(f"{path} is in format {fmt.name!r} ({fmt.example_kind} examples), but the loss needs "
                           f"{' or '.join(example_kinds)} examples. Pick a matching --dataset or loss.")
     template = ChatTemplate(tokenizer, train_on=train_on)
-    examples = []
-    for index, record in enumerate(records):
-        where = f"{path}, line {record.get('__line__', index + 1)}"
-        record = {rename.get(k, k): v for k, v in record.items() if k != "__line__"}
-        try:
-            example = fmt.encode(record, tokenizer, template, where=where)
-        except DataError as exc:  # every record-level problem names the file and line
-            if where in str(exc):
-                raise
-            raise DataError(f"{where}: {exc}") from exc
-        example.source = where
-        examples.append(example)
+    examples = [encode_record(fmt, {k: v for k, v in record.items() if k != "__line__"}, rename, tokenizer, template,
+                              f"{path}, line {record.get('__line__', index + 1)}") for index, record in enumerate(records)]
     cache.store(key, examples, len(records))
     return path, examples, len(records)
+
+
+def encode_record(fmt: Any, record: dict[str, Any], rename: dict[str, str], tokenizer: Any, template: ChatTemplate,
+                  where: str) -> Example:
+    """One record (columns renamed) as an Example whose source is ``where``; every problem names ``where``."""
+    record = {rename.get(k, k): v for k, v in record.items()}
+    try:
+        example = fmt.encode(record, tokenizer, template, where=where)
+    except DataError as exc:
+        if where in str(exc):
+            raise
+        raise DataError(f"{where}: {exc}") from exc
+    example.source = where
+    return example
+
+
+def fit(examples: list[Example], train_on: str, seq_len: int, stats: DataStats, packing: bool) -> list[Example]:
+    """Examples truncated to ``seq_len`` (not PT documents: :func:`pt_rows` cuts those), without those left with
+    no trainable token; both counted in ``stats``."""
+    kept = []
+    for example in examples:
+        if not (train_on == "all" and len(example.sequences) == 1):
+            example = truncate(example, seq_len, stats, packing)
+        if any(all(label == IGNORE_INDEX for label in seq.labels) for seq in example.sequences):
+            stats.dropped_no_labels += 1
+            continue
+        kept.append(example)
+    return kept
+
+
+def pt_rows(examples: list[Example], train_on: str, seq_len: int, isolate_documents: bool, stats: DataStats) -> list[Example]:
+    """PT documents joined and cut into full rows (:func:`toolkit.data.packing.stream_rows`); other examples as they are."""
+    if not (train_on == "all" and examples and all(len(e.sequences) == 1 for e in examples)):
+        return examples
+    from toolkit.data.packing import stream_rows
+
+    stats.documents += len(examples)
+    return stream_rows(examples, seq_len, isolate_documents)
+
+
+def stream_encoder(tokenizer: Any, *, dataset_format: str, columns: dict[str, str] | None, train_on: str, seq_len: int,
+                   example_kinds: tuple[str, ...], options: dict[str, Any] | None, packing: bool, isolate_documents: bool,
+                   stats: DataStats, manager: Any = None) -> Any:
+    """For ``--streaming`` (:class:`toolkit.data.streaming.StreamBatches`): a function from one window's
+    ``(where, record)`` pairs to its examples, by the same rules as :func:`load_examples` (the format is
+    picked from the stream's first record)."""
+    from toolkit.plugins import get_plugin_manager
+
+    manager = manager or get_plugin_manager()
+    template = ChatTemplate(tokenizer, train_on=train_on)
+    rename = {theirs: ours for ours, theirs in (columns or {}).items()}
+    chosen: list[Any] = []
+
+    def encode(window: list[tuple[str, dict[str, Any]]]) -> list[Example]:
+        if not chosen:
+            where, first = window[0]
+            fmt = pick_format(dataset_format, [rename.get(k, k) for k in first], where, manager, options)
+            if fmt.example_kind not in example_kinds:
+                raise ConfigError(f"{where}: the stream is in format {fmt.name!r} ({fmt.example_kind} examples), but the "
+                                  f"loss needs {' or '.join(example_kinds)} examples")
+            chosen.append(fmt)
+        examples = [encode_record(chosen[0], record, rename, tokenizer, template, where) for where, record in window]
+        stats.records += len(window)
+        rows = pt_rows(fit(examples, train_on, seq_len, stats, packing), train_on, seq_len, isolate_documents, stats)
+        stats.examples += len(rows)
+        return rows
+
+    return encode
 
 
 def mix(parts: list[list[Example]], ratios: list[float], seed: int) -> list[Example]:
@@ -311,6 +357,17 @@ class Batches:
         mine = units[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
         return [collate(self.examples, mine[k:k + self.micro_batch_size], self.pad_id, self.packing, self.pad_multiple,
                         self.seq_len) for k in range(0, len(mine), self.micro_batch_size)]
+
+    def step_sources(self, step: int) -> list[str]:
+        """Where the examples of a (0-based) step's global batch came from ("file, line N")."""
+        return [self.examples[i].source or f"example {i}" for unit in self.step_units(step) for i in unit]
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint must keep to continue this order (nothing: it is a function of the seed)."""
+        return {}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """The order is a pure function of the seed and epoch: nothing to restore."""
 
     def epoch_fill(self, epoch: int = 0) -> tuple[int, float]:
         """Rows of the epoch's steps and the share of their capacity that real tokens fill: packed rows

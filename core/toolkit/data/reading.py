@@ -107,6 +107,33 @@ def _read_saved(path: Path, limit: int) -> list[dict[str, Any]]:
     return [{**drop_nulls(row), "__line__": index + 1} for index, row in enumerate(rows)]
 
 
+def stream_records(references: list[str], skip: int = 0) -> Any:
+    """``(where, record)`` of the datasets read as one stream (``datasets``' streaming mode), from record ``skip`` on
+    (skipped records are parsed, not kept). Files of one kind only (all JSON/JSONL, all CSV or all Parquet)."""
+    import datasets
+
+    paths = [resolve_dataset_path(r) for r in references]
+    kinds = {BUILDERS.get(p.suffix.lower()) for p in paths}
+    if any(p.is_dir() for p in paths) or None in kinds or len(kinds) > 1:
+        raise DataError(f"--streaming reads .jsonl/.json, .csv or .parquet files of one kind; got {', '.join(map(str, paths))}. "
+                        "Convert a save_to_disk directory with Dataset.to_json, or drop --streaming")
+    builder = kinds.pop()
+    options: dict[str, Any] = {"dtype": str, "keep_default_na": False, "na_filter": False} if builder == "csv" else {}
+    label = str(paths[0]) if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1} more files)"
+    with quiet_datasets():
+        stream = datasets.load_dataset(builder, data_files=[str(p) for p in paths], split="train", streaming=True, **options)
+    index = skip
+    try:
+        for row in stream.skip(skip) if skip else stream:
+            index += 1
+            yield f"{label}, record {index}", drop_nulls(row)
+    except DataError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - datasets' many error kinds; the record number is what helps
+        raise DataError(f"{label}: cannot read record {index + 1} of the stream ({type(exc).__name__}: {exc}); "
+                        "run without --streaming to have the line named") from None
+
+
 def drop_nulls(value: Any) -> Any:
     """``value`` without the null entries of its dicts, at any depth (what Arrow added for keys a record lacked)."""
     if isinstance(value, dict):
