@@ -40,7 +40,7 @@ def parse_with_cli(args, monkeypatch, tmp_path):
     from toolkit.cli import main
 
     seen = []
-    monkeypatch.setattr(runner, "run_training", seen.append)
+    monkeypatch.setattr(runner, "run_training", lambda recipe, **_: seen.append(recipe))
     main(args)
     return seen[0]
 
@@ -97,7 +97,9 @@ def test_example_recipes_survive_the_form(fields, path):
     data = read_yaml(path)
     try:
         expected = resolve_recipe(data, source=str(path))
-    except ToolkitError:
+    except ToolkitError as exc:
+        if "not installed" not in str(exc):
+            raise
         pytest.skip(f"{path.name} needs a plugin that is not installed here")
     values, problems = forms.recipe_values(fields, forms.values_from_recipe(fields, data))
     assert problems == []

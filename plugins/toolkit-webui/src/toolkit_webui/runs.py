@@ -3,7 +3,8 @@ its status from the process and the run's checkpoints, its curves from ``metrics
 
 Stopping sends SIGTERM to the training processes themselves (under torchrun: its workers, so
 torchrun's own 30-second kill timer never races the checkpoint); the runner then finishes the
-step, saves a checkpoint and exits. Resuming runs the same command again with ``--resume auto``.
+step, saves a checkpoint and exits (75, EXIT_STOPPED, on one process; 0 under torchrun).
+Resuming runs the same command again with ``--resume auto``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from toolkit.errors import ToolkitError
+from toolkit.errors import EXIT_STOPPED, ToolkitError
 
 LAUNCH_FILE = "webui-launch.json"  # what the page ran in this directory: the arguments, the processes
 LOG_FILE = "webui.log"             # the subprocess's stdout and stderr
@@ -176,7 +177,7 @@ class Runs:
             name = "stopping" if run_dir in self.stopping else "running"
         elif total and state.get("step") == total:
             name = "finished"
-        elif process is not None and process.returncode not in (0, None) and run_dir not in self.stopping:
+        elif process is not None and process.returncode not in (0, EXIT_STOPPED, None) and run_dir not in self.stopping:
             name = f"failed (exit {process.returncode})"
         elif checkpoints:
             name = f"stopped at step {state.get('step')}"
