@@ -122,12 +122,21 @@ def add_registered_options(params: list[click.Parameter], manager: Any, kinds: t
     return sections
 
 
+def recipe_options() -> list[click.Option]:
+    """The flags of :class:`Recipe`'s own fields (``--model``, ``--tp``); each option's name is its field's.
+
+    With :func:`add_registered_options` this is the training commands' whole flag table, which
+    toolkit-webui writes its command lines from, so they parse back to the same recipe.
+    """
+    return _options_for(Recipe, None, "")
+
+
 def make_training_command(name: str, loss: str | None, help_text: str, manager: Any) -> click.Command:
     params: list[click.Parameter] = [
         click.Option(["--config", "config"], type=click.Path(dir_okay=False), default=None,
                      help="YAML recipe; flags given on the command line override it."),
     ]
-    params += _options_for(Recipe, None, "")
+    params += recipe_options()
     sections = add_registered_options(params, manager, OPTION_KINDS)
 
     def callback(**kwargs: Any) -> None:
