@@ -59,16 +59,24 @@ def pack_rows(examples: list[Example], order: list[int], seq_len: int, window: i
     return rows
 
 
+LENGTH_BUCKET = 64
+"""Tokens per length bucket of the grouping: samples within one bucket pad to the same GPU row width anyway
+(rows are padded to a multiple of 64 there), so their order inside it is left random."""
+
+
 def group_by_length(examples: list[Example], order: list[int], group: int) -> list[list[int]]:
     """One example per unit, with units of similar length next to each other: windows of
-    ``GROUP_WINDOW_BATCHES * group`` examples of ``order`` are sorted by length and cut into runs of
-    ``group`` (one global batch), and those runs are shuffled (seeded by the window), so each micro-batch
-    pads to a near-equal length while batches still come in a random order."""
+    ``GROUP_WINDOW_BATCHES * group`` examples of ``order`` are sorted by length bucket (ties keep the seeded
+    ``order``, so which samples share a batch changes every epoch) and cut into runs of ``group`` (one global
+    batch), and those runs are shuffled (seeded by the window), so each micro-batch pads to a near-equal
+    length while batches still come in a random order."""
     sizes = [example_size(e) for e in examples]
     units: list[list[int]] = []
     span = GROUP_WINDOW_BATCHES * group
     for start in range(0, len(order), span):
-        part = sorted(order[start:start + span], key=lambda i: (-sizes[i], i))
+        part = order[start:start + span]
+        rank = {i: k for k, i in enumerate(part)}
+        part = sorted(part, key=lambda i: (-(sizes[i] // LENGTH_BUCKET), rank[i]))
         runs = [part[k:k + group] for k in range(0, len(part), group)]
         full, rest = [r for r in runs if len(r) == group], [r for r in runs if len(r) < group]
         random.Random(part[0] * 104729 + len(part)).shuffle(full)
