@@ -174,7 +174,7 @@ class Toolkit:
                 impl.function(register=register)
             except RegistryError:
                 raise
-            except Exception as exc:  # a plugin's registration code is its own business
+            except (Exception, SystemExit) as exc:  # a plugin's registration code is its own business
                 _report_broken(owner, info.version if info else "?", exc)
                 if info is not None:
                     info.error = f"{type(exc).__name__}: {exc}"
@@ -205,7 +205,7 @@ class Toolkit:
                 impl.function(cli=cli)
             except RegistryError as exc:  # e.g. a duplicate name: both plugins are named in it
                 print(f"toolkit: {exc}", file=sys.stderr)
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:
                 _report_broken(owner, info.version if info else "?", exc)
             for name, command in list(cli.commands.items()):
                 if before.get(name) is command:
@@ -273,7 +273,7 @@ def build_plugin_manager(extra_plugins: list[tuple[str, object]] | None = None) 
             _check_hooks(plugin)
             pm.register(plugin, name=name)
             pm.check_pending()
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # sys.exit() at import is contained like an exception
             if pm.has_plugin(name):
                 pm.unregister(name=name)
             info.error = f"{type(exc).__name__}: {exc}"

@@ -138,6 +138,27 @@ def _checked_preset(target: Path, encoded: str) -> Path:
     return target
 
 
+def check_remote_code(directory: Path, trust_remote_code: bool) -> None:
+    """Refuse a model whose config or tokenizer names its own Python code (``auto_map``) unless this command was
+    given ``--trust-remote-code``: transformers would otherwise ask on a terminal (one "y" runs it) or fail
+    with an EOFError without one."""
+    if trust_remote_code:
+        return
+    for name in ("config.json", "tokenizer_config.json"):
+        path = Path(directory) / name
+        try:
+            data = json.loads(path.read_text()) if path.is_file() else {}
+        except (OSError, ValueError):
+            continue  # an unreadable config is reported by the loader that reads it
+        auto_map = data.get("auto_map") if isinstance(data, dict) else None
+        if auto_map:
+            values = auto_map.values() if isinstance(auto_map, dict) else [auto_map]
+            names = [n for v in values for n in (v if isinstance(v, list) else [v]) if isinstance(n, str)]
+            shown = ", ".join(sorted({name.split("--")[-1].split(".")[0] for name in names}))
+            raise ModelError(f"{path} asks to run the model's own Python code ({shown or 'auto_map'}); it was not run. "
+                             "Remote code runs only when --trust-remote-code is given on this command line")
+
+
 def _wait_for_preset(target: Path, encoded: str, rank: int) -> Path:
     import time
 
@@ -174,6 +195,7 @@ def load_hf_directory(reference: str, directory: Path, trust_remote_code: bool =
 
     if not (directory / "config.json").is_file():
         raise ModelError(f"{directory} is not a Hugging Face model directory: config.json is missing")
+    check_remote_code(directory, trust_remote_code)
     weights = sorted(directory.glob("*.safetensors"))
     if not weights:
         found = ", ".join(sorted(p.name for p in directory.iterdir())) or "nothing"

@@ -135,6 +135,9 @@ def make_training_command(name: str, loss: str | None, help_text: str, manager: 
 
         config = kwargs.get("config")
         values = read_yaml(config) if config else {}
+        if values.get("trust_remote_code") is True and not kwargs.get("trust_remote_code"):
+            raise click.UsageError(f"{config} sets trust_remote_code: true; the model's own code runs only when "
+                                   "--trust-remote-code is given on this command line")
         flags = collect_values(kwargs, sections)
         for key, value in flags.items():
             if isinstance(value, dict) and isinstance(values.get(key), dict):
@@ -148,7 +151,7 @@ def make_training_command(name: str, loss: str | None, help_text: str, manager: 
         recipe = resolve_recipe(values, source=config or "command line", manager=manager)
         from toolkit.train.runner import run_training
 
-        run_training(recipe)
+        run_training(recipe, raise_if_stopped=True)
 
     return click.Command(name, params=params, callback=callback, help=help_text, short_help=help_text.split("\n")[0],
                          context_settings={"max_content_width": 110})

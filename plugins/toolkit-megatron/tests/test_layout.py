@@ -110,9 +110,9 @@ def test_megatron_fallback_warnings_become_one_line(recwarn):
     from toolkit_megatron.notices import fallback_notice, silence_fallback_warnings
 
     silence_fallback_warnings()
-    warnings.warn("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.", UserWarning)
-    warnings.warn("Apex is not installed. Falling back to Torch Norm", UserWarning)
-    warnings.warn("an unrelated warning", UserWarning)
+    warnings.warn("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.", UserWarning, stacklevel=2)
+    warnings.warn("Apex is not installed. Falling back to Torch Norm", UserWarning, stacklevel=2)
+    warnings.warn("an unrelated warning", UserWarning, stacklevel=2)
     assert [str(w.message) for w in recwarn] == ["an unrelated warning"]
     line = fallback_notice(on_cuda=True, tensor_parallel=2)
     assert line.startswith("toolkit-megatron: ") and "\n" not in line
