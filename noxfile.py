@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import tomllib
 from pathlib import Path
 
@@ -196,6 +197,8 @@ def build_wheels(session: nox.Session) -> list[tuple[str, str]]:
     for old in DIST.glob("toolkit*.whl"):  # a wheel of an older build must not be picked up
         old.unlink()
     packages = [ROOT, *(p.path for p in PLUGINS)]
+    for package in packages:  # setuptools copies build/lib into the wheel: a module deleted since must not ride along
+        shutil.rmtree(package / "build", ignore_errors=True)
     session.run("python", "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(DIST), *map(str, packages))
     projects = [tomllib.loads((path / "pyproject.toml").read_text())["project"] for path in packages]
     return [(project["name"], project["version"]) for project in projects]

@@ -21,7 +21,6 @@ from toolkit import __version__, hookspecs
 from toolkit.errors import PluginLoadError, RegistryError
 
 ENTRY_POINT_GROUP = "toolkit"
-DISTRIBUTION = "toolkit-core"  # the core's distribution name ("toolkit" on PyPI is an unrelated project)
 
 KINDS = {
     "model_loader": "toolkit_register_model_loaders",
