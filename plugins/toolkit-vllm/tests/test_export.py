@@ -144,7 +144,7 @@ def test_adapter_only_export_through_the_core(tmp_path, trained):
     net, tok = trained
     adapter, _ = tiny.lora_adapter(net, rank=4)
     out = export_model(tiny.export_model(net, tok, adapter=adapter), "vllm", tmp_path / "only", adapter_only=True)
-    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in out.iterdir() if p.name != ".toolkit-export") == ["adapter_config.json", "adapter_model.safetensors"]
     dora, _ = tiny.lora_adapter(net, rank=4, use_dora=True)
     with pytest.raises(ExportError, match="DoRA"):
         export_model(tiny.export_model(net, tok, adapter=dora), "vllm", tmp_path / "dora", adapter_only=True)
