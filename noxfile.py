@@ -6,6 +6,8 @@
     nox -s lint           ruff over the whole repository
     nox -s demo           the README's main job: train the demo, export, generate, score
     nox -s bench          every bench script on its small CPU path (--tiny)
+    nox -s build          wheels of the core (toolkit-core) and of every plugin into dist/
+    nox -s wheels         build, install those wheels (not editable) into a fresh venv, smoke-test it
 
 A plugin takes part without being listed here. Its ``pyproject.toml`` may carry a table::
 
@@ -20,8 +22,10 @@ A plugin takes part without being listed here. Its ``pyproject.toml`` may carry 
     env = {VLLM_TARGET_DEVICE = "cpu"}
     skip = "needs a GPU"        # not tested by nox; the reason is printed
 
-Every install uses ``-c constraints.txt`` (it pins torch). ``TOOLKIT_TEST_FAST=1`` deselects tests
-marked ``slow``; ``TOOLKIT_TEST_WORKERS=4`` runs each suite on 4 pytest-xdist workers; tests marked
+Every install uses ``-c constraints.txt`` (it pins torch). The test sessions build the wheels of
+the core and the plugins into dist/ and install those (not editable), resolved once per venv, and
+the shared session smoke-tests that install (scripts/smoke_wheels.py) before the suites.
+``TOOLKIT_TEST_FAST=1`` deselects tests marked ``slow``; ``TOOLKIT_TEST_WORKERS=4`` runs each suite on 4 pytest-xdist workers; tests marked
 ``gpu`` never run here.
 """
 
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import tomllib
 from pathlib import Path
 
@@ -37,6 +42,7 @@ from nox.command import CommandFailed
 
 ROOT = Path(__file__).resolve().parent
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
+DIST = ROOT / "dist"
 
 nox.options.default_venv_backend = "venv"
 nox.options.sessions = ["lint", "tests"]
@@ -65,8 +71,9 @@ class Plugin:
 
     @property
     def requirement(self) -> str:
+        """The distribution with its extras, as installed from the wheels in dist/."""
         extras = f"[{','.join(self.extras)}]" if self.extras else ""
-        return f"{self.path}{extras}"
+        return f"{self.name}{extras}"
 
     @property
     def tests(self) -> Path:
@@ -123,18 +130,40 @@ def install(session: nox.Session, *args: str) -> None:
     session.install(*args)
 
 
+def install_from_wheels(session: nox.Session, plugins: list[Plugin], extra: list[str]) -> None:
+    """Build the wheels (dist/) and install the core and ``plugins`` from them, not editable, with
+    their extras: the tests then run against what a user installs, in one install per venv."""
+    built = dict(build_wheels(session))
+    requirements = [f"toolkit-core[test]=={built['toolkit-core']}"]
+    requirements += [f"{p.requirement}=={built[p.name]}" for p in plugins]
+    install(session, *CONSTRAINTS, "--find-links", str(DIST), *requirements, *extra)
+    # a reused venv may hold an older build of the same version: this build's wheels replace it
+    wheels = [str(w) for w in DIST.glob("*.whl") if w.name.split("-")[0].replace("_", "-") in {"toolkit-core", *(p.name for p in plugins)}]
+    install(session, "--no-deps", "--force-reinstall", *wheels)
+
+
 def install_shared(session: nox.Session) -> list[Plugin]:
     """Install the core and every plugin that shares the main venv; returns those plugins."""
     shared = [p for p in PLUGINS if not p.own_session and not p.skip]
-    extra = [req for p in shared for req in p.install]
-    install(session, *CONSTRAINTS, "-e", f"{ROOT}[test]", *[arg for p in shared for arg in ("-e", p.requirement)], *extra)
+    install_from_wheels(session, shared, [req for p in shared for req in p.install])
     return shared
+
+
+def smoke_test(session: nox.Session, distributions: list[str]) -> None:
+    """scripts/smoke_wheels.py from outside the repository, so ``import toolkit`` finds the wheel."""
+    if session.venv_backend == "none":
+        return
+    workdir = Path(session.create_tmp()) / "smoke"
+    workdir.mkdir(exist_ok=True)
+    with session.chdir(workdir):
+        session.run("python", str(ROOT / "scripts" / "smoke_wheels.py"), *distributions, env={"HF_HUB_OFFLINE": "1"})
 
 
 @nox.session(tags=["tests"])
 def tests(session: nox.Session) -> None:
-    """The core and every plugin that shares the main venv."""
+    """The core and every plugin that shares the main venv, installed from their wheels."""
     shared = install_shared(session)
+    smoke_test(session, ["toolkit-core", *(p.name for p in shared)])
     for plugin in PLUGINS:
         if plugin.skip:
             session.log(f"{plugin.name}: skipped ({plugin.skip})")
@@ -148,8 +177,7 @@ def _own_session(plugin: Plugin) -> None:
         missing = [name for name in plugin.requires if name not in BY_NAME]
         if missing:
             session.error(f"{plugin.path}/pyproject.toml requires {missing}, which are not under plugins/")
-        requires = [arg for name in plugin.requires for arg in ("-e", BY_NAME[name].requirement)]
-        install(session, *CONSTRAINTS, "-e", f"{ROOT}[test]", *requires, "-e", plugin.requirement, *plugin.install)
+        install_from_wheels(session, [BY_NAME[name] for name in plugin.requires] + [plugin], plugin.install)
         if plugin.uninstall and session.venv_backend != "none":
             session.run("python", "-m", "pip", "uninstall", "-y", *plugin.uninstall)
         run_suites(session, [(plugin.name, plugin.tests, plugin.pytest_args, plugin.env)])
@@ -160,6 +188,38 @@ def _own_session(plugin: Plugin) -> None:
 for _plugin in PLUGINS:
     if _plugin.own_session and not _plugin.skip:
         _own_session(_plugin)
+
+
+def build_wheels(session: nox.Session) -> list[tuple[str, str]]:
+    """Build the core's and every plugin's wheel into dist/; returns (name, version) of each."""
+    install(session, "setuptools>=68", "wheel")
+    DIST.mkdir(exist_ok=True)
+    for old in DIST.glob("toolkit*.whl"):  # a wheel of an older build must not be picked up
+        old.unlink()
+    packages = [ROOT, *(p.path for p in PLUGINS)]
+    for package in packages:  # setuptools copies build/lib into the wheel: a module deleted since must not ride along
+        shutil.rmtree(package / "build", ignore_errors=True)
+    session.run("python", "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(DIST), *map(str, packages))
+    projects = [tomllib.loads((path / "pyproject.toml").read_text())["project"] for path in packages]
+    return [(project["name"], project["version"]) for project in projects]
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Wheels of the core and of every plugin into dist/ (``pip install --find-links dist/ toolkit-dpo``)."""
+    build_wheels(session)
+    session.log(f"wheels in {DIST}: {', '.join(sorted(w.name for w in DIST.glob('toolkit*.whl')))}")
+
+
+@nox.session
+def wheels(session: nox.Session) -> None:
+    """The install a user does: the wheels of ``nox -s build`` (no test extras) into a fresh venv,
+    then scripts/smoke_wheels.py. (``nox -t tests`` smoke-tests its own wheel install the same way.)"""
+    skipped = {p.name for p in PLUGINS if p.skip}
+    built = [(name, version) for name, version in build_wheels(session) if name not in skipped]
+    # pinned to the version just built, so a published release of the same name cannot win
+    install(session, *CONSTRAINTS, "--find-links", str(DIST), *[f"{name}=={version}" for name, version in built])
+    smoke_test(session, [name for name, _ in built])
 
 
 @nox.session

@@ -189,7 +189,7 @@ def corrupt_newest(run_dir: Path, rng: random.Random) -> Path | None:
     from toolkit.train.checkpoint import list_checkpoints
 
     found = list_checkpoints(run_dir)
-    if not found:
+    if len(found) < 2:  # damaging the only whole checkpoint is refused at resume (nothing to fall back to)
         return None
     files = sorted((p for p in found[-1].rglob("*") if p.is_file() and p.name != "manifest.json"), key=lambda p: p.stat().st_size)
     target = files[-1]

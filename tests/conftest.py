@@ -81,6 +81,14 @@ PROBE_FLAGS = ["--loss", "probe", "--strategy", "probe-strategy", "--tuner", "pr
 PROBE_YAML = "loss: probe\nstrategy: probe-strategy\ntuner: probe-tuner\n"
 
 
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The tiny presets' tokenizer."""
+    from toolkit.builtins.loaders import resolve_model
+
+    return resolve_model("tiny-llama").tokenizer
+
+
 @pytest.fixture
 def probe_manager(toolkit_manager):
     """Built-ins plus the probe plugin (no other installed plugins)."""
@@ -96,5 +104,5 @@ def captured_runs(monkeypatch):
     except ImportError:
         runner_module = types.ModuleType("toolkit.train.runner")
         monkeypatch.setitem(sys.modules, "toolkit.train.runner", runner_module)
-    monkeypatch.setattr(runner_module, "run_training", runs.append, raising=False)
+    monkeypatch.setattr(runner_module, "run_training", lambda recipe, **_: runs.append(recipe), raising=False)
     return runs

@@ -6,20 +6,10 @@ import json
 
 import pytest
 
-from toolkit.builtins.loaders import resolve_model
 from toolkit.contracts import IGNORE_INDEX
 from toolkit.data.pipeline import Batches, collate, load_examples
 from toolkit.errors import DataError
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return resolve_model("tiny-llama").tokenizer
-
-
-def write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return str(path)
+from toolkit.testing import write_jsonl
 
 
 def trained_text(tokenizer, example):
@@ -63,10 +53,12 @@ def test_text_format_and_column_remapping(tokenizer, tmp_path):
 
 
 def test_truncation_is_counted(tokenizer, tmp_path):
-    path = write_jsonl(tmp_path / "t.jsonl", [{"text": "word " * 200}, {"text": "short"}])
-    examples, stats = load_examples([path], tokenizer, seq_len=32, train_on="all")
+    chats = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "word " * 200}]},
+             {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "short"}]}]
+    examples, stats = load_examples([write_jsonl(tmp_path / "c.jsonl", chats)], tokenizer, seq_len=32)
     assert stats.truncated == 1 and max(len(e.sequences[0].input_ids) for e in examples) == 32
     assert examples[0].sequences[0].labels[-1] == IGNORE_INDEX
+    assert "1 sequences truncated" in stats.summary()
 
 
 def test_malformed_jsonl_names_file_and_line(tokenizer, tmp_path):
@@ -91,8 +83,8 @@ def test_empty_after_filtering(tokenizer, tmp_path):
 
 
 def test_packing_resets_positions_and_isolates_samples(tokenizer, tmp_path):
-    path = write_jsonl(tmp_path / "t.jsonl", [{"text": f"sample number {i} " * (i + 1)} for i in range(6)])
-    examples, _ = load_examples([path], tokenizer, train_on="all")
+    path = write_jsonl(tmp_path / "t.jsonl", [{"instruction": "say", "output": f"sample number {i} " * (i + 1)} for i in range(6)])
+    examples, _ = load_examples([path], tokenizer)
     batch = collate(examples, [[0, 1, 2]], pad_id=3, packing=True)
     assert batch["input_ids"].shape[0] == 1 and batch["num_sequences"] == 3
     seq_ids, pos = batch["sequence_ids"][0], batch["position_ids"][0]
@@ -116,3 +108,20 @@ def test_order_is_deterministic_and_sharded(tokenizer):
     assert sorted(sum(full, [])) == sorted(sum(split, [])) and len(sum(split, [])) == 8
     other = Batches(examples, dp_rank=0, dp_world_size=1, **{**kwargs, "seed": 4})
     assert other.step_units(0) != whole.step_units(0)
+
+
+def test_data_inspect_reads_with_the_training_format_flags(cli_runner, tmp_path):
+    path = tmp_path / "notes.jsonl"
+    path.write_text(json.dumps({"body": "Lopehes is a city by the sea."}) + "\n" + json.dumps({"body": "Second note."}) + "\n")
+    result = cli_runner.invoke("data", "inspect", str(path), "--dataset-format", "text", "--text-column", "body", "-n", "1")
+    assert result.exit_code == 0, result.output
+    shown = result.stdout.replace("[[", "").replace("]]", "")
+    assert "Lopehes is a city by the sea." in shown and "Second note." not in shown
+    without = cli_runner.invoke("data", "inspect", str(path), "--dataset-format", "text")
+    assert without.exit_code != 0 and "text" in without.output
+    asked = tmp_path / "asked.jsonl"
+    asked.write_text(json.dumps({"question": "Capital of Lopehes?", "answer": "Vemor"}) + "\n")
+    renamed = cli_runner.invoke("data", "inspect", str(asked), "--columns", "instruction=question", "--columns", "output=answer")
+    assert renamed.exit_code == 0, renamed.output
+    prompt, trained = renamed.stdout.split("--- sample 0")[1].split("[[", 1)
+    assert "Capital of Lopehes?" in prompt and "Vemor" in trained  # the answer column is what trains

@@ -17,12 +17,12 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 COMMON = ["--model", "tiny-llama", "--dataset", "demo", "--seq-len", "128", "--lr", "1e-3", "--max-steps", "4"]
 
 
-def toolkit(*args, check=True, nproc=1, timeout=300):
+def toolkit(*args, check=True, nproc=1, timeout=300, cwd=None):
     if nproc > 1:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "toolkit", *args]
     else:
         command = [sys.executable, "-m", "toolkit", *args]
-    result = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=timeout)
+    result = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=timeout, cwd=cwd)
     if check and result.returncode != 0:
         raise AssertionError(f"{command} failed ({result.returncode}):\n{result.stdout}\n{result.stderr[-3000:]}")
     return result
@@ -55,7 +55,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
         time.sleep(0.2)
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=120)
-    assert process.returncode == 0, err
+    assert process.returncode == 75, err  # stopped, resumable
     checkpoints = list((run_dir / "checkpoints").glob("step-*"))
     assert len(checkpoints) == 1 and (checkpoints[0] / "trainer_state.json").is_file()
     assert not list((run_dir / "checkpoints").glob(".tmp-*"))
@@ -89,6 +89,19 @@ def test_refuses_to_reuse_a_run_directory_then_infers(tmp_path):
 
     expected = HFBackend().generate(run_dir / "export", ["What is the capital of Lopehes?"], GenerateConfig(max_new_tokens=4))
     assert result.stdout.strip().splitlines()[-1] == expected[0].strip()
+
+
+@pytest.mark.slow
+def test_a_relative_model_path_is_stored_absolute_so_export_works_from_elsewhere(tmp_path):
+    from toolkit.builtins.loaders import materialize_preset
+
+    materialize_preset("tiny-llama", tmp_path / "base", num_hidden_layers=1)
+    toolkit("sft", *COMMON[2:], "--model", "base", "--max-steps", "1", "--output", "run", cwd=tmp_path)
+    recipe = (tmp_path / "run" / "recipe.yaml").read_text()
+    assert recipe.startswith("# --model as given: base\n") and f"model: {tmp_path / 'base'}\n" in recipe
+    (tmp_path / "elsewhere").mkdir()
+    toolkit("export", str(tmp_path / "run"), "--to", "hf", "--output", "out", cwd=tmp_path / "elsewhere")
+    assert (tmp_path / "elsewhere" / "out" / "model.safetensors").is_file()
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ def poisoned_position(data: Path) -> tuple[int, int]:
     examples, _ = load_examples([str(data)], resolve_model("tiny-llama").tokenizer, dataset_format="poisoned", seq_len=64)
     for rank in range(2):
         batches = Batches(examples, seed=42, seq_len=64, packing=False, micro_batch_size=1, global_batch_size=2,
-                          dp_rank=rank, dp_world_size=2, pad_id=0)
+                          dp_rank=rank, dp_world_size=2, pad_id=0, group_by_length=True)  # the runner's default order
         for step in range(batches.steps_per_epoch):
             if any(mb["sequence_meta"].get("poison") is not None and bool(mb["sequence_meta"]["poison"].any())
                    for mb in batches.micro_batches(step)):

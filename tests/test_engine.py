@@ -80,11 +80,13 @@ def test_accumulation_equals_one_big_batch(tmp_path):
         torch.testing.assert_close(w1[key], w2[key], rtol=1e-4, atol=2e-5)  # Adam amplifies fp32 rounding of tiny grads
 
 
-def test_resume_is_bit_identical(tmp_path):
-    straight, _ = train(tmp_path, "straight", micro_batch_size=2, max_steps=20, warmup_steps=3)
-    resumed, first = train(tmp_path, "resumed", micro_batch_size=2, max_steps=20, warmup_steps=3, stop_after=10)
+@pytest.mark.parametrize("packing", [False, True])
+def test_resume_is_bit_identical(tmp_path, packing):
+    straight, _ = train(tmp_path, "straight", micro_batch_size=2, max_steps=20, warmup_steps=3, packing=packing)
+    resumed, first = train(tmp_path, "resumed", micro_batch_size=2, max_steps=20, warmup_steps=3, stop_after=10, packing=packing)
     assert [m["step"] for m in first] == list(range(1, 11))
-    resumed, metrics = train(tmp_path, "resumed", micro_batch_size=2, max_steps=20, warmup_steps=3, resume="auto")
+    resumed, metrics = train(tmp_path, "resumed", micro_batch_size=2, max_steps=20, warmup_steps=3, resume="auto",
+                             packing=packing)
     a, b = final_weights(straight), final_weights(resumed)
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -17,7 +17,7 @@ WORKER = Path(__file__).with_name("launch_allreduce.py")
 
 def test_single_node_command_runs_toolkit():
     command = torchrun_command(("sft", "--model", "tiny-llama"), nproc=4)
-    assert command[1:] == ["-m", "torch.distributed.run", "--nproc-per-node=4", "--master-port=29500",
+    assert command[1:] == ["-m", "toolkit.commands.launch", "--nproc-per-node=4", "--master-port=29500",
                            "-m", "toolkit", "sft", "--model", "tiny-llama"]
 
 
@@ -80,3 +80,24 @@ def test_two_node_toolkit_training_step(tmp_path):
     assert metrics and metrics[-1]["step"] == 1 and metrics[-1]["loss"] > 0
     recipe = (tmp_path / "run" / "recipe.yaml").read_text()
     assert "strategy: local" in recipe  # --strategy auto on CPU
+
+
+@pytest.mark.slow
+def test_an_input_error_of_a_launched_job_prints_once_without_a_torchrun_traceback(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-m", "toolkit", "launch", "--nproc", "2", "--master-port", str(free_port()),
+                             "sft", "--dataset", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "run")],
+                            capture_output=True, text=True, env=env, timeout=180)
+    assert result.returncode == 1
+    assert result.stderr.count("is neither a file nor a bundled dataset") == 1, result.stderr
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr, result.stderr
+    assert "toolkit launch: rank" in result.stderr.splitlines()[-1]
+
+
+def test_a_rank_other_than_zero_leaves_input_errors_to_rank_zero(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLKIT_")}
+    command = [sys.executable, "-m", "toolkit", "sft", "--dataset", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "run")]
+    quiet = subprocess.run(command, capture_output=True, text=True, env={**env, "RANK": "1"}, timeout=120)
+    loud = subprocess.run(command, capture_output=True, text=True, env={**env, "RANK": "0"}, timeout=120)
+    assert quiet.returncode == loud.returncode == 1
+    assert "missing.jsonl" in loud.stderr and "missing.jsonl" not in quiet.stderr

@@ -42,7 +42,7 @@ def test_opt_in_settings_and_defaults(noxfile, tmp_path):
     write_plugin(tmp_path, "toolkit-engine", '[tool.toolkit.nox]\nown-session = true\nrequires = ["toolkit-plain"]\n'
                                              'install = ["engine==1.0"]\npython = "3.12"\nenv = {A = "1"}\n')
     plain, engine = sorted(noxfile.discover_plugins(tmp_path), key=lambda p: p.name != "toolkit-plain")
-    assert (plain.own_session, plain.extras, plain.requirement) == (False, ["test"], f"{plain.path}[test]")
+    assert (plain.own_session, plain.extras, plain.requirement) == (False, ["test"], "toolkit-plain[test]")
     assert (engine.own_session, engine.requires, engine.install, engine.python, engine.env, engine.short) == (
         True, ["toolkit-plain"], ["engine==1.0"], "3.12", {"A": "1"}, "engine")
 

@@ -55,7 +55,8 @@ def reference_weights(recipe, skip_step: int | None) -> dict[str, torch.Tensor]:
     examples, _ = load_examples(recipe.dataset, source.tokenizer, dataset_format=recipe.dataset_format, seq_len=recipe.seq_len)
     engine = strategy.build(source, tuner, loss, recipe)
     batches = Batches(examples, seed=recipe.seed, seq_len=recipe.seq_len, packing=False, micro_batch_size=recipe.micro_batch_size,
-                      global_batch_size=recipe.global_batch_size, dp_rank=0, dp_world_size=1, pad_id=0)
+                      global_batch_size=recipe.global_batch_size, dp_rank=0, dp_world_size=1, pad_id=0,
+                      group_by_length=recipe.group_by_length)  # the runner's order
     engine.set_total_steps(recipe.max_steps)
     for step in range(recipe.max_steps):
         if step != skip_step:

@@ -64,12 +64,12 @@ def site(tmp_path, monkeypatch):
 
 
 def test_builtins_are_discovered_through_the_entry_point_group():
-    declared = {ep.name: ep.value for ep in metadata.distribution("toolkit").entry_points if ep.group == "toolkit"}
+    declared = {ep.name: ep.value for ep in metadata.distribution("toolkit-core").entry_points if ep.group == "toolkit"}
     assert "toolkit.commands" in declared and len(declared) >= 5
     manager = build_plugin_manager()
     loaded = {p.name: p for p in manager.plugins}
     for name, module in declared.items():
-        assert loaded[name].distribution == "toolkit"
+        assert loaded[name].distribution == "toolkit-core"
         assert loaded[name].module == module
         assert loaded[name].error is None
     assert "toolkit_register_commands" in loaded["toolkit.commands"].hooks
@@ -211,8 +211,8 @@ def test_plugins_json_lists_distributions_versions_and_registered_names(probe_ma
     assert set(rows["probe"]) == {"name", "distribution", "version", "module", "hooks", "registers", "error"}
     assert rows["probe"]["registers"] == {"loss": ["probe"], "strategy": ["probe-strategy"], "tuner": ["probe-tuner"]}
     assert rows["probe"]["distribution"] == "(in-process)"
-    assert rows["toolkit.commands"]["distribution"] == "toolkit"
-    assert rows["toolkit.commands"]["version"] == metadata.version("toolkit")
+    assert rows["toolkit.commands"]["distribution"] == "toolkit-core"
+    assert rows["toolkit.commands"]["version"] == metadata.version("toolkit-core")
     assert rows["probe"]["hooks"] == ["toolkit_register_losses", "toolkit_register_strategies", "toolkit_register_tuners"]
 
 

@@ -65,6 +65,15 @@ def test_unknown_registered_names_are_problems_with_install_hints(probe_manager)
     assert "loss: unknown loss 'nope'" in message and "Installed losses: " in message
 
 
+def test_a_section_of_a_plugin_that_is_not_installed_names_the_plugin(probe_manager):
+    with pytest.raises(ConfigError) as error:
+        resolve_recipe({**PROBE, "moe": {"enabled": True}, "deepspeed": {"stage": 3}, "sed": 1}, manager=probe_manager)
+    message = str(error.value)
+    assert "section 'moe' holds the options of toolkit-moe, which is not installed: pip install toolkit-moe" in message
+    assert "-e plugins/toolkit-deepspeed" in message and "did you mean 'seed'" in message.split("'sed'")[1]
+    assert "did you mean 'seed'" not in message.split("'sed'")[0]
+
+
 def test_yaml_syntax_errors_name_the_line(tmp_path):
     path = tmp_path / "broken.yaml"
     path.write_text("lr: 1e-4\nmodel: [tiny\n")

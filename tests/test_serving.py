@@ -110,3 +110,24 @@ def test_split_extra_applies_known_fields_and_passes_the_rest():
     config, rest = split_extra(Config(), ["tp=4", "max-model-len=512", "enable-prefix-caching=true", "skip=false"])
     assert config.tp == 4 and rest == {"max-model-len": "512", "enable-prefix-caching": "true", "skip": "false"}
     assert engine_flags(rest) == ["--max-model-len", "512", "--enable-prefix-caching"]
+
+
+def test_the_server_log_path_has_no_space(tmp_path):
+    from toolkit.serving import RunningServer, ServerCommand
+
+    with RunningServer(ServerCommand(argv=["true"], host="127.0.0.1", port=1, env={}, name="vLLM server")) as server:
+        assert " " not in str(server.log_path) and server.log_path.name.startswith("toolkit-vllm-server-")
+    server.log_path.unlink(missing_ok=True)
+
+
+def test_infer_takes_backend_options_and_names_the_valid_ones(cli_runner):
+    from toolkit.builtins.inference import GenerateConfig, HFBackend
+    from toolkit.builtins.loaders import materialize_preset
+
+    short = cli_runner.invoke("infer", "tiny-llama", "--prompt", "Hello", "--max-new-tokens", "8", "--option", "max_new_tokens=2")
+    assert short.exit_code == 0, short.output
+    [two] = HFBackend().generate(materialize_preset("tiny-llama"), ["Hello"], GenerateConfig(max_new_tokens=2))
+    [eight] = HFBackend().generate(materialize_preset("tiny-llama"), ["Hello"], GenerateConfig(max_new_tokens=8))
+    assert short.stdout.strip().splitlines()[-1] == two.strip() != eight.strip()  # the option won over the flag's 8
+    wrong = cli_runner.invoke("infer", "tiny-llama", "--prompt", "Hello", "--option", "nosuch=1")
+    assert wrong.exit_code != 0 and "nosuch" in wrong.output and "its options: max_new_tokens" in wrong.output

@@ -8,7 +8,10 @@ import sys
 import click
 
 from toolkit import __version__
-from toolkit.errors import ToolkitError
+from toolkit.errors import ConfigError, DataError, LayoutError, ModelError, RegistryError, RunStopped, ToolkitError
+
+# Errors in the user's input: every rank of a torchrun job hits the same one, so only rank 0 prints it.
+INPUT_ERRORS = (ConfigError, DataError, LayoutError, ModelError, RegistryError, click.UsageError)
 
 
 class ToolkitGroup(click.Group):
@@ -36,6 +39,9 @@ def cli(debug: bool) -> None:
     """Train, align, export and serve large language models; features come from plugins.
 
     Training: toolkit sft|pt --model tiny-llama --dataset demo. Installed plugins: toolkit plugins.
+
+    Exit status: 0 done; 1 error; 75 stopped early with a whole checkpoint (a signal or --stop-after;
+    continue with --resume auto); 130 aborted (a second Ctrl-C).
     """
     if debug:
         os.environ["TOOLKIT_DEBUG"] = "1"
@@ -54,6 +60,9 @@ def build_cli() -> click.Group:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``toolkit`` script and ``python -m toolkit``."""
+    from toolkit.streams import guard_standard_streams
+
+    guard_standard_streams()  # a reader that went away must not end a training run at its next print
     args = list(sys.argv[1:] if argv is None else argv)
     if "--debug" in args:
         # Accepted anywhere (``toolkit sft ... --debug``), not only before the subcommand.
@@ -70,16 +79,31 @@ def main(argv: list[str] | None = None) -> None:
     except click.UsageError as exc:  # one paragraph instead of click's usage block
         ctx = exc.ctx
         hint = f" See '{ctx.command_path} --help'." if ctx is not None else ""
-        click.echo(f"Error: {exc.format_message()}{hint}", err=True)
+        _print_error(exc, f"Error: {exc.format_message()}{hint}")
         sys.exit(exc.exit_code)
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
+    except RunStopped as exc:  # stopped and saved, resumable: a status of its own, not an error
+        click.echo(f"toolkit: {exc}", err=True)
+        sys.exit(exc.exit_code)
     except ToolkitError as exc:
         if os.environ.get("TOOLKIT_DEBUG"):
             raise
-        click.echo(f"Error: {exc}", err=True)
-        click.echo("(run with --debug for the traceback)", err=True)
+        _print_error(exc, f"Error: {exc}\n(run with --debug for the traceback)")
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+def _print_error(exc: Exception, text: str) -> None:
+    """Print once per job: an input error on rank 0 only; any other error on its rank, so marked."""
+    rank = int(os.environ.get("RANK", "0") or 0)
+    if rank == 0:
+        click.echo(text, err=True)
+    elif not isinstance(exc, INPUT_ERRORS):
+        click.echo(f"[rank {rank}] {text}", err=True)
+    else:
+        import time
+
+        time.sleep(3)  # torchrun stops every rank once one exits: give rank 0 the time to print it

@@ -144,6 +144,9 @@ class ExportModel:
     adapter: Any = None
     """Optional callable returning ``(peft_config_dict, iterable of (name, tensor))`` for adapter-only exports."""
     description: str = ""
+    destination: Any = None
+    """The folder the export ends up in: exporters write into a staging folder that is renamed
+    there once complete, so a path written into a file (a serve command) must use this one."""
 
 
 @dataclass

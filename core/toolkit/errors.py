@@ -36,3 +36,14 @@ class ModelError(ToolkitError):
 
 class LayoutError(ToolkitError):
     """A parallel layout that cannot work; the message shows the arithmetic."""
+
+
+EXIT_STOPPED = 75
+"""Exit status of a run stopped before its last step with a whole checkpoint (a signal, ``--stop-after``):
+resumable with ``--resume auto``. 75 is EX_TEMPFAIL of sysexits.h: "try again later"."""
+
+
+class RunStopped(ToolkitError):
+    """Training stopped early and saved: not a failure, not finished either (exit status 75)."""
+
+    exit_code = EXIT_STOPPED

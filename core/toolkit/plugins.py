@@ -45,6 +45,7 @@ FIRST_PARTY = {
     **{("loss", n): "toolkit-dpo" for n in ("dpo", "ipo", "hinge", "kto", "simpo", "orpo", "cpo", "rm")},
     ("dataset_format", "preference"): "toolkit-dpo",
     ("dataset_format", "kto"): "toolkit-dpo",
+    ("architecture", "moe"): "toolkit-moe",
     ("exporter", "mcore"): "toolkit-megatron",
     ("exporter", "vllm"): "toolkit-vllm",
     ("exporter", "lmdeploy"): "toolkit-lmdeploy",
@@ -52,6 +53,19 @@ FIRST_PARTY = {
     ("inference_backend", "lmdeploy"): "toolkit-lmdeploy",
     **{("reward", n): "toolkit-rl" for n in ("answer", "format", "length", "overlong", "reward-model")},
 }
+
+
+def install_hint(distribution: str, extra: str = "") -> str:
+    """The commands that install a first-party plugin: the one that works once it is published,
+    and the one that works from a clone of this repository today (plugins/<distribution>).
+
+    >>> install_hint("toolkit-peft", "qlora")
+    "pip install 'toolkit-peft[qlora]' (from a clone: pip install -c constraints.txt -e 'plugins/toolkit-peft[qlora]')"
+    """
+    if extra:
+        return (f"pip install '{distribution}[{extra}]' "
+                f"(from a clone: pip install -c constraints.txt -e 'plugins/{distribution}[{extra}]')")
+    return f"pip install {distribution} (from a clone: pip install -c constraints.txt -e plugins/{distribution})"
 
 
 @dataclass
@@ -110,7 +124,7 @@ class Registry:
         installed = ", ".join(sorted(self._items)) or "none"
         provider = FIRST_PARTY.get((self.kind, name))
         if provider:
-            hint = f"{self.kind} {name!r} is not installed: pip install {provider}"
+            hint = f"{self.kind} {name!r} is not installed: {install_hint(provider)}"
         else:
             close = difflib.get_close_matches(name, list(self._items), n=1)
             hint = f"unknown {self.kind} {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
@@ -161,7 +175,7 @@ class Toolkit:
                 impl.function(register=register)
             except RegistryError:
                 raise
-            except Exception as exc:  # a plugin's registration code is its own business
+            except (Exception, SystemExit) as exc:  # a plugin's registration code is its own business
                 _report_broken(owner, info.version if info else "?", exc)
                 if info is not None:
                     info.error = f"{type(exc).__name__}: {exc}"
@@ -192,7 +206,7 @@ class Toolkit:
                 impl.function(cli=cli)
             except RegistryError as exc:  # e.g. a duplicate name: both plugins are named in it
                 print(f"toolkit: {exc}", file=sys.stderr)
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:
                 _report_broken(owner, info.version if info else "?", exc)
             for name, command in list(cli.commands.items()):
                 if before.get(name) is command:
@@ -260,7 +274,7 @@ def build_plugin_manager(extra_plugins: list[tuple[str, object]] | None = None) 
             _check_hooks(plugin)
             pm.register(plugin, name=name)
             pm.check_pending()
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # sys.exit() at import is contained like an exception
             if pm.has_plugin(name):
                 pm.unregister(name=name)
             info.error = f"{type(exc).__name__}: {exc}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,6 +22,9 @@ class Recipe:
 
     model: str = option("tiny-llama", help="HF model directory or embedded preset (tiny-llama, tiny-qwen2, ...).")
     dataset: list[str] = option(["demo"], help="Dataset file (jsonl/json/parquet/csv) or bundled name; repeatable.")
+    dataset_ratios: list[float] = option([], help="Mix the --dataset files in these proportions (one per --dataset, "
+                                                  "repeatable, e.g. 0.7 then 0.3); the mix keeps their total size, "
+                                                  "drawing from small sets more than once. Default: each as it is.")
     dataset_format: str = option("auto", help="Record format: auto, alpaca, messages, sharegpt, text, or a plugin's.")
     columns: dict[str, str] = option({}, help="Column remapping, 'ours=theirs' (e.g. instruction=question).")
     output: str = option("runs/latest", help="Run directory (recipe.yaml, metrics.jsonl, checkpoints/).")
@@ -50,8 +54,18 @@ class Recipe:
     max_grad_norm: float = option(1.0, help="Gradient clipping norm; 0 disables clipping.")
     micro_batch_size: int = option(1, help="Rows per micro-batch per data-parallel rank.")
     global_batch_size: int = option(0, help="Rows per optimizer step over all ranks; 0 means micro-batch x DP.")
-    seq_len: int = option(512, help="Maximum tokens per row (longer samples are truncated).")
-    packing: bool = option(False, help="Pack several samples per row (no attention across samples).")
+    seq_len: int = option(512, help="Tokens per row. Longer SFT/preference samples are truncated (and counted); PT "
+                                    "documents are joined and cut into rows of this length, never truncated.")
+    packing: bool = option(False, help="Pack several samples per row by best-fit decreasing (no attention across "
+                                       "samples; padding-free attention on CUDA).")
+    group_by_length: bool = option(True, help="Without --packing: put samples of similar length in the same "
+                                              "micro-batch (less padding); batches still come in a seeded random order.")
+    streaming: bool = option(False, help="Read the datasets as a stream (datasets' streaming mode), a window of 4096 "
+                                         "records at a time, for sets that do not fit in memory; needs --max-steps; "
+                                         "resumes exactly.")
+    isolate_documents: bool = option(False, help="PT: keep each document's attention and positions to itself inside "
+                                                 "the joined rows (block-causal mask); default: attention runs across "
+                                                 "document boundaries, as in Megatron's GPT pretraining.")
     precision: Literal["fp32", "bf16", "fp16"] = option("fp32", help="Training precision (bf16 keeps fp32 master weights).")
     gradient_checkpointing: bool = option(False, help="Recompute activations in the backward pass.")
     seed: int = option(42, help="Seed for initialisation, shuffling and dropout.")
@@ -60,8 +74,11 @@ class Recipe:
 
     save_every: int = option(0, help="Save a checkpoint every N steps (0: only at the end).")
     keep_last: int = option(2, help="Checkpoints to keep.")
-    stop_after: int = option(0, help="Stop with a checkpoint after N steps of this invocation (time-boxed jobs); the schedule still spans the whole run.")
+    stop_after: int = option(0, help="Stop with a checkpoint after N steps of this invocation (time-boxed jobs; exit status 75, resumable); the schedule still spans the whole run.")
     resume: str | None = option(None, help="'auto' (newest whole checkpoint; damaged ones are reported and skipped) or a checkpoint path.")
+    resume_changed: bool = option(False, help="With --resume: go on although the training settings differ from the run's "
+                                              "recipe.yaml (model, data, seed, lr, ...); without it such a resume is refused, "
+                                              "naming what changed.")
     checkpoint_verify: Literal["sha256", "size"] = option("sha256", help="How --resume checks a checkpoint against its "
                                                           "manifest.json: sha256 (every byte) or size (file sizes only; "
                                                           "for checkpoints too big to read back).")
@@ -88,14 +105,47 @@ class Recipe:
                      "max_nan_steps"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be 0 or more, got {getattr(self, name)}")
-        if self.lr <= 0:
-            problems.append(f"lr must be positive, got {self.lr}")
+        problems += self._check_optimizer()
         if not self.dist_timeout > 0:
             problems.append(f"dist_timeout must be a positive number of seconds, got {self.dist_timeout}")
         if self.zero not in (0, 1, 2, 3):
             problems.append(f"zero must be 0, 1, 2 or 3, got {self.zero}")
         if not self.dataset:
             problems.append("dataset: give at least one --dataset")
+        if self.streaming:
+            problems += [f"streaming: {why}" for flag, why in (
+                (not self.max_steps, "a stream's length is unknown before it is read: give --max-steps"),
+                (self.eval_samples, "--eval-samples holds examples out of a list; not with --streaming"),
+                (self.dataset_ratios, "--dataset-ratios mixes whole sets; not with --streaming"),
+                (self.precompute_reference, "--precompute-reference needs every example up front; not with --streaming"),
+                (self.max_samples, "--max-samples: give --max-steps instead with --streaming")) if flag]
+        return problems
+
+    def _check_optimizer(self) -> list[str]:
+        """Numbers torch would take and train on (an infinite lr writes an all-NaN checkpoint) or refuse with a
+        traceback after the model has loaded."""
+        problems = []
+        finite = {name: getattr(self, name) for name in ("lr", "epochs", "min_lr_ratio", "weight_decay", "adam_beta1",
+                                                         "adam_beta2", "adam_eps", "max_grad_norm")}
+        for name, value in finite.items():
+            if not math.isfinite(value):
+                problems.append(f"{name} must be a finite number, got {value}")
+        if math.isfinite(self.lr) and self.lr <= 0:
+            problems.append(f"lr must be positive, got {self.lr}")
+        if math.isfinite(self.epochs) and self.epochs <= 0 and not self.max_steps:
+            problems.append(f"epochs must be positive when max_steps is 0, got {self.epochs}")
+        if math.isfinite(self.min_lr_ratio) and not 0 <= self.min_lr_ratio <= 1:
+            problems.append(f"min_lr_ratio must be between 0 and 1 (a fraction of --lr), got {self.min_lr_ratio}")
+        if math.isfinite(self.weight_decay) and self.weight_decay < 0:
+            problems.append(f"weight_decay must be 0 or more, got {self.weight_decay}")
+        for name in ("adam_beta1", "adam_beta2"):
+            value = getattr(self, name)
+            if math.isfinite(value) and not 0 <= value < 1:
+                problems.append(f"{name} must be in [0, 1), got {value}")
+        if math.isfinite(self.adam_eps) and self.adam_eps <= 0:
+            problems.append(f"adam_eps must be positive, got {self.adam_eps}")
+        if math.isfinite(self.max_grad_norm) and self.max_grad_norm < 0:
+            problems.append(f"max_grad_norm must be 0 (no clipping) or more, got {self.max_grad_norm}")
         return problems
 
     def section(self, name: str) -> dict[str, Any]:
@@ -155,16 +205,11 @@ def resolve_recipe(values: dict[str, Any], source: str = "recipe", manager: Any 
                     continue
                 sections.setdefault(section, {}).update(content or {})
         else:
-            import difflib
-
-            candidates = sorted(recipe_fields - {"options"}) + _option_names(manager)
-            close = difflib.get_close_matches(name, candidates, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            problems.append(f"unknown key {key!r}{hint}")
+            problems.append(_unknown_key(key, sorted(recipe_fields - {"options"}) + _option_names(manager)))
     recipe = build_dataclass(Recipe, top, source, problems)
-    for kind, attr in (("strategy", "strategy"), ("tuner", "tuner"), ("loss", "loss")):
+    for kind, attr in (("strategy", "strategy"), ("tuner", "tuner"), ("loss", "loss"), ("exporter", "export")):
         name = getattr(recipe, attr)
-        if kind == "strategy" and name == "auto":
+        if (kind == "strategy" and name == "auto") or name is None:
             continue
         if name not in manager.registry(kind):
             try:
@@ -184,6 +229,20 @@ def resolve_recipe(values: dict[str, Any], source: str = "recipe", manager: Any 
 def _option_names(manager: Any) -> list[str]:
     """Names that may head a YAML option section (registered strategies, tuners, losses, formats)."""
     return sorted({name for kind in OPTION_KINDS for name in manager.registry(kind).names()})
+
+
+def _unknown_key(key: str, candidates: list[str]) -> str:
+    """A recipe key nobody registered: the plugin that provides a section of that name (``moe:``,
+    ``deepspeed:``) when it is a first-party one that is not installed, else the closest key."""
+    import difflib
+
+    from toolkit.plugins import FIRST_PARTY, install_hint
+
+    provider = next((dist for (kind, name), dist in FIRST_PARTY.items() if name == key and kind in OPTION_KINDS), None)
+    if provider:
+        return f"section {key!r} holds the options of {provider}, which is not installed: {install_hint(provider)}"
+    close = difflib.get_close_matches(key.replace("-", "_"), candidates, n=1)
+    return f"unknown key {key!r}" + (f"; did you mean {close[0]!r}?" if close else "")
 
 
 def _option_owner(manager: Any, name: str) -> type | None:

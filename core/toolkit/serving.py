@@ -121,7 +121,7 @@ class RunningServer:
 
     def __init__(self, command: ServerCommand, log_path: Path | None = None):
         self.command = command
-        self.log_path = log_path or Path(tempfile.mkstemp(prefix=f"toolkit-{command.name}-", suffix=".log")[1])
+        self.log_path = log_path or Path(tempfile.mkstemp(prefix=f"toolkit-{_slug(command.name)}-", suffix=".log")[1])
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         env = {**os.environ, **command.env}
         self.process = subprocess.Popen(command.argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
@@ -242,3 +242,10 @@ def option_value(options: object, name: str, default: object) -> object:
     """Read a generation option from a dataclass, namespace or dict (``None`` -> ``default``)."""
     value = options.get(name) if isinstance(options, dict) else getattr(options, name, None)
     return default if value is None else value
+
+
+def _slug(name: str) -> str:
+    """``"vLLM server"`` -> ``"vllm-server"``: a file-name part with no spaces to quote."""
+    import re
+
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "server"

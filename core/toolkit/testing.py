@@ -171,6 +171,11 @@ class TinyModels:
         return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
 
 
+def pytest_configure(config: Any) -> None:
+    """Each test session tokenizes into a cache of its own (:mod:`toolkit.data.cache`), never the user's."""
+    os.environ.setdefault("TOOLKIT_CACHE", tempfile.mkdtemp(prefix="toolkit-test-cache-"))
+
+
 @pytest.fixture
 def tiny_model_factory(tmp_path: Path) -> TinyModels:
     """``tiny_model_factory("qwen2", num_hidden_layers=1)`` -> a tiny HF model; also ``.config(...)``,
@@ -364,7 +369,7 @@ def _raise_failures(failures: list[tuple[int, int, str, str]]) -> None:
 
 def run_distributed(target: Callable[..., Any] | str | Path | Sequence[str], nproc: int = 2, args: Sequence[Any] = (),
                     kwargs: dict[str, Any] | None = None, timeout: float = 300.0, env: dict[str, str] | None = None,
-                    cwd: str | Path | None = None) -> list[Any]:
+                    cwd: str | Path | None = None, exit_codes: Sequence[int] = (0,)) -> list[Any]:
     """Run ``target`` on ``nproc`` processes joined by ``torch.distributed`` (gloo) on this machine.
 
     - a function (module-level, importable by a fresh interpreter): each rank runs
@@ -376,21 +381,23 @@ def run_distributed(target: Callable[..., Any] | str | Path | Sequence[str], npr
 
     ``env`` adds environment variables for every rank; ``cwd`` is their working directory.
 
-    A rank that exits non-zero raises :class:`DistributedError` with each failing rank's output,
+    A rank that exits with a status outside ``exit_codes`` (default: 0; a ``--stop-after`` run of one process
+    exits 75) raises :class:`DistributedError` with each failing rank's output,
     except the known harmless abort at interpreter exit after the rank reported it was done.
     A rendezvous port that another process took in the meantime (EADDRINUSE) is retried on a new one.
     """
     for _ in range(2):
         try:
-            return _run_distributed_once(target, nproc, args, kwargs, timeout, env, cwd, free_port())
+            return _run_distributed_once(target, nproc, args, kwargs, timeout, env, cwd, free_port(), exit_codes)
         except DistributedError as exc:
             if "EADDRINUSE" not in str(exc):
                 raise
-    return _run_distributed_once(target, nproc, args, kwargs, timeout, env, cwd, free_port())
+    return _run_distributed_once(target, nproc, args, kwargs, timeout, env, cwd, free_port(), exit_codes)
 
 
 def _run_distributed_once(target: Any, nproc: int, args: Sequence[Any], kwargs: dict[str, Any] | None, timeout: float,
-                          env: dict[str, str] | None, cwd: str | Path | None, port: int) -> list[Any]:
+                          env: dict[str, str] | None, cwd: str | Path | None, port: int,
+                          exit_codes: Sequence[int] = (0,)) -> list[Any]:
     with tempfile.TemporaryDirectory(prefix="toolkit-dist-") as tmp:
         job = Path(tmp)
         if callable(target):
@@ -419,7 +426,7 @@ def _run_distributed_once(target: Any, nproc: int, args: Sequence[Any], kwargs: 
         failures = []
         for rank, (code, out, err) in enumerate(outcomes):
             harmless = code != 0 and finished(rank) and _EXIT_ABORT in err
-            if (code != 0 and not harmless) or (callable(target) and not finished(rank)):
+            if (code not in exit_codes and not harmless) or (callable(target) and not finished(rank)):
                 failures.append((rank, code, out, err))
         _raise_failures(failures)
         if callable(target):
@@ -434,6 +441,14 @@ def _run_distributed_fixture() -> Callable[..., list[Any]]:
 
 
 # ----------------------------------------------------------------------------- throwaway plugins
+
+
+def write_jsonl(path: Path, records: list[dict[str, Any]]) -> str:
+    """Write ``records`` as a JSONL dataset file; returns the path as text (what ``--dataset`` takes)."""
+    import json
+
+    Path(path).write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
 
 
 def write_plugin_distribution(site: Path, name: str, source: str, *, version: str = "0.0.1",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
 import sys
 from typing import Any, ClassVar
 
@@ -46,12 +48,24 @@ class JsonlMetrics(Callback):
         if run.start_step == 0:
             self.path.write_text("")
         elif self.path.is_file():  # resumed: drop lines past the checkpoint so the file stays consistent
-            lines = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= run.start_step]
-            self.path.write_text("".join(line + "\n" for line in lines))
+            kept = [line for line in self.path.read_text(errors="replace").splitlines() if _step(line) <= run.start_step]
+            # written aside and renamed: a kill during this rewrite must not lose the history before the checkpoint
+            tmp = self.path.with_name(f".{self.path.name}.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, self.path)
 
     def on_log(self, step: int, metrics: dict[str, float]) -> None:
         with self.path.open("a") as handle:
             handle.write(json.dumps(metrics) + "\n")
+
+
+def _step(line: str) -> float:
+    """The step of a metrics line; a line torn by a kill in the middle of its write (or not a step) sorts last."""
+    try:
+        step = json.loads(line)["step"]
+        return step if isinstance(step, int) else math.inf
+    except (ValueError, KeyError, TypeError):
+        return math.inf
 
 
 class TensorBoard(Callback):

@@ -111,9 +111,10 @@ class HFExporter:
                                  skip=tied_names(model.source.config))
         if "score.weight" in names and "lm_head.weight" not in names:
             from toolkit.errors import ToolkitError
+            from toolkit.plugins import install_hint
 
             raise ToolkitError(f"{model.description} is a reward model (a value head, no LM head): export it with "
-                               "--to hf-rm (pip install toolkit-dpo), which writes a sequence-classification model")
+                               f"--to hf-rm ({install_hint('toolkit-dpo')}), which writes a sequence-classification model")
         write_model_metadata(model, output, options.dtype)
         return output
 

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 from toolkit import hookimpl
 from toolkit.config import option
 from toolkit.contracts import Example, Sequence
-from toolkit.data.template import ChatTemplate, normalise_messages
+from toolkit.data.template import ChatTemplate, normalise_messages, record_tools, text_value
 from toolkit.errors import DataError
 
 
@@ -41,12 +41,16 @@ class Alpaca:
         return "instruction" in columns and "output" in columns
 
     def encode(self, record: dict[str, Any], tokenizer: Any, template: ChatTemplate, where: str = "record") -> Example:
-        instruction = str(_field(record, "instruction", where))
-        extra = record.get("input") or ""
+        instruction = text_value(_field(record, "instruction", where), "column 'instruction'", where)
+        extra = record.get("input")
+        extra = text_value(extra, "column 'input'", where) if extra is not None else ""
         user = f"{instruction}\n\n{extra}" if extra else instruction
-        messages = ([{"role": "system", "content": self.config.system}] if self.config.system else []) + [
-            {"role": "user", "content": user}, {"role": "assistant", "content": str(_field(record, "output", where))}]
-        ids, labels = template.encode_messages(messages)
+        output = text_value(_field(record, "output", where), "column 'output'", where)
+        system = record.get("system")
+        system = text_value(system, "column 'system'", where) if system not in (None, "") else self.config.system
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": user}, {"role": "assistant", "content": output}]
+        ids, labels = template.encode_messages(messages, record_tools(record, where))
         return Example([Sequence(ids, labels)])
 
 
@@ -56,7 +60,8 @@ class MessagesConfig:
 
 
 class Messages:
-    """OpenAI-style ``messages``: a list of ``{role, content}`` (system, user, assistant; multi-turn)."""
+    """OpenAI-style ``messages``: a list of ``{role, content}`` (system, user, assistant, tool; multi-turn; content
+    as text or text parts; assistant ``tool_calls``), with optional ``system`` and ``tools`` columns."""
 
     name: ClassVar[str] = "messages"
     Config: ClassVar[type] = MessagesConfig
@@ -69,8 +74,8 @@ class Messages:
         return self.config.column in columns
 
     def encode(self, record: dict[str, Any], tokenizer: Any, template: ChatTemplate, where: str = "record") -> Example:
-        messages = normalise_messages(_field(record, self.config.column, where), where)
-        ids, labels = template.encode_messages(messages)
+        messages = normalise_messages(_field(record, self.config.column, where), where, record.get("system"))
+        ids, labels = template.encode_messages(messages, record_tools(record, where))
         return Example([Sequence(ids, labels)])
 
 
@@ -108,7 +113,8 @@ class ShareGPT:
             if role is None or "value" not in turn:
                 raise DataError(f"{where}: turn {i} needs 'from' (one of {', '.join(SHAREGPT_ROLES)}) and 'value'")
             messages.append({"role": role, "content": turn["value"]})
-        ids, labels = template.encode_messages(normalise_messages(messages, where))
+        messages = normalise_messages(messages, where, record.get("system"))
+        ids, labels = template.encode_messages(messages, record_tools(record, where))
         return Example([Sequence(ids, labels)])
 
 

@@ -17,7 +17,7 @@ class FSDPConfig:
     cpu_offload: bool = option(False, help="Keep sharded parameters and optimizer state in CPU memory.")
     mixed_precision: bool = option(True, help="With --precision bf16: bf16 compute copies, fp32 sharded master weights and fp32 gradient reduction.")
     packed_attention: Literal["auto", "flex", "sdpa-mask"] = option(
-        "sdpa-mask", help="Rows holding several samples: flex (FlexAttention, block-causal BlockMask), sdpa-mask (dense mask "
+        "auto", help="Rows holding several samples: flex (FlexAttention, block-causal BlockMask), sdpa-mask (dense mask "
         "for HF's sdpa attention) or auto (flex on a CUDA device when it can run, else sdpa-mask); as --local-packed-attention.")
 
 
@@ -100,11 +100,9 @@ class FSDPEngine(LocalEngine):
         return out.sequence_sums().detach()
 
     def _ensure_group(self) -> None:
-        import torch.distributed as dist
+        from toolkit.train.distributed import one_process_group
 
-        if not dist.is_initialized():  # FSDP needs a process group even on one process: an in-memory store, no port
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                    world_size=1)
+        if one_process_group(self.device):  # FSDP needs a process group even on one process
             self._own_group = True
 
     def close(self) -> None:
@@ -135,18 +133,20 @@ class FSDPEngine(LocalEngine):
             torch.save(self.scheduler.state_dict() if self.scheduler else {}, directory / "scheduler.pt")
 
     def load_checkpoint(self, directory: Path) -> None:
-        import torch
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+        from toolkit.train.safe_load import check_dcp_metadata, load_tensors_file
 
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         trainable = self._trainable_names()
         state = {"model": {k: v for k, v in model_state.items() if k in trainable}, "optimizer": optim_state}
+        check_dcp_metadata(directory / "dcp")  # its .metadata is a pickle: refuse one that would run code
         dcp.load(state, checkpoint_id=str(directory / "dcp"))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        options=StateDictOptions(strict=False))
         if self.scheduler is not None:
-            self.scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=True))
+            self.scheduler.load_state_dict(load_tensors_file(directory / "scheduler.pt"))
 
     def adapter_export(self) -> Any:
         """``ExportModel.adapter`` after training: the adapters of the newest checkpoint, read by rank 0 alone.

@@ -17,6 +17,7 @@ class GenerateConfig:
     chat_template: bool = option(True, help="Wrap each prompt as a user message with the model's chat template.")
     dtype: str = option("float32", help="Weights dtype for generation.")
     system: str = option("", help="System message placed before each prompt.")
+    trust_remote_code: bool = option(False, help="Run the model directory's own Python code (only from this command's flag).")
 
 
 def format_prompt(tokenizer: Any, prompt: str, chat_template: bool, system: str = "") -> str:
@@ -42,9 +43,11 @@ class HFBackend:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        trust = options.trust_remote_code  # always passed: left out, transformers asks on a terminal
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, options.dtype)).to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, options.dtype), trust_remote_code=trust,
+                                                     use_safetensors=True).to(device).eval()
         results = []
         for prompt in prompts:
             text = format_prompt(tokenizer, prompt, options.chat_template, options.system)
@@ -59,7 +62,7 @@ class HFBackend:
     def generate(self, model_dir: Path, prompts: list[str], options: GenerateConfig) -> list[str]:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=options.trust_remote_code)
         return [tokenizer.decode(ids, skip_special_tokens=True) for ids in self.generate_ids(model_dir, prompts, options)]
 
 

@@ -6,12 +6,14 @@ once into a cache directory (deterministic weights), so every strategy sees an o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -60,23 +62,46 @@ def preset_config(name: str, **overrides: Any) -> Any:
     return AutoConfig.for_model(model_type, **values)
 
 
+PRESET_MANIFEST = "toolkit-preset.json"  # written last: its presence marks a complete cache entry
+
+
 def materialize_preset(name: str, directory: Path | None = None, seed: int = 0, **overrides: Any) -> Path:
     """Write a preset as an HF directory (config, safetensors, tokenizer) and return it.
 
-    Weights come from ``seed``, so the same preset is the same model on every machine.
-    Written to a temporary folder and renamed, so a concurrent or interrupted call never
-    leaves a half-written model.
+    Weights come from ``seed``, so the same preset is the same model on every machine. One
+    process writes (under a file lock; under an initialised process group, rank 0, because
+    transformers' ``save_pretrained`` writes weights only there) into a temporary folder that is
+    renamed into place with a manifest of file hashes; every other caller waits for it. A cache
+    entry is checked against its manifest whenever it is read.
     """
-    spec = json.dumps({"preset": PRESETS.get(name), "overrides": overrides, "seed": seed, "v": 1}, sort_keys=True)
-    digest = hashlib.sha256(spec.encode() + (TOKENIZER_DIR / "tokenizer.json").read_bytes()).hexdigest()[:12]
+    spec = {"preset": PRESETS.get(name), "overrides": overrides, "seed": seed, "v": 2}
+    encoded = json.dumps(spec, sort_keys=True)
+    digest = hashlib.sha256(encoded.encode() + (TOKENIZER_DIR / "tokenizer.json").read_bytes()).hexdigest()[:12]
     target = directory or cache_root() / "presets" / f"{name}-{digest}"
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
-        return target
+    if (target / PRESET_MANIFEST).is_file():
+        return _checked_preset(target, encoded)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return _wait_for_preset(target, encoded, dist.get_rank())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{target.name}.lock"):
+        if (target / PRESET_MANIFEST).is_file():
+            return _checked_preset(target, encoded)
+        if target.is_dir() and not any(target.iterdir()):
+            target.rmdir()  # an empty folder the caller made for it
+        if target.exists():
+            raise ModelError(f"preset cache {target} exists but has no {PRESET_MANIFEST} (written by an older toolkit, or by hand): "
+                             f"delete it (rm -rf {target}) and run again; it is rebuilt from the preset")
+        _write_preset(name, target, seed, overrides, encoded)
+    return target
+
+
+def _write_preset(name: str, target: Path, seed: int, overrides: dict[str, Any], encoded: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     config = preset_config(name, **overrides)
-    target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         with torch.random.fork_rng(devices=[]):
@@ -84,26 +109,85 @@ def materialize_preset(name: str, directory: Path | None = None, seed: int = 0, 
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.save_pretrained(staging, safe_serialization=True)
         if not (staging / "model.safetensors").is_file():
-            # transformers writes weights only on rank 0 of an initialised process group; every
-            # rank that materialises a preset must produce a complete directory, or a broken one
-            # could win the rename below and stay in the cache.
-            from safetensors.torch import save_file
-
-            tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
-            state = {k: v.contiguous() for k, v in model.state_dict().items() if k not in tied}
-            save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
-            config.save_pretrained(staging)
-        tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
-        tokenizer.save_pretrained(staging)
+            raise ModelError(f"transformers wrote no weights for preset {name!r} into {staging}; files: "
+                             f"{', '.join(sorted(p.name for p in staging.iterdir())) or 'none'}")
+        AutoTokenizer.from_pretrained(TOKENIZER_DIR).save_pretrained(staging)
         GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, do_sample=False).save_pretrained(staging)
-        if target.exists():
-            shutil.rmtree(staging)
-            return target
+        files = {p.name: _sha256(p) for p in sorted(staging.iterdir())}
+        (staging / PRESET_MANIFEST).write_text(json.dumps({"spec": json.loads(encoded), "files": files}, indent=1, sort_keys=True))
         os.replace(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _checked_preset(target: Path, encoded: str) -> Path:
+    """``target`` if it holds exactly the files its manifest lists, of this preset spec."""
+    manifest = json.loads((target / PRESET_MANIFEST).read_text())
+    problems = []
+    if manifest.get("spec") != json.loads(encoded):
+        problems.append(f"it holds {manifest.get('spec')}, not {json.loads(encoded)}")
+    for file, expected in manifest.get("files", {}).items():
+        if not (target / file).is_file():
+            problems.append(f"{file} is missing")
+        elif _sha256(target / file) != expected:
+            problems.append(f"{file} was changed since it was written")
+    if problems:
+        raise ModelError(f"preset cache {target} is damaged: {'; '.join(problems)}. Delete it (rm -rf {target}) and run "
+                         "again; it is rebuilt from the preset")
     return target
+
+
+def check_remote_code(directory: Path, trust_remote_code: bool) -> None:
+    """Refuse a model whose config or tokenizer names its own Python code (``auto_map``) unless this command was
+    given ``--trust-remote-code``: transformers would otherwise ask on a terminal (one "y" runs it) or fail
+    with an EOFError without one."""
+    if trust_remote_code:
+        return
+    for name in ("config.json", "tokenizer_config.json"):
+        path = Path(directory) / name
+        try:
+            data = json.loads(path.read_text()) if path.is_file() else {}
+        except (OSError, ValueError):
+            continue  # an unreadable config is reported by the loader that reads it
+        auto_map = data.get("auto_map") if isinstance(data, dict) else None
+        if auto_map:
+            values = auto_map.values() if isinstance(auto_map, dict) else [auto_map]
+            names = [n for v in values for n in (v if isinstance(v, list) else [v]) if isinstance(n, str)]
+            shown = ", ".join(sorted({name.split("--")[-1].split(".")[0] for name in names}))
+            raise ModelError(f"{path} asks to run the model's own Python code ({shown or 'auto_map'}); it was not run. "
+                             "Remote code runs only when --trust-remote-code is given on this command line")
+
+
+def _wait_for_preset(target: Path, encoded: str, rank: int) -> Path:
+    import time
+
+    patience = float(os.environ.get("TOOLKIT_PRESET_WAIT_S", "600"))
+    deadline = time.monotonic() + patience
+    while not (target / PRESET_MANIFEST).is_file():
+        if time.monotonic() > deadline:
+            raise ModelError(f"rank {rank} waited {patience:.0f}s for rank 0 to write the preset cache {target}, which did "
+                             "not appear. Every rank must ask for the same preset; on several nodes, set TOOLKIT_CACHE to a "
+                             "shared filesystem (TOOLKIT_PRESET_WAIT_S sets the wait)")
+        time.sleep(0.2)
+    return _checked_preset(target, encoded)
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock (fcntl) held for the block: one writer per cache entry at a time."""
+    import fcntl
+
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def load_hf_directory(reference: str, directory: Path, trust_remote_code: bool = False) -> ModelSource:
@@ -111,6 +195,7 @@ def load_hf_directory(reference: str, directory: Path, trust_remote_code: bool =
 
     if not (directory / "config.json").is_file():
         raise ModelError(f"{directory} is not a Hugging Face model directory: config.json is missing")
+    check_remote_code(directory, trust_remote_code)
     weights = sorted(directory.glob("*.safetensors"))
     if not weights:
         found = ", ".join(sorted(p.name for p in directory.iterdir())) or "nothing"
@@ -162,7 +247,8 @@ class DirectoryLoader:
         return Path(reference).is_dir()
 
     def load(self, reference: str, *, trust_remote_code: bool = False) -> ModelSource:
-        return load_hf_directory(reference, Path(reference), trust_remote_code)
+        # absolute: the directory ends up in files (adapter_config.json) read from other directories
+        return load_hf_directory(reference, Path(reference).expanduser().resolve(), trust_remote_code)
 
 
 def resolve_model(reference: str, trust_remote_code: bool = False) -> ModelSource:

@@ -43,11 +43,11 @@ class LocalConfig:
         "auto", help="The torch SDPA kernel to try first for HF's sdpa attention: auto (torch's own order), cudnn, "
         "flash or efficient; inputs a kernel cannot take fall through to the next one.")
     packed_attention: Literal["auto", "flex", "sdpa-mask"] = option(
-        "sdpa-mask", help="Rows holding several samples (--packing, or padded rows): flex (FlexAttention with a "
+        "auto", help="Rows holding several samples (--packing, or padded rows): flex (FlexAttention with a "
         "block-causal BlockMask built from the sequence ids: the compiled kernel skips masked blocks), sdpa-mask (a "
         "dense [B,1,T,T] boolean mask for HF's sdpa attention: no flash/cuDNN kernel) or auto (flex on a "
         "CUDA device when torch has FlexAttention and the model runs sdpa attention, else sdpa-mask). A micro-batch "
-        "whose rows each hold one unpadded sample always takes is_causal SDPA.")
+        "whose rows each hold one sample (right-padded or not) always takes is_causal SDPA.")
     fp8: bool = option(
         False, help="float8 training of the decoder's linear layers (torchao, dynamic tensorwise scaling; output head "
         "excluded): Hopper/Ada GPUs, full or freeze tuner. Best with --local-compile.")
@@ -362,9 +362,9 @@ class LocalEngine:
                 save_file(host(master_state), str(directory / "master.safetensors"), metadata={"format": "pt"})
 
     def load_checkpoint(self, directory: Path) -> None:
-        import torch
         from safetensors.torch import load_file
 
+        from toolkit.train.safe_load import load_tensors_file
         from toolkit.train.sharded import local_optimizer_state, local_tensors
 
         model_state = load_file(str(directory / "model.safetensors"), device=str(self.device))
@@ -374,10 +374,10 @@ class LocalEngine:
             self.master.load_state_dict(local_tensors(master_state, self.shard_names))
         elif self.master is not None:  # saved under --local-bf16-mode autocast or pure: start the masters from the weights
             self.master.copy_from_params()
-        optimizer_state = torch.load(directory / "optimizer.pt", map_location=self.device, weights_only=True)
+        optimizer_state = load_tensors_file(directory / "optimizer.pt", map_location=self.device)
         self.optimizer.load_state_dict(local_optimizer_state(self.optimizer, optimizer_state, self.shards))
         if self.scheduler is not None:
-            self.scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=True))
+            self.scheduler.load_state_dict(load_tensors_file(directory / "scheduler.pt"))
 
     def export_tensors(self) -> Iterator[tuple[str, Any]]:
         if not self.shard_names:
@@ -414,13 +414,15 @@ class LocalStrategy:
         self.config = config or LocalConfig()
 
     def validate(self, recipe: Any, world_size: int) -> list[str]:
+        from toolkit.plugins import install_hint
+
         problems = []
         for flag, value in (("--tp", recipe.tensor_parallel), ("--pp", recipe.pipeline_parallel), ("--cp", recipe.context_parallel),
                             ("--ep", recipe.expert_parallel), ("--vpp", recipe.virtual_pipeline)):
             if value != 1:
-                problems.append(f"{flag} {value} needs --strategy megatron (pip install toolkit-megatron); the local strategy is data-parallel only")
+                problems.append(f"{flag} {value} needs --strategy megatron ({install_hint('toolkit-megatron')}); the local strategy is data-parallel only")
         if recipe.zero:
-            problems.append(f"--zero {recipe.zero} needs --strategy deepspeed (pip install toolkit-deepspeed)")
+            problems.append(f"--zero {recipe.zero} needs --strategy deepspeed ({install_hint('toolkit-deepspeed')})")
         if recipe.sequence_parallel:
             problems.append("--sequence-parallel needs --strategy megatron with --tp > 1")
         if getattr(self.config, "fp8", False) and recipe.tuner not in ("full", "freeze"):

@@ -8,13 +8,14 @@ from toolkit import hookimpl
 @hookimpl
 def toolkit_register_commands(cli):
     from toolkit.commands import data, export, infer, launch, plugins, train
+    from toolkit.plugins import get_plugin_manager
 
     cli.add_command(plugins.plugins_command)
     train.add_training_commands(cli)
     cli.add_command(export.export_command)
     cli.add_command(infer.infer_command)
     cli.add_command(infer.serve_command)
-    cli.add_command(data.data_group)
+    cli.add_command(data.build_data_group(get_plugin_manager()))
     cli.add_command(launch.launch_command)
 
     from toolkit.plan.command import plan_command

@@ -12,9 +12,13 @@ import click
 @click.option("--merge-lora/--no-merge-lora", default=True, help="Merge adapters into the base weights (hf).")
 @click.option("--adapter-only", is_flag=True, help="Write only the adapters in PEFT's format.")
 @click.option("--option", "extra", multiple=True, help="Exporter option KEY=VALUE (repeatable), e.g. tp=2.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
-def export_command(source: str, exporter: str, output: str, merge_lora: bool, adapter_only: bool, extra: tuple[str, ...], overwrite: bool) -> None:
+@click.option("--overwrite", is_flag=True, help="Replace an existing output directory that holds a previous export.")
+@click.option("--trust-remote-code", is_flag=True, help="Run the model's own Python code (auto_map); a run's recipe.yaml "
+                                                        "cannot turn this on.")
+def export_command(source: str, exporter: str, output: str, merge_lora: bool, adapter_only: bool, extra: tuple[str, ...],
+                   overwrite: bool, trust_remote_code: bool) -> None:
     """Export SOURCE (run dir, checkpoint, HF dir, mcore dir or preset) with an exporter."""
     from toolkit.export import run_export
 
-    run_export(source, exporter, output, merge_lora=merge_lora, adapter_only=adapter_only, extra=extra, overwrite=overwrite)
+    run_export(source, exporter, output, merge_lora=merge_lora, adapter_only=adapter_only, extra=extra, overwrite=overwrite,
+               trust_remote_code=trust_remote_code)

@@ -14,12 +14,16 @@ import click
 @click.option("--system", default="", help="System message placed before each prompt (chat template).")
 @click.option("--no-chat-template", is_flag=True, help="Feed the prompt as raw text.")
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
-def infer_command(model: str, prompts: tuple[str, ...], backend: str, max_new_tokens: int, temperature: float, system: str, no_chat_template: bool, dtype: str) -> None:
-    """Generate completions for --prompt from MODEL (a run, HF dir or preset); the completion is the last line."""
+@click.option("--option", "extra", multiple=True, help="Backend option KEY=VALUE (repeatable), e.g. python=/venv/bin/python.")
+@click.option("--trust-remote-code", is_flag=True, help="Run the model directory's own Python code (auto_map).")
+def infer_command(model: str, prompts: tuple[str, ...], backend: str, max_new_tokens: int, temperature: float, system: str,
+                  no_chat_template: bool, dtype: str, extra: tuple[str, ...], trust_remote_code: bool) -> None:
+    """Generate completions for --prompt from MODEL (a run, HF dir or preset); stdout holds only the completions."""
     from toolkit.inference import run_infer
 
     run_infer(model, list(prompts), backend, max_new_tokens=max_new_tokens, temperature=temperature,
-              chat_template=not no_chat_template, dtype=dtype, system=system)
+              chat_template=not no_chat_template, dtype=dtype, system=system, extra=extra,
+              trust_remote_code=trust_remote_code)
 
 
 @click.command("serve")

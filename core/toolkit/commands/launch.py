@@ -7,10 +7,10 @@ import click
 
 def torchrun_command(args: tuple[str, ...], nproc: int, nnodes: int = 1, node_rank: int = 0,
                      master_addr: str | None = None, master_port: int = 29500, script: str | None = None) -> list[str]:
-    """The ``python -m torch.distributed.run ...`` command line for these flags."""
+    """The torchrun command line for these flags (through :func:`torchrun_main`)."""
     import sys
 
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={master_port}"]
+    command = [sys.executable, "-m", "toolkit.commands.launch", f"--nproc-per-node={nproc}", f"--master-port={master_port}"]
     if nnodes > 1 or master_addr:
         command += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={master_addr or '127.0.0.1'}"]
     return command + ([script] if script else ["-m", "toolkit"]) + list(args)
@@ -29,11 +29,12 @@ def launch_command(nproc: int, nnodes: int, node_rank: int, master_addr: str | N
                    script: str | None, dry_run: bool, args: tuple[str, ...]) -> None:
     """Run 'toolkit ARGS...' on NPROC processes of this node, through torchrun.
 
+    Ctrl-C or SIGTERM stops the workers cleanly (they save a checkpoint); the exit status is then 75
+    (stopped, resumable with --resume auto), as for a single process.
+
     Several nodes: run the same command on every node with its own --node-rank, e.g.
     toolkit launch --nnodes 2 --node-rank 0 --master-addr node0 --nproc 8 sft --model ./qwen2-7b ...
     """
-    import subprocess
-
     problems = []
     if nproc < 1:
         problems.append(f"--nproc must be at least 1, got {nproc}")
@@ -50,4 +51,91 @@ def launch_command(nproc: int, nnodes: int, node_rank: int, master_addr: str | N
     if dry_run:
         click.echo(" ".join(command))
         return
-    raise SystemExit(subprocess.call(command))
+    raise SystemExit(run_torchrun(command))
+
+
+def run_torchrun(command: list[str]) -> int:
+    """Run torchrun and return the job's exit status: 75 when the training stopped early and saved.
+
+    torchrun turns a signal into a traceback and exit status 1 even when its workers stop cleanly, so
+    torchrun runs in a session of its own (a terminal's Ctrl-C does not reach it) and SIGINT/SIGTERM
+    sent to this process go to the workers as SIGTERM: they finish their step, save and exit 0, and
+    torchrun exits 0. Rank 0 writes ``stopped`` to ``$TOOLKIT_STATUS_FILE`` (exit codes other than 0
+    cannot pass through torchrun)."""
+    import os
+    import signal
+    import subprocess
+    import tempfile
+
+    from toolkit.errors import EXIT_STOPPED
+
+    with tempfile.TemporaryDirectory(prefix="toolkit-launch-") as tmp:
+        status = os.path.join(tmp, "status")
+        process = subprocess.Popen(command, env={**os.environ, "TOOLKIT_STATUS_FILE": status}, start_new_session=True)
+
+        def forward(signum: int, frame: object) -> None:
+            workers = _children(process.pid)
+            for pid in workers or [process.pid]:
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            code = process.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if code == 0 and os.path.isfile(status) and open(status).read().strip() == "stopped":
+            return EXIT_STOPPED
+        return code
+
+
+def _children(pid: int) -> list[int]:
+    """The direct children of ``pid`` (torchrun's workers), from /proc; empty where /proc has no such list."""
+    import glob
+
+    found: list[int] = []
+    for path in glob.glob(f"/proc/{pid}/task/*/children"):
+        try:
+            with open(path) as handle:
+                found += [int(child) for child in handle.read().split()]
+        except OSError:
+            continue
+    return found
+
+
+def launch_advice(processes: int, argv: list[str] | None = None) -> str:
+    """How to run this same command on ``processes`` processes (for a one-process run that needs more)."""
+    import sys
+
+    args = " ".join(sys.argv[1:] if argv is None else argv) or "sft ..."
+    return (f"launch {processes} processes: toolkit launch --nproc {processes} {args}  "
+            f"(or: torchrun --nproc-per-node {processes} -m toolkit {args})")
+
+
+def torchrun_main(argv: list[str]) -> None:
+    """``torch.distributed.run`` without the agent's traceback when a worker fails: the worker
+    already printed its error (once, from rank 0 for input errors), so one line names the ranks."""
+    import logging
+    import sys
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main
+
+    # its "closing signal" / "failed (exitcode ...)" lines repeat what the line below says
+    logging.getLogger("torch.distributed.elastic.multiprocessing").setLevel(logging.CRITICAL)
+    try:
+        main(argv)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        print(f"toolkit launch: rank {rank} failed (exit code {failure.exitcode}) and the others were stopped; "
+              "its error is printed above", file=sys.stderr)
+        sys.exit(failure.exitcode if isinstance(failure.exitcode, int) and failure.exitcode > 0 else 1)
+
+
+if __name__ == "__main__":
+    import sys
+
+    torchrun_main(sys.argv[1:])

@@ -62,7 +62,7 @@ def _options_for(cls: type, prefix: str | None, dest_prefix: str) -> list[click.
             is_dict = get_origin(tp) is dict
             help_text += " (repeatable" + (", KEY=VALUE)" if is_dict else ")")
             options.append(click.Option([*names, dest], type=ctype, multiple=True, default=None, help=help_text,
-                                        callback=_key_value_pairs if is_dict else None))
+                                        callback=key_value_pairs if is_dict else None))
         else:
             default = field.default if field.default is not dataclasses.MISSING else None
             show = f" [default: {default}]" if default not in (None, "") else ""
@@ -71,7 +71,7 @@ def _options_for(cls: type, prefix: str | None, dest_prefix: str) -> list[click.
     return options
 
 
-def _key_value_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...] | None) -> dict[str, str] | None:
+def key_value_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...] | None) -> dict[str, str] | None:
     """``--columns instruction=question`` (repeatable) -> ``{"instruction": "question"}``."""
     if not value:
         return None
@@ -84,7 +84,7 @@ def _key_value_pairs(ctx: click.Context, param: click.Parameter, value: tuple[st
     return pairs
 
 
-def _collect_values(params: dict[str, Any], sections: dict[str, tuple[str, str]]) -> dict[str, Any]:
+def collect_values(params: dict[str, Any], sections: dict[str, tuple[str, str]]) -> dict[str, Any]:
     """Flags the user actually set, as a nested dict like a YAML recipe.
 
     ``sections`` maps the parameter name of a plugin option to its (section, field).
@@ -103,6 +103,35 @@ def _collect_values(params: dict[str, Any], sections: dict[str, tuple[str, str]]
     return values
 
 
+def add_registered_options(params: list[click.Parameter], manager: Any, kinds: tuple[str, ...]) -> dict[str, tuple[str, str]]:
+    """Append ``--<name>-<field>`` options for the ``Config`` of every registered thing of ``kinds``
+    to ``params`` (skipping flags already taken); returns parameter name -> (section, field),
+    for :func:`collect_values`."""
+    taken = {flag for p in params for flag in (*p.opts, *p.secondary_opts)}
+    sections: dict[str, tuple[str, str]] = {}
+    for kind in kinds:
+        for thing_name, cls in manager.registry(kind).items():
+            # Parameter names must be identifiers; thing names may hold dashes.
+            prefix = f"opt{len(sections)}_{kind}__"
+            for opt in _options_for(cls.Config, thing_name, prefix):
+                flags = {*opt.opts, *opt.secondary_opts}
+                if flags & taken:
+                    continue  # e.g. a thing named "seq" with a field "len": the YAML section still works
+                taken |= flags
+                sections[opt.name] = (thing_name, opt.name.removeprefix(prefix))
+                params.append(opt)
+    return sections
+
+
+def recipe_options() -> list[click.Option]:
+    """The flags of :class:`Recipe`'s own fields (``--model``, ``--tp``); each option's name is its field's.
+
+    With :func:`add_registered_options` this is the training commands' whole flag table, which
+    toolkit-webui writes its command lines from, so they parse back to the same recipe.
+    """
+    return _options_for(Recipe, None, "")
+
+
 def make_training_command(name: str, loss: str | None, help_text: str, manager: Any,
                           run: Callable[[Recipe], Any] | None = None) -> click.Command:
     """``toolkit <name>``: every Recipe flag and every registered thing's options, merged with ``--config``.
@@ -114,27 +143,18 @@ def make_training_command(name: str, loss: str | None, help_text: str, manager: 
         click.Option(["--config", "config"], type=click.Path(dir_okay=False), default=None,
                      help="YAML recipe; flags given on the command line override it."),
     ]
-    params += _options_for(Recipe, None, "")
-    taken = {flag for p in params for flag in (*p.opts, *p.secondary_opts)}
-    sections: dict[str, tuple[str, str]] = {}
-    for kind in OPTION_KINDS:
-        for thing_name, cls in manager.registry(kind).items():
-            # Parameter names must be identifiers; thing names may hold dashes.
-            prefix = f"opt{len(sections)}_{kind}__"
-            for opt in _options_for(cls.Config, thing_name, prefix):
-                flags = {*opt.opts, *opt.secondary_opts}
-                if flags & taken:
-                    continue  # e.g. a thing named "seq" with a field "len": the YAML section still works
-                taken |= flags
-                sections[opt.name] = (thing_name, opt.name.removeprefix(prefix))
-                params.append(opt)
+    params += recipe_options()
+    sections = add_registered_options(params, manager, OPTION_KINDS)
 
     def callback(**kwargs: Any) -> None:
         from toolkit.recipe import read_yaml, resolve_recipe
 
         config = kwargs.get("config")
         values = read_yaml(config) if config else {}
-        flags = _collect_values(kwargs, sections)
+        if values.get("trust_remote_code") is True and not kwargs.get("trust_remote_code"):
+            raise click.UsageError(f"{config} sets trust_remote_code: true; the model's own code runs only when "
+                                   "--trust-remote-code is given on this command line")
+        flags = collect_values(kwargs, sections)
         for key, value in flags.items():
             if isinstance(value, dict) and isinstance(values.get(key), dict):
                 values[key] = {**values[key], **value}
@@ -150,7 +170,7 @@ def make_training_command(name: str, loss: str | None, help_text: str, manager: 
             return
         from toolkit.train.runner import run_training
 
-        run_training(recipe)
+        run_training(recipe, raise_if_stopped=True)
 
     return click.Command(name, params=params, callback=callback, help=help_text, short_help=help_text.split("\n")[0],
                          context_settings={"max_content_width": 110})

@@ -2,42 +2,65 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from toolkit.contracts import IGNORE_INDEX
 
 
-def render_sample(tokenizer, input_ids: list[int], labels: list[int]) -> str:
-    """Decode ids, wrapping runs of trained tokens (those some label predicts) in [[ ]]."""
+def sample_segments(tokenizer, input_ids: list[int], labels: list[int]) -> list[tuple[str, bool]]:
+    """Decoded runs of ``input_ids`` as ``(text, trained)``: trained tokens are those some label predicts.
+
+    ``toolkit data inspect`` prints them with [[brackets]]; toolkit-webui highlights them.
+    """
     trained = [False] + [label != IGNORE_INDEX for label in labels[:-1]]
-    out, run, state = [], [], False
+    segments, run, state = [], [], False
     for token, is_trained in zip(input_ids, trained):
         if is_trained != state and run:
-            text = tokenizer.decode(run)
-            out.append(f"[[{text}]]" if state else text)
+            segments.append((tokenizer.decode(run), state))
             run = []
         state = is_trained
         run.append(token)
     if run:
-        text = tokenizer.decode(run)
-        out.append(f"[[{text}]]" if state else text)
-    return "".join(out)
+        segments.append((tokenizer.decode(run), state))
+    return segments
 
 
-def inspect_dataset(dataset: str, *, model: str, dataset_format: str, loss: str, num: int, seq_len: int) -> None:
+def render_sample(tokenizer, input_ids: list[int], labels: list[int]) -> str:
+    """Decode ids, wrapping runs of trained tokens (those some label predicts) in [[ ]]."""
+    return "".join(f"[[{text}]]" if trained else text for text, trained in sample_segments(tokenizer, input_ids, labels))
+
+
+def inspect_samples(dataset: str, *, model: str, dataset_format: str, loss: str, num: int, seq_len: int,
+                    columns: dict[str, str] | None = None, options: dict[str, dict[str, Any]] | None = None) -> tuple[str, Any, list]:
+    """The data summary, the tokenizer and the first ``num`` examples of ``dataset``, read exactly as
+    training reads it (format, columns, format options from the ``--<format>-<field>`` flags)."""
     from toolkit.builtins.loaders import resolve_model
     from toolkit.data.pipeline import load_examples
     from toolkit.plugins import get_plugin_manager
 
     loss_cls = get_plugin_manager().get("loss", loss)
     source = resolve_model(model)
-    examples, stats = load_examples([dataset], source.tokenizer, dataset_format=dataset_format,
-                                    train_on=getattr(loss_cls, "train_on", "assistant"), seq_len=seq_len,
+    examples, stats = load_examples([dataset], source.tokenizer, dataset_format=dataset_format, columns=columns,
+                                    options=options, train_on=getattr(loss_cls, "train_on", "assistant"), seq_len=seq_len,
                                     example_kinds=loss_cls.example_kinds)
-    click.echo(f"{stats.summary()}; trained tokens are shown in [[brackets]]")
-    for index, example in enumerate(examples[:num]):
+    return stats.summary(), source.tokenizer, examples[:num]
+
+
+def sample_title(index: int, seq) -> str:
+    role = {0: "", 1: " (rejected)"}.get(seq.role, "")
+    trained = sum(label != IGNORE_INDEX for label in seq.labels)
+    return f"--- sample {index}{role}: {len(seq.input_ids)} tokens, {trained} trained"
+
+
+def inspect_dataset(dataset: str, *, model: str, dataset_format: str, loss: str, num: int, seq_len: int,
+                    columns: dict[str, str] | None = None, options: dict[str, dict[str, Any]] | None = None) -> None:
+    """Print ``num`` samples of ``dataset`` as :func:`inspect_samples` reads them, trained tokens in [[brackets]]."""
+    summary, tokenizer, examples = inspect_samples(dataset, model=model, dataset_format=dataset_format, loss=loss, num=num,
+                                                   seq_len=seq_len, columns=columns, options=options)
+    click.echo(f"{summary}; trained tokens are shown in [[brackets]]")
+    for index, example in enumerate(examples):
         for seq in example.sequences:
-            role = {0: "", 1: " (rejected)"}.get(seq.role, "")
-            trained = sum(label != IGNORE_INDEX for label in seq.labels)
-            click.echo(f"--- sample {index}{role}: {len(seq.input_ids)} tokens, {trained} trained")
-            click.echo(render_sample(source.tokenizer, seq.input_ids, seq.labels))
+            click.echo(sample_title(index, seq))
+            click.echo(render_sample(tokenizer, seq.input_ids, seq.labels))

@@ -1,4 +1,5 @@
-"""From records to micro-batches: encode, truncate, filter, pack, shuffle by seed, shard over DP ranks.
+"""From records to micro-batches: encode, truncate (SFT) or cut into rows (PT), filter, pack, shuffle by seed,
+shard over DP ranks.
 
 The order of every epoch is a pure function of (seed, epoch), and each optimizer step takes a
 fixed slice of it, so resuming at step N continues at exactly the sample it stopped at.
@@ -22,12 +23,26 @@ class DataStats:
     examples: int = 0
     truncated: int = 0
     dropped_no_labels: int = 0
+    documents: int = 0
+    """PT: documents joined into the token stream that full rows are cut from (0 when not PT)."""
+    tokens: int = 0
+    """Real tokens of all examples (or rows); ``trained_tokens`` of them have a label."""
+    trained_tokens: int = 0
+    rows: int = 0
+    """Rows of epoch 0 and the share of their capacity that real tokens fill (set by the runner)."""
+    row_fill: float = 0.0
     left_over_per_epoch: int = 0
     """Examples of each epoch after its last full global batch (set by the runner; different ones each epoch)."""
     per_file: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> str:
-        text = f"{self.examples} examples from {self.records} records"
+        if self.documents:
+            text = (f"{self.examples} rows of --seq-len cut from {self.documents} documents ({self.tokens} tokens, each "
+                    f"trained once per epoch) from {self.records} records")
+        else:
+            text = f"{self.examples} examples from {self.records} records"
+        if self.rows:
+            text += f"; {self.rows} rows per epoch, {self.row_fill:.1%} filled with real tokens, {self.trained_tokens} trained tokens"
         if self.truncated:
             text += f"; {self.truncated} sequences truncated to --seq-len"
         if self.dropped_no_labels:
@@ -64,77 +79,197 @@ def truncate(example: Example, seq_len: int, stats: DataStats, packing_share: bo
 
 def load_examples(datasets: list[str], tokenizer: Any, *, dataset_format: str = "auto", columns: dict[str, str] | None = None,
                   train_on: str = "assistant", seq_len: int = 512, max_samples: int = 0, example_kinds: tuple[str, ...] = ("lm",),
-                  manager: Any = None, options: dict[str, Any] | None = None, packing: bool = False) -> tuple[list[Example], DataStats]:
-    """Read and encode every dataset; report problems with file and line."""
+                  manager: Any = None, options: dict[str, Any] | None = None, packing: bool = False,
+                  isolate_documents: bool = False, ratios: list[float] | None = None, seed: int = 0) -> tuple[list[Example], DataStats]:
+    """Read and encode every dataset (through the tokenized cache); report problems with file and line.
+
+    SFT-style examples longer than ``seq_len`` are truncated (and counted). With ``train_on="all"`` (PT)
+    documents are not truncated: they are joined and cut into rows of ``seq_len``
+    (:func:`toolkit.data.packing.stream_rows`), so every token trains once per epoch. ``ratios`` (one per
+    dataset) mix the datasets in those proportions (:func:`mix`).
+    """
     from toolkit.plugins import get_plugin_manager
 
     manager = manager or get_plugin_manager()
-    template = ChatTemplate(tokenizer, train_on=train_on)
     stats = DataStats()
-    examples: list[Example] = []
+    if ratios and len(ratios) != len(datasets):
+        raise ConfigError(f"--dataset-ratios gives {len(ratios)} ratios for {len(datasets)} datasets; give one per --dataset")
+    parts = []
     for reference in datasets:
-        path, records = read_records(reference, limit=max_samples)
-        if not records:
-            raise DataError(f"{path} holds no records")
-        rename = {theirs: ours for ours, theirs in (columns or {}).items()}
-        first = {rename.get(k, k): v for k, v in records[0].items() if k != "__line__"}
-        fmt = pick_format(dataset_format, list(first), str(path), manager, options)
-        if fmt.example_kind not in example_kinds:
-            raise ConfigError(f"{path} is in format {fmt.name!r} ({fmt.example_kind} examples), but the loss needs "
-                              f"{' or '.join(example_kinds)} examples. Pick a matching --dataset or loss.")
-        for index, record in enumerate(records):
-            where = f"{path}, line {record.get('__line__', index + 1)}"
-            record = {rename.get(k, k): v for k, v in record.items() if k != "__line__"}
-            try:
-                example = truncate(fmt.encode(record, tokenizer, template, where=where), seq_len, stats, packing)
-            except DataError as exc:  # every record-level problem names the file and line
-                if where in str(exc):
-                    raise
-                raise DataError(f"{where}: {exc}") from exc
-            example.source = where
-            if any(all(label == IGNORE_INDEX for label in seq.labels) for seq in example.sequences):
-                stats.dropped_no_labels += 1
-                continue
-            examples.append(example)
-        stats.records += len(records)
-        stats.per_file[str(path)] = len(records)
+        path, encoded, records = encode_dataset(reference, tokenizer, dataset_format=dataset_format, columns=columns,
+                                                train_on=train_on, max_samples=max_samples, example_kinds=example_kinds,
+                                                manager=manager, options=options)
+        parts.append(fit(encoded, train_on, seq_len, stats, packing))
+        stats.records += records
+        stats.per_file[str(path)] = records
+    examples = pt_rows(mix(parts, ratios, seed) if ratios else [e for part in parts for e in part], train_on, seq_len,
+                       isolate_documents, stats)
     stats.examples = len(examples)
+    stats.tokens = sum(len(s.input_ids) for e in examples for s in e.sequences)
+    stats.trained_tokens = sum(1 for e in examples for s in e.sequences for label in s.labels if label != IGNORE_INDEX)
     if not examples:
         raise DataError(f"no trainable examples left in {', '.join(datasets)} after encoding and filtering "
                         f"({stats.records} records; {stats.dropped_no_labels} had no trainable tokens within --seq-len {seq_len})")
     return examples, stats
 
 
-def build_units(examples: list[Example], order: list[int], seq_len: int, packing: bool) -> list[list[int]]:
-    """Group example indices into units: one example each, or greedily packed rows of <= seq_len tokens."""
-    if not packing:
-        return [[i] for i in order]
-    units: list[list[int]] = []
-    current: list[int] = []
-    used = 0
-    for i in order:
-        size = sum(len(s.input_ids) for s in examples[i].sequences)
-        if current and used + size > seq_len:
-            units.append(current)
-            current, used = [], 0
-        current.append(i)
-        used += size
-    if current:
-        units.append(current)
-    return units
+def encode_dataset(reference: str, tokenizer: Any, *, dataset_format: str, columns: dict[str, str] | None, train_on: str,
+                   max_samples: int, example_kinds: tuple[str, ...], manager: Any,
+                   options: dict[str, Any] | None) -> tuple[Any, list[Example], int]:
+    """``(path, examples, records)`` of one dataset, before truncation: from the tokenized cache
+    (:mod:`toolkit.data.cache`) when an entry matches, else read, encoded and stored there."""
+    from toolkit.data import cache
+    from toolkit.data.reading import resolve_dataset_path
+
+    path = resolve_dataset_path(reference)
+    # the format as asked for (auto included) and every option section: what can change the encoding
+    encoding = {"dataset_format": dataset_format, "options": options or {}, "kinds": list(example_kinds),
+                "columns": columns or {}, "train_on": train_on, "limit": max_samples}
+    key = cache.entry_key(path, encoding, tokenizer)
+    hit = cache.load(key)
+    if hit is not None:
+        return path, hit[0], hit[1]
+    path, records = read_records(reference, limit=max_samples)
+    if not records:
+        raise DataError(f"{path} holds no records")
+    rename = {theirs: ours for ours, theirs in (columns or {}).items()}
+    first = {rename.get(k, k): v for k, v in records[0].items() if k != "__line__"}
+    fmt = pick_format(dataset_format, list(first), str(path), manager, options)
+    if fmt.example_kind not in example_kinds:
+        raise ConfigError(f"{path} is in format {fmt.name!r} ({fmt.example_kind} examples), but the loss needs "
+                          f"{' or '.join(example_kinds)} examples. Pick a matching --dataset or loss.")
+    template = ChatTemplate(tokenizer, train_on=train_on)
+    examples = [encode_record(fmt, {k: v for k, v in record.items() if k != "__line__"}, rename, tokenizer, template,
+                              f"{path}, line {record.get('__line__', index + 1)}") for index, record in enumerate(records)]
+    cache.store(key, examples, len(records))
+    return path, examples, len(records)
 
 
-def collate(examples: list[Example], units: list[list[int]], pad_id: int, packing: bool) -> dict[str, Any]:
-    """Make one micro-batch (see the contract in toolkit.contracts) from units of example indices."""
+def encode_record(fmt: Any, record: dict[str, Any], rename: dict[str, str], tokenizer: Any, template: ChatTemplate,
+                  where: str) -> Example:
+    """One record (columns renamed) as an Example whose source is ``where``; every problem names ``where``."""
+    record = {rename.get(k, k): v for k, v in record.items()}
+    try:
+        example = fmt.encode(record, tokenizer, template, where=where)
+    except DataError as exc:
+        if where in str(exc):
+            raise
+        raise DataError(f"{where}: {exc}") from exc
+    example.source = where
+    return example
+
+
+def fit(examples: list[Example], train_on: str, seq_len: int, stats: DataStats, packing: bool) -> list[Example]:
+    """Examples truncated to ``seq_len`` (not PT documents: :func:`pt_rows` cuts those), without those left with
+    no trainable token; both counted in ``stats``."""
+    kept = []
+    for example in examples:
+        if not (train_on == "all" and len(example.sequences) == 1):
+            example = truncate(example, seq_len, stats, packing)
+        if any(all(label == IGNORE_INDEX for label in seq.labels) for seq in example.sequences):
+            stats.dropped_no_labels += 1
+            continue
+        kept.append(example)
+    return kept
+
+
+def pt_rows(examples: list[Example], train_on: str, seq_len: int, isolate_documents: bool, stats: DataStats) -> list[Example]:
+    """PT documents joined and cut into full rows (:func:`toolkit.data.packing.stream_rows`); other examples as they are."""
+    if not (train_on == "all" and examples and all(len(e.sequences) == 1 for e in examples)):
+        return examples
+    from toolkit.data.packing import stream_rows
+
+    stats.documents += len(examples)
+    return stream_rows(examples, seq_len, isolate_documents)
+
+
+def stream_encoder(tokenizer: Any, *, dataset_format: str, columns: dict[str, str] | None, train_on: str, seq_len: int,
+                   example_kinds: tuple[str, ...], options: dict[str, Any] | None, packing: bool, isolate_documents: bool,
+                   stats: DataStats, manager: Any = None) -> Any:
+    """For ``--streaming`` (:class:`toolkit.data.streaming.StreamBatches`): a function from one window's
+    ``(where, record)`` pairs to its examples, by the same rules as :func:`load_examples` (the format is
+    picked from the stream's first record)."""
+    from toolkit.plugins import get_plugin_manager
+
+    manager = manager or get_plugin_manager()
+    template = ChatTemplate(tokenizer, train_on=train_on)
+    rename = {theirs: ours for ours, theirs in (columns or {}).items()}
+    chosen: list[Any] = []
+
+    def encode(window: list[tuple[str, dict[str, Any]]]) -> list[Example]:
+        if not chosen:
+            where, first = window[0]
+            fmt = pick_format(dataset_format, [rename.get(k, k) for k in first], where, manager, options)
+            if fmt.example_kind not in example_kinds:
+                raise ConfigError(f"{where}: the stream is in format {fmt.name!r} ({fmt.example_kind} examples), but the "
+                                  f"loss needs {' or '.join(example_kinds)} examples")
+            chosen.append(fmt)
+        examples = [encode_record(chosen[0], record, rename, tokenizer, template, where) for where, record in window]
+        stats.records += len(window)
+        rows = pt_rows(fit(examples, train_on, seq_len, stats, packing), train_on, seq_len, isolate_documents, stats)
+        stats.examples += len(rows)
+        return rows
+
+    return encode
+
+
+def mix(parts: list[list[Example]], ratios: list[float], seed: int) -> list[Example]:
+    """The datasets mixed in proportion to ``ratios``, as many examples as they hold together: dataset ``i``
+    gives ``ratio_i / sum(ratios)`` of them, drawn without replacement (seeded) while it has enough, and
+    repeated whole (then drawn) where its share is larger than it is."""
+    if any(not r >= 0 for r in ratios) or not sum(ratios) > 0:
+        raise ConfigError(f"--dataset-ratios {','.join(map(str, ratios))}: ratios must be 0 or more and not all 0")
+    total = sum(len(p) for p in parts)
+    rng = random.Random(seed * 7_368_787 + 17)
+    mixed: list[Example] = []
+    for part, ratio in zip(parts, ratios):
+        want = round(total * ratio / sum(ratios))
+        if want and not part:
+            raise DataError("a dataset given a ratio above 0 holds no trainable examples")
+        whole, rest = divmod(want, len(part)) if part else (0, 0)
+        mixed.extend(part * whole)
+        mixed.extend(rng.sample(part, rest))
+    return mixed
+
+
+def build_units(examples: list[Example], order: list[int], seq_len: int, packing: bool, group: int = 0) -> list[list[int]]:
+    """Group example indices into units: rows packed by best-fit decreasing (``packing``), else one example
+    each, length-grouped in runs of ``group`` (a global batch) when ``group`` is set."""
+    from toolkit.data.packing import group_by_length, pack_rows
+
+    if packing:
+        return pack_rows(examples, order, seq_len)
+    if group > 1:
+        return group_by_length(examples, order, group)
+    return [[i] for i in order]
+
+
+def batch_rows(examples: list[Example], units: list[list[int]], packing: bool) -> list[list[tuple[int, int]]]:
+    """The rows of a micro-batch as (example index, sequence index) pairs: a packed unit's sequences
+    share one row, otherwise every sequence has its own."""
+    if packing:
+        return [[(i, j) for i in unit for j in range(len(examples[i].sequences))] for unit in units]
+    return [[(i, j)] for unit in units for i in unit for j in range(len(examples[i].sequences))]
+
+
+def row_lengths(examples: list[Example], rows: list[list[tuple[int, int]]]) -> list[int]:
+    return [sum(len(examples[i].sequences[j].input_ids) for i, j in row) for row in rows]
+
+
+def collate(examples: list[Example], units: list[list[int]], pad_id: int, packing: bool, pad_multiple: int = 1,
+            max_width: int = 0) -> dict[str, Any]:
+    """Make one micro-batch (see the contract in toolkit.contracts) from units of example indices.
+
+    Rows are right-padded to the longest one, rounded up to ``pad_multiple`` (at most ``max_width``):
+    fewer distinct shapes for compiled kernels on a GPU.
+    """
     import torch
 
-    rows: list[list[tuple[int, int]]] = []  # (example index, sequence index within example)
-    for unit in units:
-        if packing:
-            rows.append([(i, j) for i in unit for j in range(len(examples[i].sequences))])
-        else:
-            rows.extend([(i, j)] for i in unit for j in range(len(examples[i].sequences)))
-    width = max(sum(len(examples[i].sequences[j].input_ids) for i, j in row) for row in rows)
+    rows = batch_rows(examples, units, packing)
+    width = max(row_lengths(examples, rows))
+    if pad_multiple > 1:
+        rounded = -(-width // pad_multiple) * pad_multiple
+        width = max(width, min(rounded, max_width or rounded))
     shape = (len(rows), width)
     input_ids = torch.full(shape, pad_id, dtype=torch.long)
     labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
@@ -168,9 +303,15 @@ class Batches:
     """Deterministic per-step micro-batches for one data-parallel rank."""
 
     def __init__(self, examples: list[Example], *, seed: int, seq_len: int, packing: bool, micro_batch_size: int,
-                 global_batch_size: int, dp_rank: int, dp_world_size: int, pad_id: int):
+                 global_batch_size: int, dp_rank: int, dp_world_size: int, pad_id: int, group_by_length: bool = False,
+                 pad_multiple: int = 1):
+        """``group_by_length`` (without packing): micro-batches of similar lengths; ``pad_multiple``: rows padded
+        to a multiple of it (at most ``seq_len``)."""
         self.examples = examples
         self.seed, self.seq_len, self.packing = seed, seq_len, packing
+        self.pad_multiple = pad_multiple
+        # the grouping depends on the global batch only, so accumulation and DP still see the same steps
+        self.group = 0 if packing or not group_by_length else global_batch_size or micro_batch_size * dp_world_size
         self.micro_batch_size, self.dp_rank, self.dp_world_size = micro_batch_size, dp_rank, dp_world_size
         self.global_batch_size = global_batch_size or micro_batch_size * dp_world_size
         self.pad_id = pad_id
@@ -189,7 +330,7 @@ class Batches:
         if self._epoch_cache is None or self._epoch_cache[0] != epoch:
             order = list(range(len(self.examples)))
             random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-            self._epoch_cache = (epoch, build_units(self.examples, order, self.seq_len, self.packing))
+            self._epoch_cache = (epoch, build_units(self.examples, order, self.seq_len, self.packing, self.group))
         return self._epoch_cache[1]
 
     def left_over_examples(self, epoch: int) -> int:
@@ -214,5 +355,28 @@ class Batches:
         units = self.step_units(step)
         per_rank = self.micro_batch_size * self.accumulation
         mine = units[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
-        return [collate(self.examples, mine[k:k + self.micro_batch_size], self.pad_id, self.packing)
-                for k in range(0, len(mine), self.micro_batch_size)]
+        return [collate(self.examples, mine[k:k + self.micro_batch_size], self.pad_id, self.packing, self.pad_multiple,
+                        self.seq_len) for k in range(0, len(mine), self.micro_batch_size)]
+
+    def step_sources(self, step: int) -> list[str]:
+        """Where the examples of a (0-based) step's global batch came from ("file, line N")."""
+        return [self.examples[i].source or f"example {i}" for unit in self.step_units(step) for i in unit]
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint must keep to continue this order (nothing: it is a function of the seed)."""
+        return {}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """The order is a pure function of the seed and epoch: nothing to restore."""
+
+    def epoch_fill(self, epoch: int = 0) -> tuple[int, float]:
+        """Rows of the epoch's steps and the share of their capacity that real tokens fill: packed rows
+        against ``seq_len``, padded micro-batches against their padded width."""
+        rows = capacity = real = 0
+        for step in range(epoch * self.steps_per_epoch, (epoch + 1) * self.steps_per_epoch):
+            units = self.step_units(step)
+            for k in range(0, len(units), self.micro_batch_size):
+                lengths = row_lengths(self.examples, batch_rows(self.examples, units[k:k + self.micro_batch_size], self.packing))
+                width = self.seq_len if self.packing else max(lengths)
+                rows, capacity, real = rows + len(lengths), capacity + width * len(lengths), real + sum(lengths)
+        return rows, (real / capacity if capacity else 0.0)

@@ -1,4 +1,13 @@
-"""Reading dataset files (JSONL, JSON, Parquet, CSV) and bundled names into lists of records."""
+"""Reading datasets into lists of records through Hugging Face ``datasets``: local JSONL/JSON/CSV/Parquet files
+(``load_dataset``, whose Arrow cache makes a second read fast), directories written by ``save_to_disk``
+(``load_from_disk``) and bundled names.
+
+``datasets`` says little about *where* a file is broken, so when it cannot read one, the line-by-line readers
+below (kept for that reason) name the line and what is wrong; when those read the file fine (records
+valid JSON but of types Arrow cannot unify into one schema) their records are used as they are. Records
+read through Arrow lose the difference between a missing key and a null: nulls are dropped from them
+(Arrow fills every key any record has into all of them), so formats see the keys each record had.
+"""
 
 from __future__ import annotations
 
@@ -37,25 +46,156 @@ def resolve_dataset_path(reference: str) -> Path:
     raise DataError(f"dataset {reference!r} is neither a file nor a bundled dataset; bundled: {', '.join(bundled_names())}")
 
 
+BUILDERS = {".jsonl": "json", ".ndjson": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
 def read_records(reference: str, limit: int = 0) -> tuple[Path, list[dict[str, Any]]]:
-    """Read every record of a dataset file, with errors naming the file and line."""
+    """Read every record of a dataset (file, ``save_to_disk`` directory or bundled name); each record carries
+    ``__line__`` (its line in the file, or its row), and errors name the file and line."""
     path = resolve_dataset_path(reference)
-    suffix = path.suffix.lower()
     if path.is_dir():
-        raise DataError(f"{path} is a directory; pass a .jsonl, .json, .parquet or .csv file")
+        return path, _read_saved(path, limit)
+    suffix = path.suffix.lower()
+    if suffix not in BUILDERS:
+        raise DataError(f"{path}: unsupported file type {suffix!r}; use .jsonl, .json, .parquet or .csv, or a directory "
+                        "written by datasets' save_to_disk")
+    table = _load_file(path, suffix)
+    if table is None:  # datasets could not read it, but the file is sound: records as the line readers give them
+        return path, _read_by_hand(path, suffix, limit)
+    lines = _line_numbers(path, suffix, len(table) if not limit else min(limit, len(table)))
+    rows = table.select(range(min(limit, len(table)))) if limit else table
+    try:
+        return path, [{**drop_nulls(row), "__line__": line} for row, line in zip(rows, lines)]
+    except (UnicodeError, ValueError):  # Arrow kept bytes that are no text (bad UTF-8, lone surrogates): name the line
+        return path, _read_by_hand(path, suffix, limit)
+
+
+def _load_file(path: Path, suffix: str) -> Any:
+    """The file as a ``datasets.Dataset``; ``None`` when only the line readers can read it. A broken file is
+    refused by them with its line."""
+    import datasets
+
+    options: dict[str, Any] = {}
+    if suffix == ".csv":  # every cell as the text it holds: no type guessing, "NA" and "null" stay text
+        options = {"dtype": str, "keep_default_na": False, "na_filter": False}
+    try:
+        with quiet_datasets():
+            return datasets.load_dataset(BUILDERS[suffix], data_files=str(path), split="train", **options)
+    except Exception as exc:  # noqa: BLE001 - datasets raises many kinds; the line readers say which line is wrong
+        _read_by_hand(path, suffix, 0)
+        if suffix == ".parquet":
+            raise DataError(f"cannot read {path} as Parquet: {exc}") from None
+        return None
+
+
+def _read_saved(path: Path, limit: int) -> list[dict[str, Any]]:
+    """A directory written by ``Dataset.save_to_disk`` (or a ``DatasetDict``'s, using its ``train`` split)."""
+    import datasets
+
+    try:
+        with quiet_datasets():
+            table = datasets.load_from_disk(str(path))
+    except FileNotFoundError as exc:
+        raise DataError(f"{path} is a directory but not one written by datasets' save_to_disk ({exc}); pass a "
+                        ".jsonl, .json, .parquet or .csv file, or such a directory") from None
+    if isinstance(table, datasets.DatasetDict):
+        if "train" not in table:
+            raise DataError(f"{path} holds the splits {', '.join(table)} and no 'train'; pass the split's own "
+                            f"directory ({path / next(iter(table))})")
+        table = table["train"]
+    rows = table.select(range(min(limit, len(table)))) if limit else table
+    return [{**drop_nulls(row), "__line__": index + 1} for index, row in enumerate(rows)]
+
+
+def stream_records(references: list[str], skip: int = 0) -> Any:
+    """``(where, record)`` of the datasets read as one stream (``datasets``' streaming mode), from record ``skip`` on
+    (skipped records are parsed, not kept). Files of one kind only (all JSON/JSONL, all CSV or all Parquet)."""
+    import datasets
+
+    paths = [resolve_dataset_path(r) for r in references]
+    kinds = {BUILDERS.get(p.suffix.lower()) for p in paths}
+    if any(p.is_dir() for p in paths) or None in kinds or len(kinds) > 1:
+        raise DataError(f"--streaming reads .jsonl/.json, .csv or .parquet files of one kind; got {', '.join(map(str, paths))}. "
+                        "Convert a save_to_disk directory with Dataset.to_json, or drop --streaming")
+    builder = kinds.pop()
+    options: dict[str, Any] = {"dtype": str, "keep_default_na": False, "na_filter": False} if builder == "csv" else {}
+    label = str(paths[0]) if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1} more files)"
+    with quiet_datasets():
+        stream = datasets.load_dataset(builder, data_files=[str(p) for p in paths], split="train", streaming=True, **options)
+    index = skip
+    try:
+        for row in stream.skip(skip) if skip else stream:
+            index += 1
+            yield f"{label}, record {index}", drop_nulls(row)
+    except DataError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - datasets' many error kinds; the record number is what helps
+        raise DataError(f"{label}: cannot read record {index + 1} of the stream ({type(exc).__name__}: {exc}); "
+                        "run without --streaming to have the line named") from None
+
+
+def drop_nulls(value: Any) -> Any:
+    """``value`` without the null entries of its dicts, at any depth (what Arrow added for keys a record lacked)."""
+    if isinstance(value, dict):
+        return {k: drop_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [drop_nulls(v) for v in value]
+    return value
+
+
+def _line_numbers(path: Path, suffix: str, count: int) -> list[int]:
+    """The file line each of the first ``count`` records starts on (rows for JSON arrays and Parquet)."""
+    if suffix in (".jsonl", ".ndjson"):
+        with path.open("rb") as handle:
+            numbers = [n for n, raw in enumerate(handle, start=1) if raw.strip()]
+        if len(numbers) >= count:
+            return numbers[:count]
+    if suffix == ".csv":
+        import csv
+
+        with path.open(encoding="utf-8-sig", newline="") as handle:
+            reader = csv.reader(handle)
+            next(reader, None)
+            numbers = []
+            for _ in reader:
+                numbers.append(reader.line_num)
+                if len(numbers) == count:
+                    break
+        if len(numbers) == count:
+            return numbers
+    return list(range(1, count + 1))
+
+
+class quiet_datasets:
+    """datasets' progress bars and info logs off while it reads (the toolkit prints its own summary)."""
+
+    def __enter__(self) -> None:
+        import datasets
+
+        self.bars = datasets.utils.logging.is_progress_bar_enabled()
+        self.level = datasets.utils.logging.get_verbosity()
+        datasets.utils.logging.disable_progress_bar()
+        datasets.utils.logging.set_verbosity_error()
+
+    def __exit__(self, *exc: Any) -> None:
+        import datasets
+
+        if self.bars:
+            datasets.utils.logging.enable_progress_bar()
+        datasets.utils.logging.set_verbosity(self.level)
+
+
+def _read_by_hand(path: Path, suffix: str, limit: int) -> list[dict[str, Any]]:
+    """The line readers: every record, or a DataError naming the line that is wrong."""
     if suffix in (".jsonl", ".ndjson"):
         records = _read_jsonl(path, limit)
     elif suffix == ".json":
         records = _read_json(path)
     elif suffix == ".csv":
         records = _read_csv(path)
-    elif suffix == ".parquet":
-        records = _read_parquet(path)
     else:
-        raise DataError(f"{path}: unsupported file type {suffix!r}; use .jsonl, .json, .parquet or .csv")
-    if limit:
-        records = records[:limit]
-    return path, records
+        records = _read_parquet(path)
+    return records[:limit] if limit else records
 
 
 def json_type(value: Any) -> str:

@@ -3,7 +3,6 @@ renamed into place; verified before a resume, which falls back past a damaged on
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.errors import ToolkitError
+from toolkit.writes import is_disk_full, is_write_failure
 
 STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"
@@ -25,7 +25,6 @@ MANIFEST_FILE = "manifest.json"
 CHECKPOINT_FORMAT = 2
 STEP_DIR = re.compile(r"^step-(\d+)$")
 LEFTOVER_DIR = re.compile(r"^\.(tmp|del)-step-\d+$")
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 SHARE_PREFIX = ".manifest-share-rank"
 _CHUNK = 8 << 20
 
@@ -116,26 +115,33 @@ def find_resume_checkpoint(run_dir: Path, resume: str, verify: str = "sha256",
     a path: that checkpoint, or a CheckpointError saying what is wrong with it."""
     report = report or (lambda line: print(line, file=sys.stderr, flush=True))
     if resume == "auto":
+        damaged = []
         for path in reversed(step_dirs(run_dir)):
             problem = checkpoint_problem(path, verify)
             if problem is None:
                 if is_unverified(path):
                     report(f"toolkit: checkpoint {path} has no {MANIFEST_FILE} (written before manifests); resuming without verifying it")
                 return path
+            damaged.append(f"{path.name}: {problem}")
             report(f"toolkit: skipping damaged checkpoint {path}: {problem}; falling back to the one before it")
+        if damaged:  # restarting from step 0 would silently throw away the run's history
+            raise CheckpointError(f"every checkpoint in {checkpoints_dir(run_dir)} is damaged ({'; '.join(damaged)}); "
+                                  "there is nothing whole to resume from. Restore one from a backup, or start the run "
+                                  "over with --overwrite instead of --resume")
         return None
     path = Path(resume)
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint {resume} does not exist. {_whole_ones(run_dir)}")
+        raise CheckpointError(f"checkpoint {resume} does not exist. {_whole_ones(run_dir, verify)}")
     problem = checkpoint_problem(path, verify)
     if problem is not None:
-        raise CheckpointError(f"checkpoint {resume} is damaged: {problem}. {_whole_ones(run_dir)} "
+        raise CheckpointError(f"checkpoint {resume} is damaged: {problem}. {_whole_ones(run_dir, verify, path)} "
                               "(--resume auto picks the newest whole one)")
     return path
 
 
-def _whole_ones(run_dir: Path) -> str:
-    found = list_checkpoints(run_dir)
+def _whole_ones(run_dir: Path, verify: str, refused: Path | None = None) -> str:
+    """The whole checkpoints, checked as thoroughly as the refused one was (a byte flip passes a size check)."""
+    found = [p for p in list_checkpoints(run_dir, verify) if refused is None or p.resolve() != refused.resolve()]
     return f"Whole checkpoints in {checkpoints_dir(run_dir)}: {', '.join(p.name for p in found) if found else 'none'}."
 
 
@@ -306,18 +312,15 @@ def _phase(engine: Any, run_dir: Path, step: int, staging: Path, work: Callable[
             work()
         except Exception as exc:  # noqa: BLE001 - every rank must hear about it before anyone raises
             error = exc
-    failed, disk_full = engine.all_reduce_sum([1.0 if error else 0.0, 1.0 if _is_disk_full(error) else 0.0])
+    disk_full = is_disk_full(error, checkpoints_dir(run_dir))
+    failed, disk_full_anywhere = engine.all_reduce_sum([1.0 if error else 0.0, 1.0 if disk_full else 0.0])
     if not failed:
         return
     if engine.is_main:
         shutil.rmtree(staging, ignore_errors=True)
-    if error is not None and not isinstance(error, OSError):
+    if error is not None and not is_write_failure(error):  # torch's and safetensors' write errors are not OSErrors
         raise error
-    raise write_failure(run_dir, step, error, disk_full > 0) from error
-
-
-def _is_disk_full(error: BaseException | None) -> bool:
-    return isinstance(error, OSError) and error.errno in DISK_FULL
+    raise write_failure(run_dir, step, error, disk_full_anywhere > 0) from error
 
 
 def write_failure(run_dir: Path, step: int, error: BaseException | None, disk_full: bool) -> CheckpointError:
@@ -328,7 +331,7 @@ def write_failure(run_dir: Path, step: int, error: BaseException | None, disk_fu
         kept = f"{whole[-1]} is still whole: `--resume auto` continues from it (step {step_of(whole[-1])})"
     else:
         kept = "there is no earlier checkpoint: the run would restart from step 0"
-    what = "another rank failed" if error is None else f"{type(error).__name__}: {error}"
+    what = "another rank failed" if error is None else f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:240]
     if disk_full:
         free = shutil.disk_usage(root).free if root.is_dir() else 0
         need = f"; the last checkpoint took {_size(whole[-1]) / 2**30:.2f} GiB" if whole else ""
@@ -357,7 +360,9 @@ def restore_rng(checkpoint: Path, rank: int) -> None:
     path = checkpoint / f"rng-rank{rank}.pt"
     if not path.is_file():
         return
-    rng = torch.load(path, weights_only=True)
+    from toolkit.train.safe_load import load_tensors_file
+
+    rng = load_tensors_file(path)
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
@@ -390,6 +395,9 @@ def read_model_state(checkpoint: Path, templates: dict[str, Any]) -> dict[str, A
     import torch
     import torch.distributed.checkpoint as dcp
 
+    from toolkit.train.safe_load import check_dcp_metadata
+
+    check_dcp_metadata(checkpoint / "dcp")  # torch unpickles .metadata: refuse one that would run code
     state = {name: torch.empty(tensor.shape, dtype=tensor.dtype) for name, tensor in templates.items()}
     dcp.load({"model": state}, checkpoint_id=str(checkpoint / "dcp"), no_dist=True)
     return state

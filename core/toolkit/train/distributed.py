@@ -59,6 +59,24 @@ def init_world(timeout: float | None = None) -> World:
     return _WORLD
 
 
+def one_process_group(device: Any = None) -> bool:
+    """A process group of this process alone (an in-memory store, no port), where none exists yet.
+
+    For engines that need one even on one process (FSDP2, Megatron-Core's parallel state) and the
+    one-process exporters. NCCL when ``device`` is a GPU, since collectives on CUDA tensors need it
+    (gloo's ``allreduce_coalesced`` refuses them), gloo otherwise. Returns whether it made the group
+    (the caller then destroys it when done).
+    """
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return False
+    cuda = device is not None and torch.device(device).type == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return True
+
+
 def all_reduce_sum(values: list[float], device: object = None, name: str = "all_reduce_sum") -> list[float]:
     import torch
     import torch.distributed as dist

@@ -20,11 +20,17 @@ RECOMPUTE_LOGITS = False
 
 
 def plain_causal(sequence_ids: torch.Tensor) -> bool:
-    """Whether every row is one unpadded sequence (then plain causal attention is exact).
+    """Whether every row is one sequence from its first column on, followed by nothing but padding.
 
+    Then plain causal attention is exact for every real token (it sees only its own sequence before
+    it; the padding after it is never attended to), so no mask is needed and SDPA keeps its flash and
+    cuDNN kernels; what the padding positions compute is discarded (no label, no score, no router loss).
     Reads the tensor on the host: call it on the micro-batch's CPU copy to keep the GPU queue full.
     """
-    return bool((sequence_ids == sequence_ids[:, :1]).all()) and bool((sequence_ids >= 0).all())
+    own = sequence_ids == sequence_ids[:, :1]
+    padding = sequence_ids < 0
+    return (bool((sequence_ids[:, 0] >= 0).all()) and bool((own | padding).all())
+            and bool((own[:, 1:] <= own[:, :-1]).all()))
 
 
 def attention_mask_for(sequence_ids: torch.Tensor, plain: bool | None = None, packed: str = "sdpa-mask") -> Any:

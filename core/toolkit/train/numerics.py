@@ -51,8 +51,7 @@ def step_samples(batches: Any, step: int) -> list[str]:
     The global batch of a step is a pure function of the data order, so every rank names the
     same samples without gathering them.
     """
-    indices = [i for unit in batches.step_units(step) for i in unit]
-    return [getattr(batches.examples[i], "source", "") or f"example {i}" for i in indices]
+    return batches.step_sources(step)
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 import shutil
 import signal
 import sys
@@ -11,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from toolkit.errors import ConfigError, LayoutError, ModelError, ToolkitError
+from toolkit.contracts import IGNORE_INDEX
+from toolkit.errors import EXIT_STOPPED, ConfigError, LayoutError, ModelError, RunStopped, ToolkitError
 from toolkit.recipe import Recipe, thing_options
 
 
@@ -69,10 +72,23 @@ def prepare_run_dir(recipe: Recipe, is_main: bool) -> Path:
 def write_recipe(recipe: Recipe, run_dir: Path) -> None:
     import yaml
 
+    from toolkit.writes import write_failure_text
+
     data = recipe.to_yaml_dict()
+    header = ""
+    model = Path(recipe.model).expanduser()
+    if model.is_dir() and str(model.resolve()) != recipe.model:
+        # absolute, so `toolkit export` / `toolkit infer` of this run work from any directory
+        data["model"] = str(model.resolve())
+        header = f"# --model as given: {recipe.model}\n"
     tmp = run_dir / ".recipe.yaml.tmp"
-    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
-    tmp.replace(run_dir / "recipe.yaml")
+    try:
+        tmp.write_text(header + yaml.safe_dump(data, sort_keys=False))
+        tmp.replace(run_dir / "recipe.yaml")
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise ToolkitError(f"cannot write {run_dir / 'recipe.yaml'} ({write_failure_text(exc, run_dir)}); nothing "
+                           "was trained or changed. Free space there or choose another --output") from None
 
 
 def resolve_components(recipe: Recipe, world_size: int) -> tuple[Any, Any, Any, Recipe]:
@@ -93,8 +109,6 @@ def resolve_components(recipe: Recipe, world_size: int) -> tuple[Any, Any, Any, 
 
 
 def choose_auto_strategy(recipe: Recipe, world_size: int) -> Recipe:
-    import dataclasses
-
     try:
         from toolkit.plan import choose_strategy
     except ImportError:
@@ -111,8 +125,56 @@ def check_model_limits(recipe: Recipe, source: Any) -> None:
                          f"(max_position_embeddings in {source.directory / 'config.json'}); lower --seq-len")
 
 
-def run_training(recipe: Recipe) -> Path:
-    """Train as the recipe says; returns the run directory. Works the same under torchrun."""
+# What a run may change when it resumes: where and how often it logs, saves and stops, how it reacts to trouble,
+# its layout (checkpoints load at any layout) and its length. Everything else shapes the training itself.
+RESUME_MAY_CHANGE = {"output", "resume", "resume_changed", "overwrite", "log_every", "save_every", "keep_last",
+                     "stop_after", "checkpoint_verify", "dist_timeout", "export", "on_nan", "max_nan_steps", "max_steps",
+                     "epochs", "strategy", "tensor_parallel", "pipeline_parallel", "virtual_pipeline", "context_parallel",
+                     "expert_parallel", "expert_tensor_parallel", "sequence_parallel", "zero", "micro_batch_size",
+                     "global_batch_size", "gradient_checkpointing", "trust_remote_code", "precompute_reference"}
+
+
+def check_resume_changes(recipe: Recipe, is_main: bool) -> None:
+    """A resume must continue the same training: refuse (before anything loads) one whose model, data, seed,
+    optimizer or objective differ from the run's recipe.yaml, naming each difference, unless --resume-changed."""
+    import yaml
+
+    path = Path(recipe.output) / "recipe.yaml"
+    if not recipe.resume or not path.is_file():
+        return
+    try:
+        saved = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return  # written by an older or broken run: the checkpoint checks still apply
+    current = recipe.to_yaml_dict()
+    sections = {recipe.tuner, recipe.loss, recipe.dataset_format}
+    keys = [k for k in dict.fromkeys([*saved, *current]) if k not in RESUME_MAY_CHANGE
+            and (k in {f.name for f in dataclasses.fields(Recipe)} or k in sections)]
+    changes = [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)]
+    if not changes:
+        return
+    if not recipe.resume_changed:
+        raise ConfigError(f"--resume continues the run in {recipe.output}, but this command trains differently from its "
+                          f"{path}: {'; '.join(changes)}. Pass --resume-changed to go on with the new settings (recipe.yaml "
+                          "is then rewritten), or give the run's settings, or choose another --output")
+    if is_main:
+        print(f"toolkit: resuming with changed settings (--resume-changed): {'; '.join(changes)}", file=sys.stderr)
+
+
+def check_eval_samples(recipe: Recipe, count: int) -> None:
+    """Held-out examples must leave some to train on (checked before the model is built)."""
+    if recipe.eval_samples and recipe.eval_samples >= count:
+        raise ConfigError(f"--eval-samples {recipe.eval_samples} holds out every example: the data has {count} after "
+                          f"encoding, so none would be left to train on; lower --eval-samples below {count}")
+
+
+def run_training(recipe: Recipe, raise_if_stopped: bool = False) -> Path:
+    """Train as the recipe says; returns the run directory. Works the same under torchrun.
+
+    A run stopped before its last step (a signal, ``--stop-after``) prints where it stopped; with
+    ``raise_if_stopped`` (the CLI) a single process raises :class:`RunStopped` (exit status 75). Ranks under
+    torchrun exit 0, since torchrun reports any other status as its own failure; rank 0 writes ``stopped`` to
+    ``$TOOLKIT_STATUS_FILE`` when set, which ``toolkit launch`` turns into 75."""
     from toolkit.builtins.loaders import resolve_model
     from toolkit.train.distributed import end_if_peer_lost, init_world, shutdown, start_watchdog
     from toolkit.train.numerics import NumericalError
@@ -120,6 +182,7 @@ def run_training(recipe: Recipe) -> Path:
     world = init_world(recipe.dist_timeout)
     start_watchdog(recipe.dist_timeout)
     strategy, tuner, loss, recipe = resolve_components(recipe, world.world_size)
+    check_resume_changes(recipe, world.is_main)
     source = resolve_model(recipe.model, recipe.trust_remote_code)
     check_model_limits(recipe, source)
     problems = tuner.validate(recipe, source)
@@ -127,19 +190,21 @@ def run_training(recipe: Recipe) -> Path:
         raise ConfigError(problems, source=f"--tuner {recipe.tuner}")
     run_dir = prepare_run_dir(recipe, world.is_main)
     recipe = keep_global_batch_size(recipe, run_dir, world.is_main)
-    from toolkit.data.pipeline import load_examples
+    from toolkit.data.pipeline import DataStats, load_examples
 
-    examples, stats = load_examples(
+    examples, stats = ([], DataStats()) if recipe.streaming else load_examples(
         recipe.dataset, source.tokenizer, dataset_format=recipe.dataset_format, columns=recipe.columns,
         train_on=getattr(loss, "train_on", "assistant"), seq_len=recipe.seq_len, max_samples=recipe.max_samples,
-        example_kinds=loss.example_kinds, options=recipe.options, packing=recipe.packing)
+        example_kinds=loss.example_kinds, options=recipe.options, packing=recipe.packing,
+        isolate_documents=recipe.isolate_documents, ratios=recipe.dataset_ratios, seed=recipe.seed)
+    check_eval_samples(recipe, len(examples))
     engine = strategy.build(source, tuner, loss, recipe)
     try:
         if recipe.precompute_reference and getattr(loss, "needs_reference", False):
             from toolkit.train.reference import precompute_reference_logps
 
             precompute_reference_logps(engine, examples, recipe, source, run_dir)
-        _train_loop(recipe, run_dir, engine, loss, tuner, source, examples, stats)
+        stopped = _train_loop(recipe, run_dir, engine, loss, tuner, source, examples, stats)
     except NumericalError as exc:
         if not world.distributed:
             raise
@@ -153,23 +218,47 @@ def run_training(recipe: Recipe) -> Path:
         raise
     finally:
         engine.close()
+    if stopped is not None:
+        if raise_if_stopped and not world.distributed:
+            raise RunStopped(stopped)
+        if world.is_main:
+            print(f"toolkit: {stopped}", file=sys.stderr)
+            if os.environ.get("TOOLKIT_STATUS_FILE"):
+                Path(os.environ["TOOLKIT_STATUS_FILE"]).write_text("stopped\n")
     if world.distributed:
         shutdown(exit_code=0)
     return run_dir
 
 
-def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: Any, source: Any, examples: list, stats: Any) -> None:
+def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: Any, source: Any, examples: list,
+                stats: Any) -> str | None:
+    """Train to the last step (returns None) or until a stop is asked for (returns what to tell the user)."""
     from toolkit.data.pipeline import Batches
     from toolkit.train.checkpoint import agree_on_resume, list_checkpoints, read_state, restore_rng, save_checkpoint
-    from toolkit.train.distributed import note_collective, start_watchdog
+    from toolkit.train.distributed import init_world, note_collective, start_watchdog
     from toolkit.train.numerics import NonFiniteGuard
 
     eval_examples, examples = examples[: recipe.eval_samples], examples[recipe.eval_samples:]
     pad_id = source.tokenizer.pad_token_id if source.tokenizer.pad_token_id is not None else 0
-    batches = Batches(examples, seed=recipe.seed, seq_len=recipe.seq_len, packing=recipe.packing,
-                      micro_batch_size=recipe.micro_batch_size, global_batch_size=recipe.global_batch_size,
-                      dp_rank=engine.dp_rank, dp_world_size=engine.dp_world_size, pad_id=pad_id)
+    # PT rows that keep documents apart hold several sequences: they are collated as packed rows
+    pt = getattr(loss, "train_on", "assistant") == "all"
+    packed_rows = recipe.packing or bool((stats.documents or (recipe.streaming and pt)) and recipe.isolate_documents)
+    shared = dict(seed=recipe.seed, seq_len=recipe.seq_len, packing=packed_rows, micro_batch_size=recipe.micro_batch_size,
+                  global_batch_size=recipe.global_batch_size, dp_rank=engine.dp_rank, dp_world_size=engine.dp_world_size,
+                  pad_id=pad_id, group_by_length=recipe.group_by_length, pad_multiple=pad_multiple(init_world().device))
+    if recipe.streaming:
+        from toolkit.data.pipeline import stream_encoder
+        from toolkit.data.streaming import StreamBatches
+
+        encode = stream_encoder(source.tokenizer, dataset_format=recipe.dataset_format, columns=recipe.columns,
+                                train_on=getattr(loss, "train_on", "assistant"), seq_len=recipe.seq_len,
+                                example_kinds=loss.example_kinds, options=recipe.options, packing=recipe.packing,
+                                isolate_documents=recipe.isolate_documents, stats=stats)
+        batches: Any = StreamBatches(recipe.dataset, encode, max_steps=recipe.max_steps, **shared)
+    else:
+        batches = Batches(examples, **shared)
     stats.left_over_per_epoch = batches.left_over_examples(0)
+    stats.rows, stats.row_fill = batches.epoch_fill(0)
     total_steps = recipe.max_steps or max(1, math.ceil(recipe.epochs * batches.steps_per_epoch))
     engine.set_total_steps(total_steps)
     start_step = 0
@@ -177,6 +266,7 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
     if checkpoint is not None:
         engine.load_checkpoint(checkpoint)
         start_step = read_state(checkpoint)["step"]
+        batches.restore(read_state(checkpoint))
         restore_rng(checkpoint, engine.dp_rank)
         if engine.is_main:
             print(f"toolkit: resumed from {checkpoint} at step {start_step}", file=sys.stderr)
@@ -192,7 +282,7 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
     if checkpoint is not None:
         guard.restore(read_state(checkpoint))
     log = _StepLog(recipe, engine, loss, callbacks, eval_batches, total_steps, batches.steps_per_epoch, start_step)
-    step, result = start_step, None
+    step, result, stopped = start_step, None, None
     with StopFlag() as stop:
         while step < total_steps:
             done = step + 1
@@ -219,15 +309,22 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
             if (recipe.save_every and done % recipe.save_every == 0) or done == total_steps or stopping:
                 state = _trainer_state(recipe, engine, batches, done, result, total_steps, tuner, guard)
                 path = save_checkpoint(run_dir, done, engine, state, recipe.keep_last)
-                if engine.is_main and stopping:
-                    print(f"toolkit: stopped at step {done}; checkpoint {path}. Continue with --resume auto.", file=sys.stderr)
-            if stopping:
+            if stopping and done < total_steps:  # a stop asked for during the last step still finishes the run
+                stopped = (f"stopped at step {done} of {total_steps}; checkpoint {path} is whole. Run the same command "
+                           f"with --resume auto to continue (exit status {EXIT_STOPPED}: stopped, resumable).")
                 break
             step = done
     for cb in callbacks:
         cb.on_train_end(info)
-    if recipe.export and not stop.requested:
+    if recipe.export and stopped is None:
         export_after_training(recipe, run_dir, engine, source, tuner)
+    return stopped
+
+
+def pad_multiple(device: Any) -> int:
+    """Rows are padded to a multiple of this: on a GPU, few distinct shapes for compiled kernels and
+    tensor-core-friendly sizes; elsewhere no padding beyond the longest row."""
+    return 64 if device.type == "cuda" else 1
 
 
 class _StepLog:
@@ -237,15 +334,27 @@ class _StepLog:
                  steps_per_epoch: int, start_step: int):
         self.recipe, self.engine, self.loss, self.callbacks, self.eval_batches = recipe, engine, loss, callbacks, eval_batches
         self.total_steps, self.steps_per_epoch, self.logged = total_steps, steps_per_epoch, start_step
-        self.window_tokens, self.window_start = 0, time.perf_counter()
+        self.window_tokens, self.window_trained, self.window_start = 0, 0, time.perf_counter()
+        self.peak_memory = None
+        import torch
+
+        if torch.cuda.is_available():
+            self.peak_memory = torch.cuda.max_memory_allocated
 
     def record(self, step: int, micro_batches: list, result: Any, lr: float) -> None:
         done, engine = step + 1, self.engine
-        self.window_tokens += sum(int((mb["sequence_ids"] >= 0).sum()) for mb in micro_batches)
+        real = sum(int((mb["sequence_ids"] >= 0).sum()) for mb in micro_batches)
+        capacity = sum(mb["sequence_ids"].numel() for mb in micro_batches)
+        trained = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches)
+        self.window_tokens += real
+        self.window_trained += trained
         elapsed = time.perf_counter() - self.window_start
-        tokens_per_s = engine.all_reduce_sum([self.window_tokens])[0] / max(elapsed, 1e-9)
+        tokens, trained_tokens = engine.all_reduce_sum([self.window_tokens, self.window_trained])
         metrics = {"step": done, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
-                   "tokens_per_s": tokens_per_s, "epoch": step / self.steps_per_epoch, **result.metrics}
+                   "tokens_per_s": tokens / max(elapsed, 1e-9), "trained_tokens_per_s": trained_tokens / max(elapsed, 1e-9),
+                   "row_fill": real / max(capacity, 1), "epoch": step / self.steps_per_epoch, **result.metrics}
+        if self.peak_memory is not None:  # on a GPU: the allocator's high-water mark so far (no synchronisation)
+            metrics["peak_gib"] = self.peak_memory() / 2**30
         for cb in self.callbacks:
             cb.on_step_end(done, metrics)
         if done % self.recipe.log_every == 0 or done == self.total_steps:
@@ -254,7 +363,7 @@ class _StepLog:
                 metrics.update({f"eval_{k}": v for k, v in evaluated.items()})
             for cb in self.callbacks:
                 cb.on_log(done, metrics)
-            self.window_tokens, self.window_start = 0, time.perf_counter()
+            self.window_tokens, self.window_trained, self.window_start = 0, 0, time.perf_counter()
         self.logged = done
 
 
@@ -263,7 +372,7 @@ def _trainer_state(recipe: Recipe, engine: Any, batches: Any, done: int, result:
     loss = result.loss if result is not None and math.isfinite(result.loss) else None
     return {"step": done, "total_steps": total_steps, "epoch": max(done - 1, 0) // batches.steps_per_epoch,
             "loss": loss, "tuner": tuner.name, "strategy": recipe.strategy, "world_size": engine.dp_world_size,
-            "global_batch_size": batches.global_batch_size, "model": recipe.model, **guard.state()}
+            "global_batch_size": batches.global_batch_size, "model": recipe.model, **guard.state(), **batches.state()}
 
 
 def _rollback(engine: Any, checkpoint: Path) -> int:
@@ -282,8 +391,6 @@ def keep_global_batch_size(recipe: Recipe, run_dir: Path, is_main: bool) -> Reci
     same global batch size continues the data exactly where the checkpoint stopped; more or fewer
     ranks only change how each step's rows are split into micro-batches (gradient accumulation).
     """
-    import dataclasses
-
     from toolkit.train.checkpoint import find_resume_checkpoint, read_state
 
     # only the batch size is read here: sizes are checked, silently; agree_on_resume verifies and reports later

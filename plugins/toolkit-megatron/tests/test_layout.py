@@ -90,3 +90,30 @@ def test_cpu_compat_redirects_cuda_sites_only_inside():
     with pytest.raises((RuntimeError, AssertionError)):
         torch.zeros(2, device="cuda")
     assert torch.ones(1).type() == "torch.FloatTensor"
+
+
+def test_a_parallel_layout_in_one_process_says_how_to_launch_it():
+    from toolkit.recipe import resolve_recipe
+    from toolkit_megatron.strategy import MegatronStrategy
+
+    recipe = resolve_recipe({"strategy": "megatron", "tensor_parallel": 2})
+    [problem] = MegatronStrategy().validate(recipe, world_size=1)
+    assert "needs a multiple of 2 processes and this is one process" in problem
+    assert "toolkit launch --nproc 2 " in problem and "torchrun --nproc-per-node 2 -m toolkit " in problem
+    [problem] = MegatronStrategy().validate(recipe, world_size=3)
+    assert "world size 3 is not divisible by tp*pp*cp = 2*1*1; launch a multiple of 2 processes" in problem
+
+
+def test_megatron_fallback_warnings_become_one_line(recwarn):
+    import warnings
+
+    from toolkit_megatron.notices import fallback_notice, silence_fallback_warnings
+
+    silence_fallback_warnings()
+    warnings.warn("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.", UserWarning, stacklevel=2)
+    warnings.warn("Apex is not installed. Falling back to Torch Norm", UserWarning, stacklevel=2)
+    warnings.warn("an unrelated warning", UserWarning, stacklevel=2)
+    assert [str(w.message) for w in recwarn] == ["an unrelated warning"]
+    line = fallback_notice(on_cuda=True, tensor_parallel=2)
+    assert line.startswith("toolkit-megatron: ") and "\n" not in line
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" in line and "no cost on CPU" not in line

@@ -26,19 +26,34 @@ def assert_steps(expected, got, rel: float, keys=("loss", "grad_norm")) -> None:
             assert close(a[key], b[key], rel), (key, a, b)
 
 
+@pytest.fixture(scope="module")
+def ep1_run(tmp_path_factory):
+    """The EP1 reference run of (preset, dispatcher), trained once for every layout compared to it."""
+    runs = {}
+
+    def run(args: list[str]):
+        key = tuple(args)
+        if key not in runs:
+            runs[key] = tmp_path_factory.mktemp("ep1") / "run"
+            toolkit(*args, "--output", str(runs[key]), nproc=2)
+        return runs[key]
+
+    return run
+
+
 @pytest.mark.parametrize(("preset", "dispatcher", "layout"), [
     ("tiny-qwen3-moe", "alltoall", ["--ep", "2"]),
     ("tiny-mixtral", "allgather", ["--ep", "2"]),
     ("tiny-qwen3-moe", "alltoall", ["--tp", "2", "--sequence-parallel", "--etp", "2"]),
     ("tiny-qwen3-moe", "alltoall", ["--tp", "2", "--sequence-parallel", "--etp", "1"]),
 ], ids=["qwen3_moe-ep2-alltoall", "mixtral-ep2-allgather", "qwen3_moe-tp2-sp-etp2", "qwen3_moe-tp2-sp-etp1"])
-def test_ep2_equals_ep1_and_export_reloads(preset, dispatcher, layout, tmp_path):
+def test_ep2_equals_ep1_and_export_reloads(preset, dispatcher, layout, tmp_path, ep1_run):
     from transformers import AutoModelForCausalLM
 
     from toolkit.builtins.loaders import materialize_preset
 
     args = ["sft", "--model", preset, *COMMON, "--strategy", "megatron", "--megatron-moe-dispatcher", dispatcher, "--export", "hf"]
-    toolkit(*args, "--output", str(tmp_path / "ep1"), nproc=2)
+    ep1_dir = ep1_run(args)
     if dispatcher == "alltoall" and "--ep" in layout:  # and resume after step 3 of 5 at EP2
         toolkit(*args, "--output", str(tmp_path / "ep2"), *layout, "--stop-after", "3", nproc=2)
         assert len(metrics(tmp_path / "ep2")) == 3
@@ -46,7 +61,7 @@ def test_ep2_equals_ep1_and_export_reloads(preset, dispatcher, layout, tmp_path)
         toolkit("export", str(tmp_path / "ep2"), "--to", "hf", "--output", str(tmp_path / "from-checkpoint"))
     else:
         toolkit(*args, "--output", str(tmp_path / "ep2"), *layout, nproc=2)
-    ep1, ep2 = metrics(tmp_path / "ep1"), metrics(tmp_path / "ep2")
+    ep1, ep2 = metrics(ep1_dir), metrics(tmp_path / "ep2")
     # same arithmetic, only the placement of experts / shards and the token exchange differ: fp32 round-off
     assert_steps(ep1, ep2, rel=1e-5, keys=("loss", "grad_norm", "aux_loss", "load_balancing_loss"))
     assert all(m["aux_loss"] > 0 and 0.9 < m["load_balancing_loss"] < 2.0 for m in ep2)  # 1.0 = perfectly balanced
@@ -54,7 +69,7 @@ def test_ep2_equals_ep1_and_export_reloads(preset, dispatcher, layout, tmp_path)
     ids = torch.arange(5, 40)[None]
     with torch.no_grad():
         initial = AutoModelForCausalLM.from_pretrained(materialize_preset(preset))(ids).logits
-        from_ep1 = AutoModelForCausalLM.from_pretrained(tmp_path / "ep1/export")(ids).logits
+        from_ep1 = AutoModelForCausalLM.from_pretrained(ep1_dir / "export")(ids).logits
         from_ep2 = AutoModelForCausalLM.from_pretrained(tmp_path / "ep2/export")(ids).logits
     torch.testing.assert_close(from_ep2, from_ep1, rtol=1e-4, atol=1e-4)
     if (tmp_path / "from-checkpoint").is_dir():

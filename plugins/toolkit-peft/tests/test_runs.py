@@ -9,6 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from toolkit.errors import RunStopped
+
 COMMON = ["--model", "tiny-llama", "--micro-batch-size", "8", "--seq-len", "64", "--lr", "1e-2", "--seed", "3"]
 
 
@@ -50,7 +52,8 @@ def lora_run(tmp_path_factory):
 def test_lora_resume_is_bit_identical(lora_run, tmp_path):
     resumed = tmp_path / "resumed"
     flags = [*COMMON, "--tuner", "lora", "--lora-rank", "4", "--lora-dropout", "0.1", "--max-steps", "6", "--output", resumed]
-    toolkit("sft", *flags, "--stop-after", "3")
+    with pytest.raises(RunStopped):  # the CLI's exit status 75
+        toolkit("sft", *flags, "--stop-after", "3")
     assert [p.name for p in (resumed / "checkpoints").iterdir()] == ["step-3"]
     toolkit("sft", *flags, "--resume", "auto")
     first, second = (load_file(str(r / "checkpoints" / "step-6" / "model.safetensors")) for r in (lora_run, resumed))

@@ -144,7 +144,7 @@ def test_adapter_only_export_through_the_core(tmp_path, trained):
     net, tok = trained
     adapter, _ = tiny.lora_adapter(net, rank=4)
     out = export_model(tiny.export_model(net, tok, adapter=adapter), "vllm", tmp_path / "only", adapter_only=True)
-    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in out.iterdir() if p.name != ".toolkit-export") == ["adapter_config.json", "adapter_model.safetensors"]
     dora, _ = tiny.lora_adapter(net, rank=4, use_dora=True)
     with pytest.raises(ExportError, match="DoRA"):
         export_model(tiny.export_model(net, tok, adapter=dora), "vllm", tmp_path / "dora", adapter_only=True)
@@ -160,3 +160,15 @@ def test_an_adapter_vllm_refuses_leaves_the_merged_export_and_says_why(tmp_path,
     assert (out / "config.json").is_file() and not (out / "lora").exists()
     assert json.loads((out / "toolkit_export.json").read_text())["lora_modules"] == {}
     assert "the adapter is not written (vLLM would refuse it): the adapter uses DoRA" in caplog.text
+
+
+def test_the_serve_line_names_the_final_folder_not_the_staging_one(tmp_path):
+    import shlex
+
+    from toolkit.export import export_model
+
+    net, tok = tiny.model("llama")
+    out = export_model(tiny.export_model(net, tok), "vllm", tmp_path / "served")  # written to a staging folder, renamed
+    serve = shlex.split(json.loads((out / "toolkit_export.json").read_text())["serve"])
+    assert serve[:2] == ["vllm", "serve"] and serve[2] == str((tmp_path / "served").resolve())
+    assert (tmp_path / "served" / "config.json").is_file()

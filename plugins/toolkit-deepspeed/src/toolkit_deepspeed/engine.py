@@ -173,6 +173,7 @@ class ZeroEngine(LocalEngine):
 
     def load_checkpoint(self, directory: Path) -> None:
         check_checkpoint(Path(directory), self.dp_world_size, self.zero_stage)
+        check_pickles(Path(directory) / CHECKPOINT_TAG)
         path, client = self.ds.load_checkpoint(str(directory), tag=CHECKPOINT_TAG, load_optimizer_states=True,
                                                load_lr_scheduler_states=False, load_module_strict=not self._frozen_excluded())
         if path is None:
@@ -216,6 +217,23 @@ def check_checkpoint(directory: Path, world_size: int, zero_stage: int) -> None:
                            f"DeepSpeed resumes ZeRO partitions on the same number of ranks: launch with --nproc {written}, "
                            "or export the checkpoint (toolkit export RUN_DIR --to hf --output DIR) and start a new run "
                            "with --model DIR")
+
+
+def check_pickles(shards: Path) -> None:
+    """Refuse DeepSpeed files that would run code: DeepSpeed reads them with ``torch.load(weights_only=False)``
+    (resume and zero_to_fp32 alike). Each is loaded first weights-only and memory-mapped (only its pickle is
+    read), admitting the few DeepSpeed classes its checkpoints hold (loss scaler, ZeRO stage, fragment
+    addresses: plain records); anything else is a one-line refusal naming the file."""
+    import torch
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    from toolkit.train.safe_load import load_tensors_file
+
+    with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]):
+        for path in sorted(shards.rglob("*.pt")):
+            load_tensors_file(path, map_location="cpu", mmap=True)
 
 
 class _FrozenTuner:

@@ -58,6 +58,9 @@ def checkpoint_tensors(checkpoint: Path, source: Any, tuner: Any, recipe: Any, t
 
     if not (checkpoint / tag).is_dir():
         raise ToolkitError(f"{checkpoint} holds no DeepSpeed checkpoint ({tag}/ missing)")
+    from toolkit_deepspeed.engine import check_pickles
+
+    check_pickles(checkpoint / tag)  # zero_to_fp32 unpickles them with weights_only=False
     state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=tag, lazy_mode=True)
     state = {name[len(MODULE_PREFIX):]: value for name, value in state.items() if name.startswith(MODULE_PREFIX)}
     skeleton = meta_model(source, tuner)

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 from toolkit.config import option
 from toolkit.contracts import Example, Sequence
+from toolkit.data.template import record_tools
 from toolkit.errors import DataError
 from toolkit_dpo.losses import KTOConfig
 
@@ -27,21 +28,14 @@ def _require(record: dict[str, Any], columns: tuple[str, ...], where: str, fmt: 
 
 
 def _messages(value: Any, where: str, column: str) -> list[dict[str, str]]:
-    from toolkit.data.template import ROLES
+    from toolkit.data.template import normalise_message
 
     if isinstance(value, str):
         return [{"role": "user" if column == "prompt" else "assistant", "content": value}]
     if not isinstance(value, list) or not value:
         raise DataError(f"{where}: column {column!r} must be a string or a non-empty list of messages, "
                         f"got {type(value).__name__}")
-    out = []
-    for i, message in enumerate(value):
-        if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            raise DataError(f"{where}: {column}[{i}] needs 'role' and 'content', got {message!r:.120}")
-        if message["role"] not in ROLES:
-            raise DataError(f"{where}: {column}[{i}] has role {message['role']!r}; roles: {', '.join(ROLES)}")
-        out.append({"role": message["role"], "content": str(message["content"])})
-    return out
+    return [normalise_message(message, f"{column}[{i}]", where) for i, message in enumerate(value)]
 
 
 def _split_prompt(record: dict[str, Any], response_column: str, where: str) -> tuple[list | None, list]:
@@ -57,14 +51,15 @@ def _split_prompt(record: dict[str, Any], response_column: str, where: str) -> t
 
 
 def encode_response(template: Any, prompt: list[dict[str, str]] | None, response: list[dict[str, str]],
-                    where: str, raw_text: bool = False) -> tuple[list[int], list[int]]:
-    """Token ids and shifted labels of prompt + response, labels on the final response only."""
+                    where: str, raw_text: bool = False, tools: list | None = None) -> tuple[list[int], list[int]]:
+    """Token ids and shifted labels of prompt + response, labels on the final response only; ``tools`` (a
+    record's tool schemas) go to the chat template."""
     if raw_text:
         prompt_text = "".join(m["content"] for m in prompt or [])
         return template.encode_prompt_completion(prompt_text, "".join(m["content"] for m in response))
     if response[-1]["role"] != "assistant":
         raise DataError(f"{where}: the response must end with an assistant message, got role {response[-1]['role']!r}")
-    text, spans = template.assistant_spans((prompt or []) + response)
+    text, spans = template.assistant_spans((prompt or []) + response, tools)
     first_reply = len(prompt or [])
     reply_spans = [span for span, index in zip(spans, _assistant_indices((prompt or []) + response))
                    if index >= first_reply]
@@ -109,7 +104,7 @@ class PreferenceFormat:
             if self.config.system and isinstance(record.get("prompt"), str):
                 prompt = [{"role": "system", "content": self.config.system}, *prompt]
             prompts.append(prompt)
-            ids, labels = encode_response(template, prompt, response, where, self.config.raw_text)
+            ids, labels = encode_response(template, prompt, response, where, self.config.raw_text, record_tools(record, where))
             meta = {}
             if record.get("margin") is not None:
                 try:
@@ -153,13 +148,14 @@ class KTOFormat:
         desirable = LABELS[key]
         prompt = _messages(record["prompt"], where, "prompt")
         completion = _messages(record["completion"], where, "completion")
-        ids, labels = encode_response(template, prompt, completion, where, self.config.raw_text)
+        tools = record_tools(record, where)
+        ids, labels = encode_response(template, prompt, completion, where, self.config.raw_text, tools)
         meta = {"kto_label": float(desirable), "kto_kl": 0.0}
         sequences = [Sequence(ids, labels, role=0 if desirable else 1, meta=meta)]
         if self.config.kl:
             # The first record has no predecessor yet and pairs with its own completion.
             other = self._previous or completion
-            kl_ids, kl_labels = encode_response(template, prompt, other, where, self.config.raw_text)
+            kl_ids, kl_labels = encode_response(template, prompt, other, where, self.config.raw_text, tools)
             sequences.append(Sequence(kl_ids, kl_labels, role=0 if desirable else 1,
                                       meta={"kto_label": float(desirable), "kto_kl": 1.0}))
         self._previous = completion

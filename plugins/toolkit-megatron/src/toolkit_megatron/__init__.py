@@ -6,6 +6,9 @@ Registered through the ``toolkit`` entry-point group; nothing heavy is imported 
 from __future__ import annotations
 
 from toolkit import hookimpl
+from toolkit_megatron.notices import silence_fallback_warnings
+
+silence_fallback_warnings()
 
 
 @hookimpl

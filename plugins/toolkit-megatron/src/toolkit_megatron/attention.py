@@ -6,7 +6,9 @@ inverse frequencies Hugging Face computes for the checkpoint's rope type). The `
 argument Megatron threads through every layer carries, instead of a boolean mask, a long tensor
 ``[2, batch, tokens]`` of (position ids, sequence ids) for the whole (context-parallel-gathered)
 sequence, or ``None`` for plain causal rows. Tokens attend causally within equal sequence ids
-only, which isolates packed samples.
+only, which isolates packed samples. On a GPU (``--megatron-packed-attention auto``, the default) packed
+rows go through FlexAttention with the core's document ``BlockMask`` (built once per micro-batch and
+shared by every layer), so no dense ``[b, 1, s, s]`` mask is made and masked blocks are skipped.
 
 Context parallelism: the sequence is cut into ``2 * cp`` chunks and rank ``r`` holds chunks
 ``r`` and ``2cp - 1 - r`` (causal load balancing); each rank rotates its own keys, all-gathers
@@ -106,7 +108,7 @@ class SDPAAttention(torch.nn.Module):
     def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  cp_comm_type: str | None = None, pg_collection: Any = None, rope: Rope | None = None,
-                 sliding_window: int | None = None, compiled_rope: bool = False):
+                 sliding_window: int | None = None, compiled_rope: bool = False, packed_flex: bool = False):
         super().__init__()
         from megatron.core import parallel_state
 
@@ -116,6 +118,7 @@ class SDPAAttention(torch.nn.Module):
         self.rope = rope
         self.rope_fn = compiled_apply_rope() if compiled_rope else apply_rope
         self.sliding_window = sliding_window
+        self.packed_flex = packed_flex
         self.register_buffer("inv_freq", torch.tensor(rope.inv_freq, dtype=torch.float32) if rope else None,
                              persistent=False)
         self.cp_size = config.context_parallel_size
@@ -164,10 +167,33 @@ class SDPAAttention(torch.nn.Module):
         gqa = q.shape[1] != k.shape[1]
         if meta is None and self.cp_size == 1 and not self.sliding_window:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=self.scale, enable_gqa=gqa)
+        elif self.packed_flex and self.cp_size == 1 and not self.sliding_window and not dropout:
+            from toolkit.train.attention import _flex_kernel
+
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+            out = _flex_kernel(q.device.type)(q, k, v, block_mask=document_mask(meta), scale=self.scale, enable_gqa=gqa)
         else:
             mask = self._mask(index_q, index_k, meta)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=self.scale, enable_gqa=gqa)
         return out.permute(2, 0, 1, 3).reshape(local, batch, -1)
+
+
+_DOCUMENT_MASK: tuple[Any, Any] | None = None
+"""(weak reference to the meta tensor of the micro-batch being run, its BlockMask): one mask per forward, not per layer."""
+
+
+def document_mask(meta: torch.Tensor) -> Any:
+    """The FlexAttention ``BlockMask`` of ``meta``'s sequence ids (:func:`toolkit.train.attention.document_block_mask`),
+    made once for the tensor every layer of one forward receives (a weak reference: a later micro-batch's
+    tensor at the same address is another object, so it never reuses a stale mask)."""
+    import weakref
+
+    from toolkit.train.attention import document_block_mask
+
+    global _DOCUMENT_MASK
+    if _DOCUMENT_MASK is None or _DOCUMENT_MASK[0]() is not meta:
+        _DOCUMENT_MASK = (weakref.ref(meta), document_block_mask(meta[1]))
+    return _DOCUMENT_MASK[1]
 
 
 class LocalAttention(SDPAAttention):

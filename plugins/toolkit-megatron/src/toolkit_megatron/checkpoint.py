@@ -8,6 +8,7 @@ HF ``config.json`` plus tokenizer files, so it can be converted back to HF witho
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from toolkit.errors import LayoutError, ModelError
+from toolkit.train.distributed import one_process_group
 from toolkit_megatron.bridge import unwrap
 from toolkit_megatron.compat import cpu_compat
 from toolkit_megatron.model import Layout
@@ -59,8 +61,12 @@ def save_mcore(models: list[Any], directory: str | Path, hf_config: Any, layout:
     state = model_sharded_state_dict(models)
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state, **_optimizer_format(optimizer))
+    options: dict[str, Any] = {"async_sharded_save": async_save}
+    if async_save and "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:
+        # megatron-core 0.19 defaults to "nvrx" (nvidia-resiliency-ext); its own "mcore" worker needs nothing more
+        options["async_strategy"] = "mcore"
     with cpu_compat():
-        request = dist_checkpointing.save(state, str(tmp), async_sharded_save=async_save)
+        request = dist_checkpointing.save(state, str(tmp), **options)
     finalize = _Finalize(final, tmp, hf_config, layout, unwrap(models[0]).vocab_size, extra or {}, tokenizer_source)
     if async_save:
         request.add_finalize_fn(finalize)
@@ -134,6 +140,9 @@ def load_mcore(models: list[Any], directory: str | Path, optimizer: Any = None) 
     state = model_sharded_state_dict(models)
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, **_optimizer_format(optimizer))
+    from toolkit.train.safe_load import check_dcp_metadata
+
+    check_dcp_metadata(Path(directory))  # torch_dist's .metadata is a pickle: refuse one that would run code
     with cpu_compat(), torch.no_grad():
         loaded = dist_checkpointing.load(state, str(directory))
         for i, model in enumerate(models):
@@ -159,7 +168,7 @@ def mcore_to_hf_tensors(directory: str | Path, lora: tuple | None = None) -> Ite
     from toolkit_megatron.model import build_model, initialize_parallel
 
     hf_config = AutoConfig.from_pretrained(directory)
-    own_group = ensure_process_group()
+    own_group = one_process_group()  # reads to CPU: gloo
     try:
         layout = Layout()
         padded = check_reload_layout(directory, layout)
@@ -183,9 +192,3 @@ def mcore_to_hf_tensors(directory: str | Path, lora: tuple | None = None) -> Ite
             torch.distributed.destroy_process_group()
 
 
-def ensure_process_group() -> bool:
-    if torch.distributed.is_initialized():
-        return False
-    store = torch.distributed.HashStore()
-    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
-    return True

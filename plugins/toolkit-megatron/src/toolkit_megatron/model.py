@@ -154,7 +154,8 @@ def transformer_config(hf_config: Any, layout: Layout, dtype: Any, **overrides: 
 
 
 def layer_spec(hf_config: Any, config: Any, attention: AttentionKind = "sdpa", vp_stage: int | None = None,
-               compiled_rope: bool = False, kernel_ops: Any = None, experts: ExpertsKind = "grouped") -> Any:
+               compiled_rope: bool = False, kernel_ops: Any = None, experts: ExpertsKind = "grouped",
+               packed_flex: bool = False) -> Any:
     """Megatron's local layer spec with our SDPA core attention and sequence-parallel RMSNorm
     (through ``kernel_ops``' fused kernel when given), and (MoE) grouped-matmul experts
     (``experts="sequential"``: Megatron's ``SequentialMLP``)."""
@@ -186,7 +187,7 @@ def layer_spec(hf_config: Any, config: Any, attention: AttentionKind = "sdpa", v
                     linear_qkv=ColumnParallelLinear,
                     core_attention=ModuleSpec(module=core, params={
                         "rope": Rope.from_hf_config(hf_config), "sliding_window": arch.sliding_window(hf_config),
-                        "compiled_rope": compiled_rope}),
+                        "compiled_rope": compiled_rope, "packed_flex": packed_flex}),
                     linear_proj=RowParallelLinear,
                     q_layernorm=qk_norm,
                     k_layernorm=qk_norm,
@@ -214,22 +215,41 @@ def _moe_spec(config: Any, experts: ExpertsKind = "grouped") -> Any:
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 
     spec = get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=config.num_moe_experts, moe_grouped_gemm=False)
-    if experts == "grouped" and spec.submodules.experts.module is SequentialMLP:
+    if experts == "grouped":
         from toolkit_megatron.experts import GroupedExperts
 
         # same parameters and checkpoint keys as SequentialMLP, one grouped matmul instead of a loop over experts
-        spec.submodules.experts.module = GroupedExperts
+        _replace_experts(spec, SequentialMLP, GroupedExperts)
     return spec
+
+
+def _replace_experts(spec: Any, old: type, new: type) -> None:
+    """Swap the MoE layer's experts class in ``spec``, in place.
+
+    megatron-core up to 0.18 describes the experts as a ``ModuleSpec`` (``module=SequentialMLP``);
+    0.19 as a builder, ``functools.partial(SequentialMLP, submodules=...)``, inside a
+    ``partial(MoELayer, submodules=MoESubmodules(...))``.
+    """
+    import functools
+
+    submodules = spec.keywords["submodules"] if isinstance(spec, functools.partial) else spec.submodules
+    builder = submodules.experts
+    if isinstance(builder, functools.partial):
+        if builder.func is old:
+            submodules.experts = functools.partial(new, *builder.args, **builder.keywords)
+    elif builder.module is old:
+        builder.module = new
 
 
 def build_model(hf_config: Any, layout: Layout, dtype: Any = None, attention: AttentionKind = "sdpa",
                 vocab_size: int | None = None, compiled_rope: bool = False, kernel_ops: Any = None,
-                experts: ExpertsKind = "grouped", **config_overrides: Any) -> list[Any]:
+                experts: ExpertsKind = "grouped", packed_flex: bool = False, **config_overrides: Any) -> list[Any]:
     """One ``GPTModel`` per virtual pipeline stage of this rank (process groups must exist).
 
     ``compiled_rope``: rotary embeddings under ``torch.compile`` (one fused kernel per tensor);
     ``kernel_ops``: a :mod:`toolkit.train.kernels` backend for the RMSNorms; ``experts``: MoE experts as
-    :class:`~toolkit_megatron.experts.GroupedExperts` or Megatron's ``SequentialMLP``.
+    :class:`~toolkit_megatron.experts.GroupedExperts` or Megatron's ``SequentialMLP``; ``packed_flex``: packed
+    rows' attention through FlexAttention (:class:`~toolkit_megatron.attention.SDPAAttention`).
     """
     import torch
     from megatron.core import parallel_state
@@ -245,7 +265,7 @@ def build_model(hf_config: Any, layout: Layout, dtype: Any = None, attention: At
             model = GPTModel(
                 config=config,
                 transformer_layer_spec=layer_spec(hf_config, config, attention, vp_stage, compiled_rope, kernel_ops,
-                                                  experts),
+                                                  experts, packed_flex),
                 vocab_size=vocab,
                 max_sequence_length=getattr(hf_config, "max_position_embeddings", 4096),
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,11 @@ class MegatronConfig:
         "auto", help="Label log-probs: chunked (fp32 a chunk of tokens at a time, bf16 logits kept), compiled "
                      "(the same under torch.compile), reference (plain autograd over full fp32 logits), auto "
                      "(compiled on a GPU, chunked elsewhere).")
+    packed_attention: Literal["auto", "flex", "sdpa-mask"] = option(
+        "auto", help="Packed rows (--packing): flex (FlexAttention with a block-causal BlockMask made once per "
+        "micro-batch), sdpa-mask (a dense [b,1,s,s] mask for torch SDPA: no flash kernel) or auto (flex on a GPU when "
+        "torch has FlexAttention, else sdpa-mask). Context parallelism, sliding windows and attention dropout keep the "
+        "dense mask.")
     fused_adam: bool = option(True, help="Use torch's fused AdamW kernel (Megatron's fallback without TE/Apex is the foreach one).")
     foreach_clipping: bool = option(True, help="Gradient clipping with torch foreach kernels instead of Megatron's per-tensor fallback loops.")
     compile_elementwise: bool | Literal["auto"] = option(
@@ -61,6 +67,21 @@ class SpeedLevers(NamedTuple):
     kernel_ops: Any
     fused_loss: bool
     """The fused output head (:mod:`toolkit_megatron.fused_head`): on, and the loss declares a uniform token gradient."""
+
+
+def _packed_flex(choice: str, device: Any) -> bool:
+    """``--megatron-packed-attention`` resolved: FlexAttention for packed rows, or the dense mask."""
+    from toolkit.errors import ConfigError
+    from toolkit.train.attention import flex_backward_refused, flex_missing
+
+    if choice == "sdpa-mask" or (choice == "auto" and device.type != "cuda"):
+        return False
+    problem = flex_missing() or (f"torch has no FlexAttention backward on {device.type}" if flex_backward_refused(device) else None)
+    if problem is None:
+        return True
+    if choice == "auto":
+        return False
+    raise ConfigError(f"--megatron-packed-attention flex: {problem}; use sdpa-mask or auto", source="--megatron-packed-attention")
 
 
 def _speed_levers(config: MegatronConfig, device: Any, loss: Any = None) -> SpeedLevers:
@@ -109,8 +130,14 @@ class MegatronStrategy:
     def validate(self, recipe: Any, world_size: int) -> list[str]:
         problems = []
         layout = _layout(recipe)
-        if world_size % layout.model_parallel:
-            problems.append(f"world size {world_size} is not divisible by tp*pp*cp = {layout.tensor}*{layout.pipeline}*{layout.context}")
+        needed = math.lcm(layout.model_parallel, max(recipe.expert_parallel, 1) * max(recipe.expert_tensor_parallel, 1) * layout.pipeline)
+        if world_size == 1 and needed > 1:
+            from toolkit.commands.launch import launch_advice
+
+            problems.append(f"{layout.describe()} needs a multiple of {needed} processes and this is one process; {launch_advice(needed)}")
+        elif world_size % layout.model_parallel:
+            problems.append(f"world size {world_size} is not divisible by tp*pp*cp = {layout.tensor}*{layout.pipeline}*{layout.context}; "
+                            f"launch a multiple of {layout.model_parallel} processes")
         if recipe.expert_parallel < 1 or recipe.expert_tensor_parallel < 1:
             problems.append(f"--ep {recipe.expert_parallel} / --etp {recipe.expert_tensor_parallel}: sizes must be >= 1")
         if recipe.tuner not in ("full", "lora", "dora"):
@@ -120,6 +147,16 @@ class MegatronStrategy:
         return problems
 
     def build(self, source: Any, tuner: Any, loss: Any, recipe: Any) -> MegatronEngine:
+        import os
+        import sys
+
+        import torch
+
+        from toolkit_megatron.notices import fallback_notice
+
+        notice = fallback_notice(torch.cuda.is_available(), recipe.tensor_parallel)
+        if notice and os.environ.get("RANK", "0") == "0":
+            print(notice, file=sys.stderr)
         return MegatronEngine(source, tuner, loss, recipe, self.config)
 
     def checkpoint_tensors(self, checkpoint: Path, source: Any, tuner: Any, recipe: Any) -> Iterator[tuple[str, Any]]:
@@ -157,10 +194,9 @@ class MegatronEngine:
 
         self.world = init_world()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        if not torch.distributed.is_initialized():
-            from toolkit_megatron.checkpoint import ensure_process_group
+        from toolkit.train.distributed import one_process_group
 
-            ensure_process_group()
+        one_process_group(self.device)  # one GPU or CPU without torchrun: NCCL on CUDA, gloo on CPU
         self.recipe, self.source, self.config, self.tuner = recipe, source, config, tuner
         self.layout = _layout(recipe)
         check_layout(self.layout, source.config, torch.distributed.get_world_size(), recipe.seq_len)
@@ -186,6 +222,7 @@ class MegatronEngine:
             overrides["bias_activation_fusion"] = True
         chunks = build_model(source.config, self.layout, dtype=self.dtype, attention=config.attention,
                              compiled_rope=compile_elementwise, kernel_ops=kernel_ops, experts=config.moe_experts,
+                             packed_flex=_packed_flex(config.packed_attention, self.device),
                              **overrides)
         load_hf_weights(chunks, source.config, SafetensorsReader.from_directory(source.directory))
         if tuner is not None and tuner.name in ("lora", "dora"):

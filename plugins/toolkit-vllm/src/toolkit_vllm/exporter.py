@@ -127,7 +127,7 @@ class VLLMExporter:
         manifest: dict[str, Any] = {"exporter": "vllm", "dtype": dtype, "device": self.config.device, "lora_modules": {}}
         if adapter is not None:
             manifest.update(self._write_adapter(model, adapter, output))
-        manifest["serve"] = serve_hint(output, manifest)
+        manifest["serve"] = serve_hint(Path(model.destination or output), manifest)  # not the staging folder
         (output / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         after = check_export(output, device=self.config.device, registry=registry)
         for warning in before.warnings + after.warnings:

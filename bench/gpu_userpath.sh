@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# bench/userpath.py on the lent GPU machine, in two parts that each fit one device call (10 minutes), and the
+# toolkit-megatron test suite against the image's megatron-core (0.19.x, Python 3.12) on its CPUs beside part 1.
+# Carry .whl (bash bench/wheels.sh; WITH_BNB=1 adds bitsandbytes for the qlora case):
+#   bash bench/gpu_userpath.sh 1    # pt, sft packed/unpacked, HF and TRL SFT baselines, megatron dense and MoE + the megatron tests
+#   bash bench/gpu_userpath.sh 2    # sft packed (longer limit), megatron dense and MoE, dpo beside TRL DPO, LoRA
+#   bash bench/gpu_userpath.sh 3    # fsdp, deepspeed, rm, MoE local, export + infer, QLoRA, DoRA, isolated PT + the megatron tests
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part=${1:?usage: bash bench/gpu_userpath.sh 1|2}
+: "${OUT:=/tmp/gpu_userpath}"
+mkdir -p "$OUT"
+source bench/gpu_setup.sh
+python3 -c "import megatron.core, trl, datasets; print('megatron-core', megatron.core.__version__, 'trl', trl.__version__, 'datasets', datasets.__version__)"
+case "$part" in
+  1)
+    (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 timeout 480 python3 -m pytest -q -x -p no:cacheprovider -n 8 plugins/toolkit-megatron/tests \
+      > "$OUT/megatron-tests.log" 2>&1; echo "megatron tests: rc $?" >> "$OUT/megatron-tests.log") &
+    tests=$!
+    timeout 500 python3 bench/userpath.py --case-timeout 110 --cases pt,sft-pack,sft-nopack,hf-sft,trl-sft-bfd,trl-sft-padded,sft-megatron,moe-megatron
+    wait $tests
+    tail -5 "$OUT/megatron-tests.log"
+    ;;
+  2)
+    timeout 520 python3 bench/userpath.py --case-timeout 170 --cases sft-pack,sft-megatron,dpo,trl-dpo,sft-lora,moe-megatron
+    ;;
+  final)
+    (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 timeout 300 python3 -m pytest -q -p no:cacheprovider -n 10 plugins/toolkit-megatron/tests \
+      > "$OUT/megatron-tests.log" 2>&1; echo "megatron tests: rc $?" >> "$OUT/megatron-tests.log") &
+    tests=$!
+    timeout 300 python3 bench/userpath.py --case-timeout 130 --cases sft-megatron,dpo,moe-megatron
+    wait $tests
+    tail -5 "$OUT/megatron-tests.log"
+    ;;
+  3)
+    (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 timeout 420 python3 -m pytest -q -p no:cacheprovider -n 8 plugins/toolkit-megatron/tests \
+      > "$OUT/megatron-tests.log" 2>&1; echo "megatron tests: rc $?" >> "$OUT/megatron-tests.log") &
+    tests=$!
+    timeout 480 python3 bench/userpath.py --case-timeout 120 --cases sft-fsdp,sft-deepspeed,rm,moe-sft,export-infer,sft-qlora,sft-dora,pt-isolated
+    wait $tests
+    tail -5 "$OUT/megatron-tests.log"
+    ;;
+esac
+nvidia-smi --query-gpu=name,memory.used --format=csv,noheader

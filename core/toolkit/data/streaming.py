@@ -1,0 +1,163 @@
+"""``--streaming``: datasets too large to hold in memory, read through ``datasets``' streaming mode a window at a time.
+
+The stream is cut into windows of ``window`` records, in file order (datasets one after another). Each window is
+encoded, truncated or cut into PT rows, and grouped into units (best-fit packed rows, length-grouped or single
+examples) with a seed of its own, then its units are shuffled; the units of all windows, pass after pass over the
+data, form one sequence, and step ``s`` takes units ``[s * G, (s + 1) * G)`` of it, as :class:`Batches` does for
+one epoch. Nothing depends on what was read before a window except the count of units each earlier window gave;
+those counts go into every checkpoint (:meth:`StreamBatches.state`), so a resume skips straight to the window it
+needs (``IterableDataset.skip``, which parses but does not tokenize) and continues at exactly the same row.
+Only two windows are held at a time. Written here because ``datasets``' own shuffle buffer and
+``state_dict`` resume per record, not per packed row of a seeded window.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from typing import Any
+
+from toolkit.contracts import IGNORE_INDEX, Example, StepContext
+from toolkit.errors import ConfigError, DataError
+
+STREAM_WINDOW = 4096
+"""Records per window (the unit of reading, packing and resuming)."""
+
+
+class StreamBatches:
+    """Per-step micro-batches for one data-parallel rank from a stream (the interface of :class:`Batches`)."""
+
+    def __init__(self, datasets: list[str], encode: Any, *, seed: int, seq_len: int, packing: bool, micro_batch_size: int,
+                 global_batch_size: int, dp_rank: int, dp_world_size: int, pad_id: int, max_steps: int,
+                 group_by_length: bool = True, pad_multiple: int = 1, window: int = 0):
+        """``encode(records, where)``: encoded, truncated examples of a list of records (the pipeline's rules)."""
+        if not max_steps:
+            raise ConfigError("--streaming needs --max-steps: a stream's length is not known before it is read",
+                              source="--streaming")
+        self.datasets, self.encode = datasets, encode
+        self.seed, self.seq_len, self.packing, self.window = seed, seq_len, packing, window or STREAM_WINDOW
+        self.micro_batch_size, self.dp_rank, self.dp_world_size = micro_batch_size, dp_rank, dp_world_size
+        self.global_batch_size = global_batch_size or micro_batch_size * dp_world_size
+        per_step = micro_batch_size * dp_world_size
+        if self.global_batch_size % per_step:
+            raise ConfigError(f"--global-batch-size {self.global_batch_size} must be a multiple of --micro-batch-size "
+                              f"{micro_batch_size} x data-parallel ranks {dp_world_size} = {per_step}")
+        self.accumulation = self.global_batch_size // per_step
+        self.group = 0 if packing or not group_by_length else self.global_batch_size
+        self.pad_id, self.pad_multiple = pad_id, pad_multiple
+        self.steps_per_epoch = max_steps  # unknown for a stream: "epoch" in the metrics is the run's fraction
+        self.window_units: list[int] = []  # units each window gave, in stream order (pass after pass)
+        self.windows_per_pass: int | None = None
+        self._held: OrderedDict[int, tuple[list[Example], list[list[int]]]] = OrderedDict()
+
+    # ------------------------------------------------------------------ the stream
+    def _records(self, start: int) -> Any:
+        from toolkit.data.reading import stream_records
+
+        return stream_records(self.datasets, skip=start)
+
+    def _window(self, number: int) -> tuple[list[Example], list[list[int]]]:
+        """Window ``number`` of the stream (counting over passes): its examples and shuffled units."""
+        if number in self._held:
+            return self._held[number]
+        passes, local = divmod(number, self.windows_per_pass) if self.windows_per_pass else (0, number)
+        records = []
+        for where, record in self._records(local * self.window):
+            records.append((where, record))
+            if len(records) == self.window:
+                break
+        if not records:
+            if local == 0:
+                raise DataError(f"{', '.join(self.datasets)} holds no records")
+            self.windows_per_pass = local
+            return self._window(number)
+        examples = self.encode(records)
+        if not examples:
+            raise DataError(f"window {local} of the stream ({records[0][0]} on) gave no trainable examples")
+        from toolkit.data.pipeline import build_units
+
+        order = list(range(len(examples)))
+        rng = random.Random((self.seed * 1_000_003 + passes) * 7_919 + local)
+        rng.shuffle(order)
+        units = build_units(examples, order, self.seq_len, self.packing, self.group)
+        if self.group:  # keep whole global batches together when grouped; shuffle otherwise
+            runs = [units[k:k + self.group] for k in range(0, len(units), self.group)]
+            rng.shuffle(runs)
+            units = [u for run in runs for u in run]
+        else:
+            rng.shuffle(units)
+        if len(records) < self.window and self.windows_per_pass is None:
+            self.windows_per_pass = local + 1
+        self._held[number] = (examples, units)
+        while len(self._held) > 2:
+            self._held.popitem(last=False)
+        return examples, units
+
+    def _locate(self, position: int) -> tuple[int, int]:
+        """(window number, unit within it) of unit ``position`` of the whole stream."""
+        number, start = 0, 0
+        while True:
+            if number == len(self.window_units):
+                self.window_units.append(len(self._window(number)[1]))
+            if position < start + self.window_units[number]:
+                return number, position - start
+            start += self.window_units[number]
+            number += 1
+
+    def step_items(self, step: int) -> list[tuple[Example, ...]]:
+        """The examples of each unit of the step's global batch."""
+        items = []
+        for position in range(step * self.global_batch_size, (step + 1) * self.global_batch_size):
+            number, index = self._locate(position)
+            examples, units = self._window(number)
+            items.append(tuple(examples[i] for i in units[index]))
+        return items
+
+    # ------------------------------------------------------------------ what the runner asks
+    def micro_batches(self, step: int) -> list[dict[str, Any]]:
+        from toolkit.data.pipeline import collate
+
+        items = self.step_items(step)
+        per_rank = self.micro_batch_size * self.accumulation
+        mine = items[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
+        batches = []
+        for k in range(0, len(mine), self.micro_batch_size):
+            examples = [e for unit in mine[k:k + self.micro_batch_size] for e in unit]
+            units, start = [], 0
+            for unit in mine[k:k + self.micro_batch_size]:
+                units.append(list(range(start, start + len(unit))))
+                start += len(unit)
+            batches.append(collate(examples, units, self.pad_id, self.packing, self.pad_multiple, self.seq_len))
+        return batches
+
+    def context(self, step: int) -> StepContext:
+        seqs = [s for unit in self.step_items(step) for e in unit for s in e.sequences]
+        counted = [(s.role, sum(1 for label in s.labels if label != IGNORE_INDEX)) for s in seqs]
+        return StepContext(label_tokens=sum(n for _, n in counted), sequences=len(seqs),
+                           examples=sum(len(u) for u in self.step_items(step)), step=step,
+                           counts={"chosen_label_tokens": sum(n for role, n in counted if role == 0)})
+
+    def step_sources(self, step: int) -> list[str]:
+        return [e.source for unit in self.step_items(step) for e in unit]
+
+    def left_over_examples(self, epoch: int) -> int:
+        return 0
+
+    def epoch_fill(self, epoch: int = 0) -> tuple[int, float]:
+        """Rows and fill of the first window's units (a stream is not read ahead)."""
+        from toolkit.data.pipeline import batch_rows, row_lengths
+
+        examples, units = self._window(0)
+        rows = capacity = real = 0
+        for k in range(0, len(units), self.micro_batch_size):
+            lengths = row_lengths(examples, batch_rows(examples, units[k:k + self.micro_batch_size], self.packing))
+            width = self.seq_len if self.packing else max(lengths)
+            rows, capacity, real = rows + len(lengths), capacity + width * len(lengths), real + sum(lengths)
+        return rows, (real / capacity if capacity else 0.0)
+
+    def state(self) -> dict[str, Any]:
+        return {"stream_window_units": list(self.window_units), "stream_windows_per_pass": self.windows_per_pass}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.window_units = list(state.get("stream_window_units", []))
+        self.windows_per_pass = state.get("stream_windows_per_pass")

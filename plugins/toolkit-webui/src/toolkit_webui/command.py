@@ -1,0 +1,73 @@
+"""``toolkit webui``: serve the page on localhost; another address only with --allow-remote, and a warning."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+from pathlib import Path
+
+import click
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(runs_dir: Path, data_dirs: list[Path], host: str, port: int, block: bool = True):
+    """Build the page and start Gradio's server; returns the running ``gr.Blocks`` when ``block`` is False."""
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no calls home (and none possible offline)
+    from toolkit_webui.app import App, build
+    from toolkit_webui.paths import Roots
+
+    roots = Roots(runs_dir, data_dirs)
+    roots.runs.mkdir(parents=True, exist_ok=True)
+    app = App(roots)
+    page = build(app)
+    page.toolkit_app = app
+    # Gradio serves files only from allowed_paths and its own upload/cache folders; nothing is
+    # allowed here: the page shows file contents itself, after Roots has checked each path.
+    page.queue(default_concurrency_limit=4)
+    page.launch(server_name=host, server_port=port, share=False, ssr_mode=False, allowed_paths=[], show_error=False,
+                inbrowser=False, prevent_thread_lock=True, quiet=not block)
+    if not block:
+        return page
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM too ends Gradio's loop, so runs below are stopped
+    try:
+        page.block_thread()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        app.runs.close()
+    return page
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+@click.command("webui")
+@click.option("--runs-dir", default="runs", show_default=True, type=click.Path(file_okay=False),
+              help="Directory of runs: launched here, listed, exported; the page may write only inside it.")
+@click.option("--data-dir", "data_dirs", multiple=True, type=click.Path(file_okay=False, exists=True),
+              help="A directory the page may read datasets, models and recipes from (repeatable).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=7860, show_default=True, type=int)
+@click.option("--allow-remote", is_flag=True, help="Allow --host other than localhost (anyone who reaches it can train and read runs).")
+def webui_command(runs_dir: str, data_dirs: tuple[str, ...], host: str, port: int, allow_remote: bool) -> None:
+    """Compose, launch and watch runs in a browser; forms come from the installed plugins.
+
+    Listens on 127.0.0.1 only unless --allow-remote; reads files only inside --runs-dir and --data-dir.
+    Closing it (Ctrl-C) stops its runs, each with a checkpoint; resume them from the page later.
+    """
+    if not is_loopback(host):
+        if not allow_remote:
+            raise click.UsageError(f"--host {host} would let other machines use this page (launch runs, read the runs "
+                                   "directory); add --allow-remote if that is what you want")
+        click.echo(f"toolkit webui: WARNING: listening on {host}:{port}: anyone who can reach it can start training and "
+                   f"read {Path(runs_dir).resolve()} and the data directories. There is no login.", err=True)
+    serve(Path(runs_dir), [Path(d) for d in data_dirs], host, port)

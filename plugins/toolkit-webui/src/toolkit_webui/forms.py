@@ -1,0 +1,285 @@
+"""The recipe form as data: one :class:`Field` per Recipe field and per field of every registered
+strategy's, tuner's, loss's, dataset format's and architecture's ``Config``, with the CLI flag
+the core generates for it; values -> recipe dict -> YAML and the equivalent command line.
+
+Nothing here knows a plugin by name: a third-party plugin's loss and its options appear because
+they are in the registry. No Gradio here, so the form logic is tested without a browser.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+import types
+import typing
+from typing import Any, Literal, get_args, get_origin
+
+from toolkit.config import coerce, field_types
+from toolkit.errors import ToolkitError
+from toolkit.recipe import OPTION_KINDS, Recipe
+
+# Recipe fields whose value names a registered thing: shown as a choice of the installed ones.
+NAMED_BY_REGISTRY = {"loss": "loss", "tuner": "tuner", "strategy": "strategy", "dataset_format": "dataset_format",
+                     "export": "exporter"}
+# Choices the core accepts besides registered names.
+EXTRA_CHOICES = {"strategy": ["auto"], "dataset_format": ["auto"], "export": [""]}
+# Written into every recipe even at their defaults: a recipe should say what it trains on.
+ALWAYS_WRITTEN = ("model", "dataset", "output", "loss")
+# Fields whose value may be a path: checked against the UI's directories before a launch.
+PATH_FIELDS = ("model", "dataset", "output", "resume")
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One input of the form."""
+
+    section: str | None            # None: a Recipe field; else the registered thing whose Config holds it
+    kind: str | None               # the registry kind of ``section`` ("loss", "tuner", ...)
+    name: str
+    type: Any
+    default: Any
+    help: str
+    flag: str | None               # the CLI flag, None when only a YAML section can set it
+    negative: str | None = None    # ``--no-...`` for booleans
+    choices: tuple[str, ...] = ()  # a fixed set (Literal) or the registered names
+    custom: bool = False           # a value outside ``choices`` is allowed (model presets or a path)
+
+    @property
+    def key(self) -> str:
+        return self.name if self.section is None else f"{self.section}.{self.name}"
+
+    @property
+    def shape(self) -> str:
+        """How the page shows it: bool, int, float, choice, list, mapping or text."""
+        if self.choices:
+            return "choice"
+        tp = _without_none(self.type)
+        origin = get_origin(tp)
+        if origin is list:
+            return "list"
+        if origin is dict:
+            return "mapping"
+        return {bool: "bool", int: "int", float: "float"}.get(tp, "text")
+
+
+def _without_none(tp: Any) -> Any:
+    if get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else str
+    return tp
+
+
+def _is_switch(tp: Any) -> bool:
+    """``bool | None`` or ``bool | Literal["auto"]``: three states, which a checkbox cannot show."""
+    if get_origin(tp) not in (typing.Union, types.UnionType):
+        return False
+    args = get_args(tp)
+    return bool in args and all(a in (bool, type(None)) or get_origin(a) is Literal for a in args)
+
+
+def _switch_choices(tp: Any) -> tuple[str, ...]:
+    choices: list[str] = []
+    for arg in get_args(tp):
+        if arg is type(None):
+            choices.insert(0, "")
+        elif arg is bool:
+            choices += ["true", "false"]
+        else:
+            choices += [str(a) for a in get_args(arg)]
+    return tuple(choices)
+
+
+def _default(field: dataclasses.Field) -> Any:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return None
+
+
+def config_fields(cls: type, section: str | None, kind: str | None, flags: dict[str, Any] | None = None,
+                  registry_choices: dict[str, list[str]] | None = None) -> list[Field]:
+    """The fields of one Config dataclass (``flags``: its click options by field name, where it has flags)."""
+    flags, registry_choices = flags or {}, registry_choices or {}
+    hints = field_types(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.name == "options":
+            continue
+        tp = hints[f.name]
+        option = flags.get(f.name)
+        choices: tuple[str, ...] = ()
+        custom = False
+        if section is None and f.name in registry_choices:
+            choices = tuple(registry_choices[f.name])
+        elif get_origin(_without_none(tp)) is Literal:
+            choices = ("",) * (type(None) in get_args(tp)) + tuple(str(a) for a in get_args(_without_none(tp)))
+        elif _is_switch(tp):
+            choices = _switch_choices(tp)
+        if section is None and f.name == "model":
+            from toolkit.builtins.loaders import PRESETS
+
+            choices, custom = tuple(PRESETS), True
+        out.append(Field(section=section, kind=kind, name=f.name, type=tp, default=_default(f), help=f.metadata.get("help", ""),
+                         flag=option.opts[0] if option is not None else None,
+                         negative=option.secondary_opts[0] if option is not None and option.secondary_opts else None,
+                         choices=choices, custom=custom))
+    return out
+
+
+def form_fields(manager: Any) -> list[Field]:
+    """Every Recipe field, then every registered thing's Config fields, with the flags of the CLI."""
+    from toolkit.commands.train import add_registered_options, recipe_options
+
+    own = recipe_options()
+    params: list[Any] = list(own)
+    sections = add_registered_options(params, manager, OPTION_KINDS)
+    plugin = params[len(own):]
+    choices = {name: sorted(manager.registry(kind).names()) + EXTRA_CHOICES.get(name, [])
+               for name, kind in NAMED_BY_REGISTRY.items()}
+    fields = config_fields(Recipe, None, None, {o.name: o for o in own}, choices)
+    by_thing: dict[str, dict[str, Any]] = {}
+    for option in plugin:
+        thing, name = sections[option.name]
+        by_thing.setdefault(thing, {})[name] = option
+    seen = set()
+    for kind in OPTION_KINDS:
+        for thing, cls in manager.registry(kind).items():
+            if thing in seen:
+                continue  # the core resolves a section name to the first kind that has it
+            seen.add(thing)
+            fields += config_fields(cls.Config, thing, kind, by_thing.get(thing, {}), {})
+    return fields
+
+
+def active_sections(values: dict[str, Any], fields: list[Field]) -> set[str]:
+    """The option sections that apply: the chosen strategy, tuner, loss, dataset format; every architecture's."""
+    chosen = {values.get(name) for name in ("strategy", "tuner", "loss", "dataset_format")}
+    return {f.section for f in fields if f.section is not None and (f.kind == "architecture" or f.section in chosen)}
+
+
+def parse_widget(field: Field, raw: Any) -> Any:
+    """What the page holds (text, number, checkbox) -> the field's value; ValueError naming the problem."""
+    shape = field.shape
+    if shape == "list":
+        items = raw if isinstance(raw, list) else [part.strip() for part in str(raw or "").replace("\n", ",").split(",")]
+        return coerce([item for item in items if item != ""], field.type)
+    if shape == "mapping":
+        if isinstance(raw, dict):
+            return dict(raw)
+        pairs = {}
+        for line in str(raw or "").splitlines():
+            if line.strip():
+                key, sep, value = line.partition("=")
+                if not sep or not key.strip():
+                    raise ValueError(f"expected KEY=VALUE lines, got {line!r}")
+                pairs[key.strip()] = value.strip()
+        return pairs
+    if raw is None or (isinstance(raw, str) and raw.strip() == ""):
+        if type(None) in get_args(field.type):
+            return None
+        if shape == "text" or field.default == "":
+            return ""
+        raise ValueError("give a value")
+    return coerce(raw, field.type)
+
+
+def widget_value(field: Field, value: Any) -> Any:
+    """The field's value as the page shows it (the inverse of :func:`parse_widget`)."""
+    if field.shape == "list":
+        return ", ".join(str(v) for v in value or [])
+    if field.shape == "mapping":
+        return "\n".join(f"{k}={v}" for k, v in (value or {}).items())
+    if value is None:
+        return None if field.shape in ("int", "float") else ""
+    if isinstance(value, bool) and field.shape == "choice":
+        return "true" if value else "false"
+    if field.shape == "choice" or field.shape == "text":
+        return str(value)
+    return value
+
+
+def recipe_values(fields: list[Field], raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Form values (by :attr:`Field.key`) -> a recipe dict like the YAML (defaults left out), and problems."""
+    parsed: dict[str, Any] = {}
+    problems = []
+    for field in fields:
+        if field.key not in raw:
+            continue
+        try:
+            parsed[field.key] = parse_widget(field, raw[field.key])
+        except ValueError as exc:
+            problems.append(f"{field.flag or field.key}: {exc}")
+    top = {f.name: parsed[f.key] for f in fields if f.section is None and f.key in parsed}
+    sections = active_sections(top, fields)
+    values: dict[str, Any] = {}
+    for field in fields:
+        if field.key not in parsed:
+            continue
+        value = parsed[field.key]
+        if field.section is None:
+            if value != field.default or field.name in ALWAYS_WRITTEN:
+                values[field.name] = value
+        elif field.section in sections and value != field.default:
+            values.setdefault(field.section, {})[field.name] = value
+    return values, problems
+
+
+def values_from_recipe(fields: list[Field], data: dict[str, Any]) -> dict[str, Any]:
+    """A recipe dict (a YAML file) -> form values by key; fields it does not set take their defaults."""
+    out = {}
+    for field in fields:
+        container = data if field.section is None else (data.get(field.section) or data.get("options", {}).get(field.section) or {})
+        value = container.get(field.name, container.get(field.name.replace("_", "-"), field.default))
+        if value is not None and field.section is None and field.shape not in ("list", "mapping"):
+            value = coerce(value, field.type)
+        out[field.key] = widget_value(field, value)
+    return out
+
+
+def recipe_yaml(values: dict[str, Any]) -> str:
+    import yaml
+
+    return yaml.safe_dump(values, sort_keys=False, allow_unicode=True)
+
+
+def command_args(fields: list[Field], values: dict[str, Any], manager: Any) -> list[str]:
+    """The ``toolkit`` arguments that train this recipe: ``["sft", "--model", "tiny-llama", ...]``.
+
+    Raises when an option has no flag (a clash the CLI resolved by leaving it to YAML).
+    """
+    loss = values.get("loss", "sft")
+    loss_cls = manager.registry("loss").get(loss)
+    args = [loss] if getattr(loss_cls, "cli_command", True) else ["train", "--loss", loss]
+    by_key = {f.key: f for f in fields}
+    for key, value in values.items():
+        if isinstance(value, dict) and key not in by_key:
+            pairs = [(by_key[f"{key}.{name}"], v) for name, v in value.items()]
+        else:
+            if key == "loss":
+                continue
+            pairs = [(by_key[key], value)]
+        for field, item in pairs:
+            args += _flag_args(field, item)
+    return args
+
+
+def _flag_args(field: Field, value: Any) -> list[str]:
+    if field.flag is None:
+        raise ToolkitError(f"option {field.key} has no command-line flag (its name clashes with another); "
+                           "save the recipe and run it with --config FILE")
+    if field.shape == "bool" or (isinstance(value, bool) and field.negative):
+        return [field.flag] if value else [field.negative or f"--no-{field.flag[2:]}"]
+    if field.shape == "list":
+        return [part for item in value for part in (field.flag, str(item))]
+    if field.shape == "mapping":
+        return [part for k, v in value.items() for part in (field.flag, f"{k}={v}")]
+    if value is None:
+        return [field.flag, "none"]
+    return [field.flag, str(value)]
+
+
+def shell_command(args: list[str], nproc: int = 1) -> str:
+    """What to type in a shell: ``toolkit sft ...`` or, on several processes, ``toolkit launch --nproc N sft ...``."""
+    prefix = ["toolkit"] if nproc <= 1 else ["toolkit", "launch", "--nproc", str(nproc)]
+    return shlex.join(prefix + args)

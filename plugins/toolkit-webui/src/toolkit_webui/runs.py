@@ -1,0 +1,235 @@
+"""Runs launched from the page: a ``python -m toolkit ...`` (or torchrun) subprocess per run directory,
+its status from the process and the run's checkpoints, its curves from ``metrics.jsonl``.
+
+Stopping sends SIGTERM to the training processes themselves (under torchrun: its workers, so
+torchrun's own 30-second kill timer never races the checkpoint); the runner then finishes the
+step, saves a checkpoint and exits (75, EXIT_STOPPED, on one process; 0 under torchrun).
+Resuming runs the same command again with ``--resume auto``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from toolkit.errors import EXIT_STOPPED, ToolkitError
+
+LAUNCH_FILE = "webui-launch.json"  # what the page ran in this directory: the arguments, the processes
+LOG_FILE = "webui.log"             # the subprocess's stdout and stderr
+
+
+@dataclasses.dataclass
+class RunStatus:
+    """One row of the runs table."""
+
+    name: str
+    path: Path
+    state: str  # running, stopping, finished, stopped, failed, empty
+    step: int | None
+    total_steps: int | None
+    loss: float | None
+
+    def row(self) -> list[Any]:
+        steps = f"{self.step or 0}/{self.total_steps}" if self.total_steps else str(self.step or 0)
+        return [self.name, self.state, steps, "" if self.loss is None else f"{self.loss:.4f}"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def process_command(args: list[str], nproc: int) -> list[str]:
+    """``python -m toolkit ARGS`` or, on several processes, the torchrun line ``toolkit launch`` would run."""
+    if nproc <= 1:
+        return [sys.executable, "-m", "toolkit", *args]
+    from toolkit.commands.launch import torchrun_command
+
+    return torchrun_command(tuple(args), nproc, master_port=free_port())
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """Every complete line of ``metrics.jsonl`` (the last one may be half-written while training)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and "step" in row:
+            rows.append(row)
+    return rows
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (Linux /proc); empty where that cannot be read."""
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+class Runs:
+    """The runs under one directory, and the processes this page started there."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.processes: dict[Path, subprocess.Popen] = {}
+        self.stopping: set[Path] = set()
+
+    def launch(self, args: list[str], run_dir: Path, nproc: int = 1) -> subprocess.Popen:
+        run_dir = Path(run_dir)
+        running = self.processes.get(run_dir)
+        if running is not None and running.poll() is None:
+            raise ToolkitError(f"{run_dir} is already training (process {running.pid}); stop it first")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        command = process_command(args, nproc)
+        with open(run_dir / LOG_FILE, "ab") as log:
+            log.write(f"\n$ {' '.join(command)}\n".encode())
+            log.flush()
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       cwd=self.root, env=env, start_new_session=True)
+        (run_dir / LAUNCH_FILE).write_text(json.dumps({"args": args, "nproc": nproc, "pid": process.pid}, indent=1))
+        self.processes[run_dir] = process
+        self.stopping.discard(run_dir)
+        return process
+
+    def stop(self, run_dir: Path) -> str:
+        run_dir = Path(run_dir)
+        process = self.processes.get(run_dir)
+        if process is None or process.poll() is not None:
+            raise ToolkitError(f"{run_dir.name} is not training from this page")
+        targets = _children(process.pid) if json.loads((run_dir / LAUNCH_FILE).read_text()).get("nproc", 1) > 1 else []
+        for pid in targets or [process.pid]:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        self.stopping.add(run_dir)
+        return f"asked {run_dir.name} to stop: it saves a checkpoint after the current step"
+
+    def resume(self, run_dir: Path) -> subprocess.Popen:
+        """Run the directory's command again with ``--resume auto`` (the page's own launch, else its recipe.yaml)."""
+        run_dir = Path(run_dir)
+        launch = run_dir / LAUNCH_FILE
+        if launch.is_file():
+            saved = json.loads(launch.read_text())
+            args, nproc = _without_resume(saved["args"]), int(saved.get("nproc", 1))
+        elif (run_dir / "recipe.yaml").is_file():
+            args, nproc = ["train", "--config", str(run_dir / "recipe.yaml")], 1
+        else:
+            raise ToolkitError(f"{run_dir} has neither {LAUNCH_FILE} nor recipe.yaml: nothing to resume")
+        return self.launch([*args, "--resume", "auto"], run_dir, nproc)
+
+    def wait(self, run_dir: Path, timeout: float) -> int | None:
+        process = self.processes.get(Path(run_dir))
+        if process is None:
+            return None
+        try:
+            return process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def close(self) -> None:
+        """Stop every run this page started and wait for their checkpoints (the page is shutting down)."""
+        for run_dir, process in list(self.processes.items()):
+            if process.poll() is None:
+                self.stop(run_dir)
+        for process in self.processes.values():
+            try:
+                process.wait(120)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+    def run_dirs(self) -> list[Path]:
+        """Directories under the root that hold a run (recipe.yaml) or a launch from this page, newest first."""
+        if not self.root.is_dir():
+            return []
+        found = {p.parent for name in ("recipe.yaml", LAUNCH_FILE) for p in self.root.glob(f"*/{name}")}
+        found |= {p for p in self.processes}
+        return sorted(found, key=lambda p: p.stat().st_mtime if p.exists() else 0, reverse=True)
+
+    def status(self, run_dir: Path) -> RunStatus:
+        from toolkit.train.checkpoint import list_checkpoints, read_state
+
+        run_dir = Path(run_dir)
+        metrics = read_metrics(run_dir)
+        last = metrics[-1] if metrics else {}
+        checkpoints = list_checkpoints(run_dir) if (run_dir / "checkpoints").is_dir() else []
+        state = read_state(checkpoints[-1]) if checkpoints else {}
+        total = state.get("total_steps")
+        process = self.processes.get(run_dir)
+        if process is not None and process.poll() is None:
+            name = "stopping" if run_dir in self.stopping else "running"
+        elif total and state.get("step") == total:
+            name = "finished"
+        elif process is not None and process.returncode not in (0, EXIT_STOPPED, None) and run_dir not in self.stopping:
+            name = f"failed (exit {process.returncode})"
+        elif checkpoints:
+            name = f"stopped at step {state.get('step')}"
+        elif metrics and time.time() - (run_dir / "metrics.jsonl").stat().st_mtime < 60:
+            name = "running (not from this page)"
+        else:
+            name = "empty"
+        return RunStatus(run_dir.name, run_dir, name, last.get("step"), total, last.get("loss"))
+
+    def table(self) -> list[list[Any]]:
+        return [self.status(p).row() for p in self.run_dirs()]
+
+
+def _without_resume(args: list[str]) -> list[str]:
+    out, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--resume":
+            skip = True
+        elif not arg.startswith("--resume="):
+            out.append(arg)
+    return out
+
+
+def log_tail(run_dir: Path, lines: int = 40) -> str:
+    path = Path(run_dir) / LOG_FILE
+    if not path.is_file():
+        return ""
+    with open(path, "rb") as handle:
+        handle.seek(max(0, path.stat().st_size - 64 * 1024))
+        text = handle.read().decode(errors="replace")
+    return "\n".join(text.splitlines()[-lines:])
+
+
+CURVES = {"loss": ("loss", "eval_loss"), "learning rate": ("lr",), "tokens/s": ("tokens_per_s",)}
+
+
+def curves(metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """Long-format tables (step, value, series) per plot: loss, learning rate, tokens/s, reward.
+
+    The reward plot holds every logged key with "reward" in its name (toolkit-rl's and any plugin's).
+    """
+    import pandas as pd
+
+    rewards = sorted({k for row in metrics for k, v in row.items() if "reward" in k and isinstance(v, (int, float))})
+    plots = {**CURVES, "reward": tuple(rewards)}
+    out = {}
+    for title, keys in plots.items():
+        points = [(row["step"], float(row[key]), key) for row in metrics for key in keys
+                  if isinstance(row.get(key), (int, float)) and not isinstance(row.get(key), bool)]
+        frame = pd.DataFrame(points, columns=["step", "value", "series"])
+        # typed even when empty: Gradio takes an empty object column for a category axis
+        out[title] = frame.astype({"step": "int64", "value": "float64", "series": "object"})
+    return out

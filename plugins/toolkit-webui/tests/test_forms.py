@@ -1,0 +1,130 @@
+"""The form comes from the registries: every Config field appears, and the command line it writes
+parses back, through the real ``toolkit`` CLI, to the same resolved recipe as its YAML."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from toolkit.plugins import get_plugin_manager
+from toolkit.recipe import OPTION_KINDS, read_yaml, resolve_recipe
+from toolkit_webui import forms
+
+
+@pytest.fixture(scope="module")
+def fields():
+    return forms.form_fields(get_plugin_manager())
+
+
+def defaults(fields):
+    return {f.key: forms.widget_value(f, f.default) for f in fields}
+
+
+def test_every_registered_option_is_a_field(fields):
+    manager = get_plugin_manager()
+    keys = {f.key for f in fields}
+    expected = set()
+    for kind in OPTION_KINDS:
+        for name, cls in manager.registry(kind).items():
+            expected |= {f"{name}.{f.name}" for f in dataclasses.fields(cls.Config)}
+    assert expected <= keys
+    assert {"focal.gamma", "focal.detach_weight"} <= keys  # toolkit-example's loss, known to no UI code
+    assert "focal" in next(f for f in fields if f.key == "loss").choices
+
+
+def parse_with_cli(args, monkeypatch, tmp_path):
+    """What the real ``toolkit`` command builds from ``args`` (training itself replaced by a recorder)."""
+    import toolkit.train.runner as runner
+    from toolkit.cli import main
+
+    seen = []
+    monkeypatch.setattr(runner, "run_training", lambda recipe, **_: seen.append(recipe))
+    main(args)
+    return seen[0]
+
+
+def test_command_line_and_yaml_give_the_same_recipe(fields, monkeypatch, tmp_path):
+    raw = defaults(fields)
+    raw.update({"loss": "focal", "focal.gamma": 0.5, "focal.detach_weight": True, "max_steps": 7, "lr": 3e-4,
+                "packing": True, "dataset": "demo, demo", "columns": "instruction=question", "output": str(tmp_path / "r"),
+                "local.recompute_logits": True, "local.master_weights": "false", "schedule": "linear", "resume": ""})
+    values, problems = forms.recipe_values(fields, raw)
+    assert problems == []
+    args = forms.command_args(fields, values, get_plugin_manager())
+    assert args[0] == "focal" and "--focal-gamma" in args and "--no-local-master-weights" in args
+    from_cli = parse_with_cli(args, monkeypatch, tmp_path)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(forms.recipe_yaml(values))
+    from_yaml = resolve_recipe(read_yaml(path), source=str(path))
+    assert from_cli == from_yaml
+    assert from_cli.section("focal") == {"gamma": 0.5, "detach_weight": True}
+    assert from_cli.dataset == ["demo", "demo"] and from_cli.columns == {"instruction": "question"}
+
+
+def test_yaml_loads_back_into_the_form(fields):
+    raw = defaults(fields)
+    raw.update({"loss": "focal", "focal.gamma": 1.25, "max_steps": 3, "tuner": "freeze", "freeze.trainable_layers": 1})
+    values, _ = forms.recipe_values(fields, raw)
+    again, problems = forms.recipe_values(fields, forms.values_from_recipe(fields, values))
+    assert problems == [] and again == values
+
+
+def test_options_of_unchosen_things_stay_out(fields):
+    raw = defaults(fields)
+    raw.update({"focal.gamma": 0.5, "fsdp.cpu_offload": True})  # loss sft, strategy local: neither applies
+    values, _ = forms.recipe_values(fields, raw)
+    assert "focal" not in values and "fsdp" not in values
+
+
+def test_bad_values_are_named(fields):
+    raw = defaults(fields)
+    raw.update({"max_steps": "many", "columns": "no equals sign"})
+    _, problems = forms.recipe_values(fields, raw)
+    assert any(p.startswith("--max-steps:") for p in problems), problems
+    assert any(p.startswith("--columns:") and "KEY=VALUE" in p for p in problems), problems
+
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[3] / "examples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_recipes_survive_the_form(fields, path):
+    """Every example recipe the installed plugins can resolve: file -> form -> recipe resolves the same."""
+    from toolkit.errors import ToolkitError
+
+    data = read_yaml(path)
+    try:
+        expected = resolve_recipe(data, source=str(path))
+    except ToolkitError as exc:
+        if "not installed" not in str(exc):
+            raise
+        pytest.skip(f"{path.name} needs a plugin that is not installed here")
+    values, problems = forms.recipe_values(fields, forms.values_from_recipe(fields, data))
+    assert problems == []
+    assert without_default_sections(resolve_recipe(values, source="the form")) == without_default_sections(expected)
+
+
+def without_default_sections(recipe):
+    """A section holding only its Config's defaults means the same as no section."""
+    from toolkit.recipe import _option_owner
+
+    manager = get_plugin_manager()
+    options = {name: section for name, section in recipe.options.items()
+               if section != dataclasses.asdict(_option_owner(manager, name).Config())}
+    return dataclasses.replace(recipe, options=options)
+
+
+def test_launch_refuses_a_directory_that_holds_a_run(fields, tmp_path):
+    from toolkit.errors import ToolkitError
+    from toolkit_webui.app import App
+    from toolkit_webui.paths import Roots
+
+    app = App(Roots(tmp_path))
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "recipe.yaml").write_text("model: tiny-llama\n")
+    raw = {**defaults(fields), "output": "old"}
+    with pytest.raises(ToolkitError, match="already holds a run"):
+        app.launch(raw, 1)
+    assert app.runs.processes == {}  # nothing started

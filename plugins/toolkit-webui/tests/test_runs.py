@@ -1,0 +1,62 @@
+"""Runs as subprocesses: curves from metrics.jsonl; stop and resume, also under torchrun with 2 processes."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from toolkit.errors import EXIT_STOPPED
+from toolkit_webui.runs import Runs, curves, read_metrics
+
+
+def test_curves_read_complete_lines_and_every_reward(tmp_path):
+    rows = [{"step": 1, "loss": 2.0, "lr": 1e-4, "tokens_per_s": 10.0, "reward_answer": 0.5},
+            {"step": 2, "loss": 1.5, "eval_loss": 1.7, "lr": 9e-5, "tokens_per_s": 12.0, "reward_format": 1.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "lo')
+    metrics = read_metrics(tmp_path)
+    assert [m["step"] for m in metrics] == [1, 2]  # the half-written line is not a point
+    plots = curves(metrics)
+    assert plots["loss"].values.tolist() == [[1, 2.0, "loss"], [2, 1.5, "loss"], [2, 1.7, "eval_loss"]]
+    assert set(plots["reward"]["series"]) == {"reward_answer", "reward_format"}
+    assert str(curves([])["loss"]["step"].dtype) == "int64"  # an empty plot keeps numeric axes
+
+
+def wait_for_step(run_dir, step, timeout=180):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        metrics = read_metrics(run_dir)
+        if metrics and metrics[-1]["step"] >= step:
+            return metrics[-1]["step"]
+        time.sleep(0.3)
+    raise AssertionError(f"{run_dir} never reached step {step}:\n{(run_dir / 'webui.log').read_text()}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_stop_saves_and_resume_continues(tmp_path, monkeypatch, nproc):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    runs = Runs(tmp_path)
+    run_dir = tmp_path / "r"
+    args = ["sft", "--model", "tiny-llama", "--dataset", "demo", "--max-steps", "100000", "--output", str(run_dir)]
+    runs.launch(args, run_dir, nproc)
+    try:
+        wait_for_step(run_dir, 3)
+        runs.stop(run_dir)
+        stopped_status = EXIT_STOPPED if nproc == 1 else 0  # torchrun reports any other status as a failure
+        assert runs.wait(run_dir, 180) == stopped_status, (run_dir / "webui.log").read_text()  # stopped and saved
+        status = runs.status(run_dir)
+        assert status.state.startswith("stopped at step"), status
+        stopped = status.step
+        assert (run_dir / "checkpoints" / f"step-{stopped}").is_dir()
+        runs.resume(run_dir)
+        wait_for_step(run_dir, stopped + 2)
+        log = (run_dir / "webui.log").read_text()
+        assert f"resumed from {run_dir / 'checkpoints' / f'step-{stopped}'} at step {stopped}" in log
+        assert [m["step"] for m in read_metrics(run_dir)][stopped] == stopped + 1
+        runs.stop(run_dir)
+        assert runs.wait(run_dir, 180) == stopped_status
+    finally:
+        runs.close()
