@@ -112,8 +112,8 @@ def test_toolkit_plugins_lists_this_plugin():
     assert result.returncode == 0, result.stderr
     (row,) = [r for r in json.loads(result.stdout) if r["name"] == "example"]
     assert (row["distribution"], row["version"], row["error"]) == ("toolkit-example", "0.1.0", None)
-    assert row["registers"] == {"loss": ["focal"], "command": ["example"]}
-    assert row["hooks"] == ["toolkit_register_commands", "toolkit_register_losses"]
+    assert row["registers"] == {"loss": ["focal"], "reward": ["sentence"], "command": ["example"]}
+    assert row["hooks"] == ["toolkit_register_commands", "toolkit_register_losses", "toolkit_register_rewards"]
 
 
 def test_the_command(toolkit_manager, cli_runner):
