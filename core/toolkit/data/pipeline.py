@@ -256,6 +256,27 @@ def row_lengths(examples: list[Example], rows: list[list[tuple[int, int]]]) -> l
     return [sum(len(examples[i].sequences[j].input_ids) for i, j in row) for row in rows]
 
 
+def row_fill(examples: list[Example], steps: list[list[list[int]]], micro_batch_size: int, packing: bool,
+             seq_len: int) -> tuple[int, float]:
+    """Rows of the steps' micro-batches and the share of their capacity real tokens fill: packed rows against
+    ``seq_len``, padded micro-batches against their padded width."""
+    rows = capacity = real = 0
+    for units in steps:
+        for k in range(0, len(units), micro_batch_size):
+            lengths = row_lengths(examples, batch_rows(examples, units[k:k + micro_batch_size], packing))
+            width = seq_len if packing else max(lengths)
+            rows, capacity, real = rows + len(lengths), capacity + width * len(lengths), real + sum(lengths)
+    return rows, (real / capacity if capacity else 0.0)
+
+
+def step_context(units: list[list[Example]], step: int) -> StepContext:
+    """What a loss needs to know of a whole step's global batch (its units' examples): label tokens, counts."""
+    seqs = [s for unit in units for e in unit for s in e.sequences]
+    counted = [(s.role, sum(1 for label in s.labels if label != IGNORE_INDEX)) for s in seqs]
+    return StepContext(label_tokens=sum(n for _, n in counted), sequences=len(seqs), examples=sum(len(u) for u in units),
+                       step=step, counts={"chosen_label_tokens": sum(n for role, n in counted if role == 0)})
+
+
 def collate(examples: list[Example], units: list[list[int]], pad_id: int, packing: bool, pad_multiple: int = 1,
             max_width: int = 0) -> dict[str, Any]:
     """Make one micro-batch (see the contract in toolkit.contracts) from units of example indices.
@@ -344,12 +365,7 @@ class Batches:
 
     def context(self, step: int) -> StepContext:
         units = self.step_units(step)
-        seqs = [s for u in units for i in u for s in self.examples[i].sequences]
-        counted = [(s.role, sum(1 for label in s.labels if label != IGNORE_INDEX)) for s in seqs]
-        tokens = sum(n for _, n in counted)
-        chosen = sum(n for role, n in counted if role == 0)
-        return StepContext(label_tokens=tokens, sequences=len(seqs), examples=sum(len(u) for u in units), step=step,
-                           counts={"chosen_label_tokens": chosen})
+        return step_context([[self.examples[i] for i in u] for u in units], step)
 
     def micro_batches(self, step: int) -> list[dict[str, Any]]:
         units = self.step_units(step)
@@ -372,11 +388,6 @@ class Batches:
     def epoch_fill(self, epoch: int = 0) -> tuple[int, float]:
         """Rows of the epoch's steps and the share of their capacity that real tokens fill: packed rows
         against ``seq_len``, padded micro-batches against their padded width."""
-        rows = capacity = real = 0
-        for step in range(epoch * self.steps_per_epoch, (epoch + 1) * self.steps_per_epoch):
-            units = self.step_units(step)
-            for k in range(0, len(units), self.micro_batch_size):
-                lengths = row_lengths(self.examples, batch_rows(self.examples, units[k:k + self.micro_batch_size], self.packing))
-                width = self.seq_len if self.packing else max(lengths)
-                rows, capacity, real = rows + len(lengths), capacity + width * len(lengths), real + sum(lengths)
-        return rows, (real / capacity if capacity else 0.0)
+        steps = range(epoch * self.steps_per_epoch, (epoch + 1) * self.steps_per_epoch)
+        return row_fill(self.examples, [self.step_units(step) for step in steps], self.micro_batch_size, self.packing,
+                        self.seq_len)

@@ -17,7 +17,7 @@ import random
 from collections import OrderedDict
 from typing import Any
 
-from toolkit.contracts import IGNORE_INDEX, Example, StepContext
+from toolkit.contracts import Example, StepContext
 from toolkit.errors import ConfigError, DataError
 
 STREAM_WINDOW = 4096
@@ -51,18 +51,15 @@ class StreamBatches:
         self._held: OrderedDict[int, tuple[list[Example], list[list[int]]]] = OrderedDict()
 
     # ------------------------------------------------------------------ the stream
-    def _records(self, start: int) -> Any:
-        from toolkit.data.reading import stream_records
-
-        return stream_records(self.datasets, skip=start)
-
     def _window(self, number: int) -> tuple[list[Example], list[list[int]]]:
         """Window ``number`` of the stream (counting over passes): its examples and shuffled units."""
         if number in self._held:
             return self._held[number]
         passes, local = divmod(number, self.windows_per_pass) if self.windows_per_pass else (0, number)
+        from toolkit.data.reading import stream_records
+
         records = []
-        for where, record in self._records(local * self.window):
+        for where, record in stream_records(self.datasets, skip=local * self.window):
             records.append((where, record))
             if len(records) == self.window:
                 break
@@ -131,11 +128,9 @@ class StreamBatches:
         return batches
 
     def context(self, step: int) -> StepContext:
-        seqs = [s for unit in self.step_items(step) for e in unit for s in e.sequences]
-        counted = [(s.role, sum(1 for label in s.labels if label != IGNORE_INDEX)) for s in seqs]
-        return StepContext(label_tokens=sum(n for _, n in counted), sequences=len(seqs),
-                           examples=sum(len(u) for u in self.step_items(step)), step=step,
-                           counts={"chosen_label_tokens": sum(n for role, n in counted if role == 0)})
+        from toolkit.data.pipeline import step_context
+
+        return step_context([list(unit) for unit in self.step_items(step)], step)
 
     def step_sources(self, step: int) -> list[str]:
         return [e.source for unit in self.step_items(step) for e in unit]
@@ -145,15 +140,10 @@ class StreamBatches:
 
     def epoch_fill(self, epoch: int = 0) -> tuple[int, float]:
         """Rows and fill of the first window's units (a stream is not read ahead)."""
-        from toolkit.data.pipeline import batch_rows, row_lengths
+        from toolkit.data.pipeline import row_fill
 
         examples, units = self._window(0)
-        rows = capacity = real = 0
-        for k in range(0, len(units), self.micro_batch_size):
-            lengths = row_lengths(examples, batch_rows(examples, units[k:k + self.micro_batch_size], self.packing))
-            width = self.seq_len if self.packing else max(lengths)
-            rows, capacity, real = rows + len(lengths), capacity + width * len(lengths), real + sum(lengths)
-        return rows, (real / capacity if capacity else 0.0)
+        return row_fill(examples, [units], self.micro_batch_size, self.packing, self.seq_len)
 
     def state(self) -> dict[str, Any]:
         return {"stream_window_units": list(self.window_units), "stream_windows_per_pass": self.windows_per_pass}
