@@ -108,7 +108,7 @@ BY_NAME = {p.name: p for p in PLUGINS}
 def pytest_args(session: nox.Session) -> list[str]:
     markers = "not gpu and not slow" if os.environ.get("TOOLKIT_TEST_FAST") else "not gpu"
     workers = os.environ.get("TOOLKIT_TEST_WORKERS")  # pytest-xdist processes per suite, for machines with cores to spare
-    return ["-m", markers, "--durations=5", *(["-n", workers] if workers else []), *session.posargs]
+    return ["-m", markers, "--durations=10", *(["-n", workers] if workers else []), *session.posargs]
 
 
 def run_suites(session: nox.Session, suites: list[tuple[str, Path, list[str], dict[str, str]]]) -> None:
@@ -209,17 +209,27 @@ for _name, _members in _sessions.items():
 
 
 def build_wheels(session: nox.Session) -> list[tuple[str, str]]:
-    """Build the core's and every plugin's wheel into dist/; returns (name, version) of each."""
+    """Build the core's and every plugin's wheel into dist/; returns (name, version) of each.
+
+    With ``TOOLKIT_PREBUILT_WHEELS=1`` (scripts/test.sh, after one ``nox -s build``) the wheels in
+    dist/ are used as they are: sessions running side by side must not rebuild them under each other."""
+    packages = [ROOT, *(p.path for p in PLUGINS)]
+    projects = [tomllib.loads((path / "pyproject.toml").read_text())["project"] for path in packages]
+    built = [(project["name"], project["version"]) for project in projects]
+    if os.environ.get("TOOLKIT_PREBUILT_WHEELS"):
+        missing = [f"{name}-{version}" for name, version in built
+                   if not list(DIST.glob(f"{name.replace('-', '_')}-{version}-*.whl"))]
+        if missing:
+            session.error(f"TOOLKIT_PREBUILT_WHEELS is set but dist/ lacks {', '.join(missing)}: run `nox -s build` first")
+        return built
     install(session, "setuptools>=68", "wheel")
     DIST.mkdir(exist_ok=True)
     for old in DIST.glob("toolkit*.whl"):  # a wheel of an older build must not be picked up
         old.unlink()
-    packages = [ROOT, *(p.path for p in PLUGINS)]
     for package in packages:  # setuptools copies build/lib into the wheel: a module deleted since must not ride along
         shutil.rmtree(package / "build", ignore_errors=True)
     session.run("python", "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(DIST), *map(str, packages))
-    projects = [tomllib.loads((path / "pyproject.toml").read_text())["project"] for path in packages]
-    return [(project["name"], project["version"]) for project in projects]
+    return built
 
 
 @nox.session
