@@ -10,6 +10,7 @@ import sys
 from typing import Any, ClassVar
 
 from toolkit import hookimpl
+from toolkit.contracts import CallbackBase
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -17,25 +18,10 @@ class NoOptions:
     """No options."""
 
 
-class Callback:
-    """Base class with no-op methods; subclasses override what they need."""
+class Callback(CallbackBase):
+    """contracts.CallbackBase (no-op methods) without options."""
 
-    name: ClassVar[str] = ""
     Config: ClassVar[type] = NoOptions
-
-    def __init__(self, config: Any = None):
-        self.config = config
-
-    def available(self) -> bool:
-        return True
-
-    def on_train_start(self, run: Any) -> None: ...
-
-    def on_step_end(self, step: int, metrics: dict[str, float]) -> None: ...
-
-    def on_log(self, step: int, metrics: dict[str, float]) -> None: ...
-
-    def on_train_end(self, run: Any) -> None: ...
 
 
 class JsonlMetrics(Callback):
