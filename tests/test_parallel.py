@@ -98,3 +98,20 @@ def test_the_planner_refuses_what_the_layout_refuses():
         rules = ParallelLayout(tensor=tp, pipeline=pp, virtual=vpp, context=cp, sequence_parallel=tp > 1).model_problems(
             ModelShape(heads=4, kv_heads=2, ffn=256, layers=4), work.seq_len)
         assert (planned is None) == (rules == []), (tp, pp, vpp, cp, planned, rules)
+
+
+def test_the_planner_counts_global_batch_zero_as_training_does():
+    """--global-batch-size 0: one micro-batch per data-parallel rank, in the planner's step and in Batches."""
+    from toolkit.contracts import Example, Sequence
+    from toolkit.data.pipeline import Batches
+    from toolkit.plan import Workload, make_cluster, plan
+    from toolkit.plan.model import ModelShape as PlanShape
+
+    shape = PlanShape(name="t", model_type="llama", hidden=512, layers=4, heads=8, kv_heads=8, head_dim=64, ffn=1024, vocab=1000)
+    result = plan(shape, make_cluster(4, 1, "80GiB"), Workload(seq_len=256, micro_batch_size=2, global_batch_size=0), ("local",))
+    best = result.ranked[0]
+    assert best.layout.dp == 4 and result.global_rows == 2 * 4 == best.time.tokens_per_step // 256
+    examples = [Example([Sequence([1, 2, 3], [2, 3, -100])]) for _ in range(64)]
+    batches = Batches(examples, seed=0, seq_len=16, packing=False, micro_batch_size=2, global_batch_size=0, dp_rank=0,
+                      dp_world_size=best.layout.dp, pad_id=0)
+    assert batches.global_batch_size == result.global_rows and batches.accumulation == 1

@@ -191,18 +191,24 @@ def check_inputs(cluster: Cluster, workload: Workload, strategies: tuple[str, ..
 def plan(shape: ModelShape, cluster: Cluster, workload: Workload, strategies: tuple[str, ...] = STRATEGIES) -> PlanResult:
     """Judge every candidate layout; feasible ones ranked fastest first."""
     check_inputs(cluster, workload, strategies)
-    global_rows = workload.global_batch_size or 8 * cluster.world_size * workload.micro_batch_size
     seen: set[Layout] = set()
     ranked, rejected = [], []
     for layout in enumerate_layouts(shape, cluster, workload, strategies):
         if layout in seen:
             continue
         seen.add(layout)
-        candidate = evaluate(shape, layout, workload, cluster, global_rows)
+        candidate = evaluate(shape, layout, workload, cluster, global_rows(workload, layout))
         (ranked if candidate.fits else rejected).append(candidate)
     # Fastest first; step times within 0.5% tie (the model is not more precise than that),
     # then less memory, then fewer model-parallel splits.
     ranked.sort(key=lambda c: (round(math.log(c.time.total) / math.log(1.005)), c.memory.total,
                                c.layout.tp * c.layout.pp * c.layout.cp))
-    return PlanResult(shape, cluster, workload, global_rows, ranked, rejected)
+    best = ranked[0].layout if ranked else None
+    return PlanResult(shape, cluster, workload, global_rows(workload, best) if best else workload.global_batch_size, ranked, rejected)
+
+
+def global_rows(workload: Workload, layout: Layout) -> int:
+    """Rows per optimizer step as the runner counts them: ``--global-batch-size``, or with 0 one
+    micro-batch per data-parallel rank (``toolkit.data.pipeline.Batches``)."""
+    return workload.global_batch_size or workload.micro_batch_size * layout.dp
 
