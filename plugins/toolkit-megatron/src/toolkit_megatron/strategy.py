@@ -32,8 +32,8 @@ class MegatronConfig:
     moe_experts: Literal["grouped", "sequential"] = option(
         "grouped", help="MoE experts without Transformer Engine: grouped (all local experts in one torch grouped matmul, "
         "same weights and checkpoint keys) or sequential (Megatron's SequentialMLP, a loop over experts).")
-    moe_aux_loss_coeff: float | None = option(None, help="MoE load-balancing loss coefficient; default: the HF config's router_aux_loss_coef.")
-    moe_z_loss_coeff: float | None = option(None, help="MoE router z-loss coefficient; default: the HF config's router_z_loss_coef, else off.")
+    moe_aux_loss_coef: float | None = option(None, help="MoE load-balancing loss coefficient; default: the HF config's router_aux_loss_coef.")
+    moe_z_loss_coef: float | None = option(None, help="MoE router z-loss coefficient; default: the HF config's router_z_loss_coef, else off.")
     logps_kernel: Literal["auto", "chunked", "compiled", "reference"] = option(
         "auto", help="Label log-probs: chunked (fp32 a chunk of tokens at a time, bf16 logits kept), compiled "
                      "(the same under torch.compile), reference (plain autograd over full fp32 logits), auto "
@@ -197,7 +197,7 @@ class MegatronEngine(EngineBase):
         if self.moe:
             from toolkit_megatron.moe import router_options
 
-            overrides.update(router_options(source.config, config.moe_aux_loss_coeff, config.moe_z_loss_coeff, config.moe_dispatcher))
+            overrides.update(router_options(source.config, config.moe_aux_loss_coef, config.moe_z_loss_coef, config.moe_dispatcher))
         if recipe.gradient_checkpointing:
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         compile_elementwise, self.logps_kernel, kernel_ops, fused_loss = _speed_levers(config, self.device, loss)
