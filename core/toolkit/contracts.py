@@ -283,6 +283,18 @@ class Reward(Registered, Protocol):
                  records: list[dict[str, Any]]) -> list[float | None]: ...
 
 
+class Metric(Registered, Protocol):
+    """A generation metric for ``toolkit eval``: one score per prediction against its reference answers.
+
+    ``prepare()`` runs before any model loads: check options and import optional dependencies there, raising a
+    ``ToolkitError`` that names the flag or the ``pip install`` command. Scores are usually in [0, 1] (higher is
+    better); ``toolkit eval`` reports their mean."""
+
+    def prepare(self) -> None: ...
+
+    def score(self, predictions: list[str], references: list[list[str]]) -> list[float]: ...
+
+
 class Callback(Registered, Protocol):
     def available(self) -> bool: ...
 

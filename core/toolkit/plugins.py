@@ -33,6 +33,7 @@ KINDS = {
     "inference_backend": "toolkit_register_inference_backends",
     "callback": "toolkit_register_callbacks",
     "reward": "toolkit_register_rewards",
+    "metric": "toolkit_register_metrics",
 }
 
 # Names the first-party plugins provide, so an unknown name can say what to install.

@@ -1,0 +1,183 @@
+"""``toolkit eval``: generation-based evaluation of a run or model on question/answer records.
+
+Records are read by the training data's readers (jsonl, json, parquet, csv, ``save_to_disk`` folders; errors
+name the file and line), prompts go to an inference backend in batches (``hf``, or ``vllm`` when installed),
+and each registered metric (hook ``toolkit_register_metrics``) scores every prediction against its references.
+Written here because no library runs our backends over our readers: ``predictions.jsonl`` (one line per
+record) and ``scores.json`` (the means) are each written aside and renamed, never left half-written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import string
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from toolkit.errors import DataError, ToolkitError
+
+PROMPT_COLUMNS = ("prompt", "question", "instruction", "query", "input")
+ANSWER_COLUMNS = ("answer", "answers", "reference", "references", "output", "response", "completion", "target")
+
+
+def normalise_answer(text: str) -> str:
+    """Lower case, no punctuation, no articles, single spaces (the SQuAD normalisation)."""
+    text = "".join(ch for ch in text.lower() if ch not in string.punctuation)
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+@dataclass
+class Item:
+    """One record to evaluate: the prompt (text, or chat messages), its accepted answers, where it came from."""
+
+    prompt: str | list[dict[str, Any]]
+    references: list[str]
+    source: str
+
+
+def _column(record: dict[str, Any], wanted: str, candidates: tuple[str, ...], flag: str, where: str) -> str:
+    if wanted:
+        if wanted not in record:
+            raise DataError(f"{where}: no column {wanted!r} ({flag}); its columns: {', '.join(record) or 'none'}")
+        return wanted
+    found = next((c for c in candidates if c in record), None)
+    if found is None:
+        raise DataError(f"{where}: none of the columns {', '.join(candidates)} is there (its columns: "
+                        f"{', '.join(record) or 'none'}); name the column with {flag}")
+    return found
+
+
+def _references(value: Any, where: str) -> list[str]:
+    values = value if isinstance(value, list) else [value]
+    if not values or not all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in values):
+        raise DataError(f"{where}: the answer must be text, a number or a list of them, got {value!r}")
+    return [str(v) for v in values]
+
+
+def _prompt(record: dict[str, Any], column: str, where: str) -> str | list[dict[str, Any]]:
+    value = record[column]
+    if column == "instruction" and record.get("input"):  # alpaca: the input follows the instruction
+        return f"{value}\n\n{record['input']}"
+    if isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
+        return value
+    if not isinstance(value, str) or not value.strip():
+        raise DataError(f"{where}: the prompt ({column!r}) must be non-empty text or a list of chat messages "
+                        f"(role, content), got {value!r}")
+    return value
+
+
+def read_items(dataset: str, prompt_column: str = "", answer_column: str = "", limit: int = 0) -> list[Item]:
+    """The dataset's records as :class:`Item` s; the columns are found per record unless named."""
+    from toolkit.data.reading import read_records
+
+    path, records = read_records(dataset, limit=limit)
+    if not records:
+        raise DataError(f"{path} holds no records")
+    items = []
+    for record in records:
+        where = f"{path}, line {record.pop('__line__', len(items) + 1)}"
+        prompt = _column(record, prompt_column, PROMPT_COLUMNS, "--prompt-column", where)
+        answer = _column(record, answer_column, ANSWER_COLUMNS, "--answer-column", where)
+        items.append(Item(_prompt(record, prompt, where), _references(record[answer], where), where))
+    return items
+
+
+def render_prompts(items: list[Item], directory: Path, config: Any) -> tuple[list[str], bool]:
+    """``(prompts, chat_template)`` for the backend: text prompts as they are (the backend applies the chat
+    template), or, when any prompt is a list of messages, every prompt rendered here with the model's template
+    (and the backend told to take them raw)."""
+    if all(isinstance(item.prompt, str) for item in items):
+        return [item.prompt for item in items], config.chat_template
+    from transformers import AutoTokenizer
+
+    from toolkit.data.template import ChatTemplate
+
+    template = ChatTemplate(AutoTokenizer.from_pretrained(directory, trust_remote_code=config.trust_remote_code))
+    system = [{"role": "system", "content": config.system}] if config.system else []
+    rendered = []
+    for item in items:
+        messages = item.prompt if isinstance(item.prompt, list) else [{"role": "user", "content": item.prompt}]
+        if not any(m["role"] == "system" for m in messages):
+            messages = system + messages
+        rendered.append(template.render(messages, add_generation_prompt=True))
+    return rendered, False
+
+
+def metric_instances(names: list[str], options: dict[str, dict[str, Any]]) -> list[Any]:
+    """The metrics asked for, prepared (options checked, optional packages imported) before any model loads."""
+    from toolkit.plugins import get_plugin_manager
+
+    if not names:
+        raise ToolkitError("give at least one --metric (e.g. --metric exact)")
+    manager = get_plugin_manager()
+    metrics = []
+    for name in dict.fromkeys(names):
+        cls = manager.get("metric", name)
+        metric = cls(cls.Config(**options.get(name, {})))
+        metric.prepare()
+        metrics.append(metric)
+    return metrics
+
+
+def default_output(reference: str, dataset: str) -> Path:
+    """``RUN/eval-<dataset>`` for a run directory, else ``eval-<dataset>`` here."""
+    stem = Path(dataset).stem or "dataset"
+    run = Path(reference)
+    return run / f"eval-{stem}" if (run / "recipe.yaml").is_file() else Path(f"eval-{stem}")
+
+
+def run_eval(reference: str, dataset: str, metric_names: list[str], *, backend: str = "hf", output: str | None = None,
+             metric_options: dict[str, dict[str, Any]] | None = None, prompt_column: str = "", answer_column: str = "",
+             max_samples: int = 0, extra: tuple[str, ...] = (), **generation: Any) -> dict[str, Any]:
+    """Generate for every record of ``dataset`` and score it; returns what ``scores.json`` holds.
+
+    ``generation`` holds the backend's options (``max_new_tokens``, ``temperature``, ``batch_size``,
+    ``chat_template``, ``system``, ``dtype``, ``trust_remote_code``); ``extra`` its ``--option KEY=VALUE``."""
+    from toolkit.inference import backend_instance, model_directory, stdout_to_stderr
+
+    items = read_items(dataset, prompt_column, answer_column, max_samples)
+    metrics = metric_instances(metric_names, metric_options or {})
+    instance = backend_instance(backend, generation)
+    if extra:
+        from toolkit.serving import split_extra
+
+        instance.config, rest = split_extra(instance.config, extra)
+        if rest:
+            raise ToolkitError(f"--option {', '.join(rest)}: not an option of backend {backend!r}")
+    destination = Path(output) if output else default_output(reference, dataset)
+    with tempfile.TemporaryDirectory(prefix="toolkit-eval-") as workdir, stdout_to_stderr():
+        directory = model_directory(reference, Path(workdir), generation.get("trust_remote_code", False))
+        prompts, chat_template = render_prompts(items, directory, instance.config)
+        if hasattr(instance.config, "chat_template"):
+            instance.config.chat_template = chat_template
+        predictions = instance.generate(directory, prompts, instance.config)
+    scores = {m.name: m.score(predictions, [item.references for item in items]) for m in metrics}
+    summary = {"model": reference, "dataset": dataset, "backend": backend, "count": len(items),
+               "metrics": {name: sum(values) / len(values) for name, values in scores.items()}}
+    write_results(destination, items, prompts, predictions, scores, summary)
+    return summary
+
+
+def write_results(destination: Path, items: list[Item], prompts: list[str], predictions: list[str],
+                  scores: dict[str, list[float]], summary: dict[str, Any]) -> None:
+    destination.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"source": item.source, "prompt": prompt, "references": item.references, "prediction": prediction,
+                         **{name: values[i] for name, values in scores.items()}}, ensure_ascii=False)
+             for i, (item, prompt, prediction) in enumerate(zip(items, prompts, predictions))]
+    _write_aside(destination / "predictions.jsonl", "".join(line + "\n" for line in lines))
+    _write_aside(destination / "scores.json", json.dumps(summary, indent=2) + "\n")
+
+
+def _write_aside(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise ToolkitError(f"cannot write {path}: {exc.strerror or exc}; choose another --output") from None
