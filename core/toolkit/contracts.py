@@ -296,9 +296,17 @@ class Metric(Registered, Protocol):
 
 
 class Callback(Registered, Protocol):
+    """Receives a run's metrics on the main process (``toolkit.builtins.callbacks.Callback`` has no-op methods).
+
+    Optional class attributes the runner reads: ``tracker`` (default False: the callback always runs; True: only
+    when ``--report-to`` names it) and ``requires`` (the pip package a tracker needs, named when it is missing).
+    Its ``Config`` fields become ``--NAME-FIELD`` flags and a YAML section, as for losses."""
+
     def available(self) -> bool: ...
 
     def on_train_start(self, run: Any) -> None: ...
+
+    def on_step_end(self, step: int, metrics: dict[str, float]) -> None: ...
 
     def on_log(self, step: int, metrics: dict[str, float]) -> None: ...
 

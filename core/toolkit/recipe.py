@@ -12,8 +12,8 @@ from toolkit.errors import ConfigError
 
 # Kinds whose registered things expose their Config as CLI flags (``--lora-rank``) and as
 # YAML sections (``lora: {rank: 16}``); an architecture with Config fields (toolkit-moe's
-# ``moe``) gets a section too, and so does a reward (toolkit-rl's ``answer``).
-OPTION_KINDS = ("strategy", "tuner", "loss", "dataset_format", "architecture", "reward")
+# ``moe``) gets a section too, and so do a reward (toolkit-rl's ``answer``) and a tracker (``wandb``).
+OPTION_KINDS = ("strategy", "tuner", "loss", "dataset_format", "architecture", "reward", "callback")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -101,6 +101,10 @@ class Recipe:
                                                           "for checkpoints too big to read back).")
     overwrite: bool = option(False, help="Allow reusing an output directory that holds a different run.")
     log_every: int = option(1, help="Log metrics every N steps.")
+    report_to: list[str] = option([], help="Experiment trackers that receive the metrics: tensorboard, wandb, mlflow, "
+                                           "swanlab, or a plugin's (repeatable); none for metrics.jsonl only. Default: "
+                                           "tensorboard when it is installed.")
+    run_name: str = option("", help="The run's name in trackers; default: the --output folder's name.")
     on_nan: Literal["stop", "skip", "rollback"] = option("stop", help="A step with a non-finite loss or gradient norm: stop (name the step, samples and last checkpoint), skip its update, or rollback to the last checkpoint and skip its batch.")
     max_nan_steps: int = option(3, help="With --on-nan skip or rollback: stop after this many non-finite steps in a row (0: never).")
     dist_timeout: float = option(600.0, help="Seconds a collective may wait for the other ranks before the job ends naming the rank and the collective.")

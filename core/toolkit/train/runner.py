@@ -127,7 +127,8 @@ def check_model_limits(recipe: Recipe, source: Any) -> None:
 
 # What a run may change when it resumes: where and how often it logs, saves and stops, how it reacts to trouble,
 # its layout (checkpoints load at any layout) and its length. Everything else shapes the training itself.
-RESUME_MAY_CHANGE = {"output", "resume", "resume_changed", "overwrite", "log_every", "save_every", "keep_last",
+RESUME_MAY_CHANGE = {"output", "resume", "resume_changed", "overwrite", "log_every", "report_to", "run_name",
+                     "eval_every", "save_every", "keep_last",
                      "stop_after", "checkpoint_verify", "dist_timeout", "export", "on_nan", "max_nan_steps", "max_steps",
                      "epochs", "strategy", "tensor_parallel", "pipeline_parallel", "virtual_pipeline", "context_parallel",
                      "expert_parallel", "expert_tensor_parallel", "sequence_parallel", "zero", "micro_batch_size",
@@ -176,6 +177,9 @@ def run_training(recipe: Recipe, raise_if_stopped: bool = False) -> Path:
     start_watchdog(recipe.dist_timeout)
     strategy, tuner, loss, recipe = resolve_components(recipe, world.world_size)
     check_resume_changes(recipe, world.is_main)
+    from toolkit.tracking import select_callbacks
+
+    select_callbacks(recipe)  # a --report-to tracker that is not installed: said before the model loads
     source = resolve_model(recipe.model, recipe.trust_remote_code)
     check_model_limits(recipe, source)
     problems = tuner.validate(recipe, source)
@@ -271,7 +275,7 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
     if engine.is_main:
         write_recipe(recipe, run_dir)
     info = RunInfo(recipe, run_dir, total_steps, start_step, engine.is_main, stats.summary())
-    callbacks = make_callbacks(engine.is_main)
+    callbacks = make_callbacks(recipe, engine.is_main)
     for cb in callbacks:
         cb.on_train_start(info)
     evaluation = Evaluation.for_run(recipe, engine, loss, eval_examples, pad_id, run_dir, total_steps)
@@ -413,17 +417,15 @@ def keep_global_batch_size(recipe: Recipe, run_dir: Path, is_main: bool) -> Reci
     return dataclasses.replace(recipe, global_batch_size=saved)
 
 
-def make_callbacks(is_main: bool) -> list[Any]:
-    from toolkit.plugins import get_plugin_manager
+def make_callbacks(recipe: Recipe, is_main: bool) -> list[Any]:
+    """The main process's callbacks: metrics.jsonl, progress and the trackers ``--report-to`` names
+    (:func:`toolkit.tracking.select_callbacks`), each with its options from the recipe."""
+    from toolkit.tracking import select_callbacks
 
     if not is_main:
         return []
-    callbacks = []
-    for _, cls in get_plugin_manager().registry("callback").items():
-        callback = cls(cls.Config())
-        if callback.available():
-            callbacks.append(callback)
-    return callbacks
+    callbacks = [cls(thing_options(recipe, cls)) for cls in select_callbacks(recipe)]
+    return [callback for callback in callbacks if callback.available()]
 
 
 def export_after_training(recipe: Recipe, run_dir: Path, engine: Any, source: Any, tuner: Any) -> None:

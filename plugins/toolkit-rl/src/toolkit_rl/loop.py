@@ -253,7 +253,7 @@ class GRPORun:
             write_recipe(self.recipe, self.run_dir)
         info = RunInfo(self.recipe, self.run_dir, self.total_steps, step, self.engine.is_main,
                        f"{len(self.prompts)} prompts, {self.config.num_generations} completions each")
-        callbacks = make_callbacks(self.engine.is_main)
+        callbacks = make_callbacks(self.recipe, self.engine.is_main)
         for cb in callbacks:
             cb.on_train_start(info)
         log = RolloutLog(self.run_dir, step, self.engine.is_main)
