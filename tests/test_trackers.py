@@ -28,7 +28,7 @@ def logged(run_dir, key):
 
 
 def test_mlflow_sqlite_store_holds_metrics_recipe_and_system(tmp_path):
-    pytest.importorskip("mlflow")
+    pytest.importorskip("mlflow", reason="MLflow is not installed: pip install 'toolkit-core[mlflow]'")
     import torch
     from mlflow.tracking import MlflowClient
 
@@ -74,7 +74,7 @@ def read_wandb_records(path):
 
 
 def test_wandb_offline_run_holds_metrics_recipe_and_system(tmp_path, monkeypatch):
-    wandb = pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb", reason="wandb is not installed: pip install 'toolkit-core[wandb]'")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     try:
@@ -97,7 +97,7 @@ def test_wandb_offline_run_holds_metrics_recipe_and_system(tmp_path, monkeypatch
 
 
 def test_swanlab_offline_run_holds_metrics_and_recipe(tmp_path, monkeypatch):
-    pytest.importorskip("swanlab")
+    pytest.importorskip("swanlab", reason="SwanLab is not installed: pip install 'toolkit-core[swanlab]'")
     import yaml
     from swanlab.proto.swanlab.record.v1.record_pb2 import Record
     from swanlab.sdk.internal.core_python.store import DataStoreReader
@@ -143,5 +143,5 @@ def test_trackers_run_only_when_asked(tmp_path):
     default = names([])
     assert "jsonl" in default and "progress" in default and not {"wandb", "mlflow", "swanlab"} & set(default)
     assert not {"tensorboard", "wandb", "mlflow", "swanlab"} & set(names(["none"]))
-    pytest.importorskip("wandb")
+    pytest.importorskip("wandb", reason="wandb is not installed: pip install 'toolkit-core[wandb]'")
     assert "wandb" in names(["wandb"]) and "tensorboard" not in names(["wandb"])
