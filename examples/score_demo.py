@@ -28,7 +28,7 @@ def main(reference: str) -> float:
                                    for country, city in assets.capitals()))
         summary = run_eval(reference, str(dataset), ["contains"], output=workdir, max_new_tokens=16, batch_size=16)
         first = json.loads((Path(workdir) / "predictions.jsonl").read_text().splitlines()[0])
-    correct = round(summary["metrics"]["contains"] * summary["count"])
+    correct = summary["matches"]["contains"]
     print(f"example: {first['prompt']!r} -> {first['prediction']!r}")
     print(f"demo accuracy: {correct}/{summary['count']} capitals named correctly")
     return correct / summary["count"]

@@ -15,7 +15,8 @@ QA = [{"question": "What is the capital of Lopehes?", "answer": "Pefen"},
       {"question": "Name a colour.", "answers": ["red", "blue"]},
       {"prompt": [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Capital of Pevita?"}],
        "answer": "Vimi"},
-      {"instruction": "Add the numbers.", "input": "2 and 3", "output": 5}]
+      {"instruction": "Add the numbers.", "input": "2 and 3", "output": 5},
+      {"messages": [{"role": "user", "content": "Capital of Zejinlo?"}, {"role": "assistant", "content": "Nope."}]}]
 
 
 def metric(name, **options):
@@ -89,7 +90,7 @@ def test_batched_predictions_equal_transformers_one_prompt_at_a_time(tmp_path, c
     model = AutoModelForCausalLM.from_pretrained(directory).eval()
     template = ChatTemplate(tokenizer)
     for line, record in zip(lines, QA, strict=True):
-        messages = record["prompt"] if "prompt" in record else [
+        messages = record["prompt"] if "prompt" in record else record["messages"][:-1] if "messages" in record else [
             {"role": "user", "content": record.get("question") or f"{record['instruction']}\n\n{record['input']}"}]
         ids = tokenizer(template.render(messages, add_generation_prompt=True), return_tensors="pt",
                         add_special_tokens=False).input_ids
@@ -97,10 +98,11 @@ def test_batched_predictions_equal_transformers_one_prompt_at_a_time(tmp_path, c
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
                                  pad_token_id=tokenizer.pad_token_id)
         assert line["prediction"] == tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-    assert [line["references"] for line in lines] == [["Pefen"], ["red", "blue"], ["Vimi"], ["5"]]
-    assert scores["count"] == 4
+    assert [line["references"] for line in lines] == [["Pefen"], ["red", "blue"], ["Vimi"], ["5"], ["Nope."]]
+    assert scores["count"] == 5
     for name in ("exact", "contains"):
-        assert scores["metrics"][name] == pytest.approx(sum(line[name] for line in lines) / 4)
+        assert scores["metrics"][name] == pytest.approx(sum(line[name] for line in lines) / 5)
+        assert scores["matches"][name] == sum(line[name] for line in lines)
     assert "exact: " in result.output and str(tmp_path / "out") in result.output
 
 
@@ -138,12 +140,12 @@ def test_a_plugin_registers_a_metric_with_its_own_flag(tmp_path, toolkit_manager
         config = type("Options", (), {"chat_template": True})()
 
         def generate(self, directory, prompts, config):
-            return ["one two", "one two three four", "x", "y"]
+            return ["one two", "one two three four", "x", "y"][:len(prompts)]
 
     toolkit_manager(LengthPlugin())
     monkeypatch.setattr(inference, "backend_instance", lambda name, values: Echo())
     monkeypatch.setattr(inference, "model_directory", lambda *a, **k: tmp_path)
-    dataset = write_jsonl(tmp_path / "qa.jsonl", [r for r in QA if "prompt" not in r] + [QA[0]])
+    dataset = write_jsonl(tmp_path / "qa.jsonl", [r for r in QA if "prompt" not in r and "messages" not in r] + [QA[0]])
     result = cli_runner.invoke("eval", "m", "--dataset", dataset, "--metric", "short", "--short-words", "2",
                                "--output", str(tmp_path / "o"))
     assert result.exit_code == 0, result.output

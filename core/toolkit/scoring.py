@@ -63,7 +63,7 @@ def _prompt(record: dict[str, Any], column: str, where: str) -> str | list[dict[
     value = record[column]
     if column == "instruction" and record.get("input"):  # alpaca: the input follows the instruction
         return f"{value}\n\n{record['input']}"
-    if isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
+    if _is_chat(value):
         return value
     if not isinstance(value, str) or not value.strip():
         raise DataError(f"{where}: the prompt ({column!r}) must be non-empty text or a list of chat messages "
@@ -71,8 +71,23 @@ def _prompt(record: dict[str, Any], column: str, where: str) -> str | list[dict[
     return value
 
 
+def _is_chat(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m and "content" in m
+                                                           for m in value)
+
+
+def _chat_item(messages: list[dict[str, Any]], where: str) -> Item:
+    """An SFT conversation (``messages``): the turns before the last one are the prompt, the last (the
+    assistant's) the reference answer."""
+    if messages[-1]["role"] != "assistant" or len(messages) < 2:
+        raise DataError(f"{where}: a 'messages' record is evaluated by its last turn, which must be the assistant's "
+                        f"answer after at least one other turn; this one ends with a {messages[-1]['role']!r} turn")
+    return Item(messages[:-1], [str(messages[-1]["content"])], where)
+
+
 def read_items(dataset: str, prompt_column: str = "", answer_column: str = "", limit: int = 0) -> list[Item]:
-    """The dataset's records as :class:`Item` s; the columns are found per record unless named."""
+    """The dataset's records as :class:`Item` s: a prompt and an answer column (found per record unless named),
+    or a ``messages`` conversation whose last (assistant) turn is the reference."""
     from toolkit.data.reading import read_records
 
     path, records = read_records(dataset, limit=limit)
@@ -81,6 +96,9 @@ def read_items(dataset: str, prompt_column: str = "", answer_column: str = "", l
     items = []
     for record in records:
         where = f"{path}, line {record.pop('__line__', len(items) + 1)}"
+        if not (prompt_column or answer_column) and _is_chat(record.get("messages")):
+            items.append(_chat_item(record["messages"], where))
+            continue
         prompt = _column(record, prompt_column, PROMPT_COLUMNS, "--prompt-column", where)
         answer = _column(record, answer_column, ANSWER_COLUMNS, "--answer-column", where)
         items.append(Item(_prompt(record, prompt, where), _references(record[answer], where), where))
@@ -158,7 +176,8 @@ def run_eval(reference: str, dataset: str, metric_names: list[str], *, backend: 
         predictions = instance.generate(directory, prompts, instance.config)
     scores = {m.name: m.score(predictions, [item.references for item in items]) for m in metrics}
     summary = {"model": reference, "dataset": dataset, "backend": backend, "count": len(items),
-               "metrics": {name: sum(values) / len(values) for name, values in scores.items()}}
+               "metrics": {name: sum(values) / len(values) for name, values in scores.items()},
+               "matches": {name: int(sum(values)) for name, values in scores.items() if set(values) <= {0.0, 1.0}}}
     write_results(destination, items, prompts, predictions, scores, summary)
     return summary
 

@@ -53,7 +53,8 @@ def build_eval_command(manager: Any) -> click.Command:
                            chat_template=not no_chat_template, dtype=dtype, trust_remote_code=trust_remote_code)
         where = output or default_output(model, dataset)
         for name, value in summary["metrics"].items():
-            click.echo(f"{name}: {value:.4f} ({round(value * summary['count'])}/{summary['count']})")
+            matched = f" ({summary['matches'][name]}/{summary['count']})" if name in summary["matches"] else ""
+            click.echo(f"{name}: {value:.4f}{matched}")
         click.echo(f"predictions and scores in {where}")
 
     return click.Command("eval", params=params, callback=callback, context_settings={"max_content_width": 110},

@@ -249,7 +249,7 @@ class Evaluation:
         import os
 
         record = {"metric": self.best.metric, "mode": self.best.mode, "value": self.best.value, "step": step,
-                  "checkpoint": str(path)}
+                  "checkpoint": f"checkpoints/{path.name}"}  # relative to the run directory: it may move
         tmp = self.run_dir / ".best.json.tmp"  # renamed into place: never a half-written best.json
         tmp.write_text(json.dumps(record, indent=2) + "\n")
         os.replace(tmp, self.run_dir / "best.json")
