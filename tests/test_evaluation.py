@@ -1,5 +1,5 @@
 """Evaluation during training: eval loss against an independent transformers forward, the seeded split,
---save-best, early stopping (and its patience across a resume), 2 DDP ranks against 1."""
+--save-best, early stopping (and its patience across a resume), 2 DDP or FSDP ranks against 1."""
 
 from __future__ import annotations
 
@@ -157,10 +157,11 @@ def test_eval_pads_ranks_to_equal_forwards_and_zeroes_the_copies():
 
 
 @pytest.mark.slow
-def test_two_ddp_ranks_evaluate_like_one(tmp_path, run_distributed):
+@pytest.mark.parametrize("strategy", ["local", "fsdp"])
+def test_two_ranks_evaluate_like_one(tmp_path, run_distributed, strategy):
     dataset = write_jsonl(tmp_path / "eval.jsonl", EVAL_RECORDS)  # 5 examples: one rank runs a padding copy
     flags = ["--model", "tiny-llama", "--dataset", "demo", "--seq-len", "64", "--max-steps", "2", "--lr", "1e-3",
-             "--global-batch-size", "4", "--eval-dataset", dataset, "--eval-every", "1"]
+             "--global-batch-size", "4", "--eval-dataset", dataset, "--eval-every", "1", "--strategy", strategy]
     train(tmp_path, "one", max_steps=2, global_batch_size=4, eval_dataset=[dataset], eval_every=1)
     run_distributed(["-m", "toolkit", "sft", *flags, "--output", str(tmp_path / "two")], nproc=2)
     one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")

@@ -105,25 +105,36 @@ def read_items(dataset: str, prompt_column: str = "", answer_column: str = "", l
     return items
 
 
-def render_prompts(items: list[Item], directory: Path, config: Any) -> tuple[list[str], bool]:
-    """``(prompts, chat_template)`` for the backend: text prompts as they are (the backend applies the chat
-    template), or, when any prompt is a list of messages, every prompt rendered here with the model's template
-    (and the backend told to take them raw)."""
+def render_prompts(items: list[Item], directory: Path, system: str, trust_remote_code: bool) -> tuple[list[str], bool]:
+    """``(prompts, rendered)``: text prompts as they are (the backend applies the chat template), or, when any
+    prompt is a list of messages, every prompt rendered here with the model's template (``rendered``: the
+    backend must take them raw)."""
     if all(isinstance(item.prompt, str) for item in items):
-        return [item.prompt for item in items], config.chat_template
+        return [item.prompt for item in items], False
     from transformers import AutoTokenizer
 
     from toolkit.data.template import ChatTemplate
 
-    template = ChatTemplate(AutoTokenizer.from_pretrained(directory, trust_remote_code=config.trust_remote_code))
-    system = [{"role": "system", "content": config.system}] if config.system else []
-    rendered = []
+    template = ChatTemplate(AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code))
+    head = [{"role": "system", "content": system}] if system else []
+    prompts = []
     for item in items:
         messages = item.prompt if isinstance(item.prompt, list) else [{"role": "user", "content": item.prompt}]
         if not any(m["role"] == "system" for m in messages):
-            messages = system + messages
-        rendered.append(template.render(messages, add_generation_prompt=True))
-    return rendered, False
+            messages = head + messages
+        prompts.append(template.render(messages, add_generation_prompt=True))
+    return prompts, True
+
+
+def raw_prompts_config(config: Any, backend: str) -> Any:
+    """The backend's options with its chat template off (the prompts are rendered already)."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(config)}
+    if "chat_template" not in names:
+        raise ToolkitError(f"backend {backend!r} has no chat_template option, so it cannot take prompts given as chat "
+                           "messages; give text prompts or use --backend hf")
+    return dataclasses.replace(config, chat_template=False, **({"system": ""} if "system" in names else {}))
 
 
 def metric_instances(names: list[str], options: dict[str, dict[str, Any]]) -> list[Any]:
@@ -170,10 +181,10 @@ def run_eval(reference: str, dataset: str, metric_names: list[str], *, backend: 
     destination = Path(output) if output else default_output(reference, dataset)
     with tempfile.TemporaryDirectory(prefix="toolkit-eval-") as workdir, stdout_to_stderr():
         directory = model_directory(reference, Path(workdir), generation.get("trust_remote_code", False))
-        prompts, chat_template = render_prompts(items, directory, instance.config)
-        if hasattr(instance.config, "chat_template"):
-            instance.config.chat_template = chat_template
-        predictions = instance.generate(directory, prompts, instance.config)
+        prompts, rendered = render_prompts(items, directory, generation.get("system", ""),
+                                           generation.get("trust_remote_code", False))
+        config = raw_prompts_config(instance.config, backend) if rendered else instance.config
+        predictions = instance.generate(directory, prompts, config)
     scores = {m.name: m.score(predictions, [item.references for item in items]) for m in metrics}
     summary = {"model": reference, "dataset": dataset, "backend": backend, "count": len(items),
                "metrics": {name: sum(values) / len(values) for name, values in scores.items()},
