@@ -72,6 +72,9 @@ def check_schedule(recipe: Any, config: Any) -> None:
                         "batch (steps_per_rollout x iterations): checkpoints fall between rollout batches")
     if recipe.packing:
         problems.append("--packing does not apply to toolkit grpo (completions are scored one per row)")
+    if recipe.eval_dataset or recipe.eval_split or recipe.eval_samples or recipe.save_best or recipe.early_stopping_patience:
+        problems.append("toolkit grpo does not evaluate during training: leave out --eval-dataset/--eval-split/"
+                        "--eval-samples/--save-best/--early-stopping-patience and score the export with toolkit eval")
     if problems:
         raise ConfigError(problems, source="toolkit grpo")
 
