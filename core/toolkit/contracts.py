@@ -241,7 +241,12 @@ class Engine(Protocol):
 
     def train_step(self, micro_batches: list[dict], loss: Loss, ctx: StepContext) -> StepResult: ...
 
-    def evaluate(self, micro_batches: list[dict], loss: Loss, ctx: StepContext) -> dict[str, float]: ...
+    def evaluate(self, micro_batches: list[dict], loss: Loss, ctx: StepContext) -> dict[str, float]:
+        """The eval forward (``toolkit.train.evaluation``): the model in eval mode, no gradients, no update;
+        ``loss`` applied to each micro-batch; returns ``{"loss": ..., **loss metrics}`` summed over the
+        micro-batches and reduced over every rank (the same values on every rank). Every rank passes the same
+        number of micro-batches; ``ctx`` holds the counts of the whole held-out set."""
+        ...
 
     def reference_logps(self, micro_batch: dict) -> torch.Tensor: ...
 
