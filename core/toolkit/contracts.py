@@ -181,7 +181,16 @@ class Architecture(Registered, Protocol):
 
 
 class Tuner(Registered, Protocol):
-    """What trains. Works on HF modules; strategies with their own modules call ``apply_megatron``."""
+    """What trains. Works on HF modules; a strategy with modules of its own (Megatron-Core) asks the
+    tuner's optional methods (``OPTIONAL["tuner"]``) or implements the tuner kinds it supports itself.
+
+    Optional: ``adapter_export(model)`` (the ``ExportModel.adapter`` callable of a model with adapters),
+    ``adapter_from_checkpoint(checkpoint, source, recipe)`` (the same from a saved checkpoint),
+    ``disabled_adapters(model)`` (a context manager in which the model is its base: the reference of
+    preference losses without a second copy), ``optimizer_factory`` (``(params, recipe) -> optimizer``
+    in place of AdamW, e.g. LoRA+), ``quantized`` (True: the base weights are quantized, which
+    sharding strategies refuse) and ``zero3_compatible`` (False: not under ZeRO-3).
+    """
 
     def validate(self, recipe: Recipe, source: ModelSource) -> list[str]: ...
 
@@ -224,20 +233,27 @@ class DatasetFormat(Registered, Protocol):
 class Engine(Protocol):
     """A model placed by a strategy: steps, checkpoints and exports it.
 
-    Optional: ``adapter_export()`` returns the ``ExportModel.adapter`` callable (or None) when the
-    tuner cannot read adapters from ``engine.model`` itself (a sharded model); without it the
-    runner asks the tuner's ``adapter_export(engine.model)``.
-
-    Optional class attributes the runner reads: ``skips_nonfinite_updates`` (True when
-    ``train_step`` can check the reduced loss and gradient norm before its optimizer step and
-    skip a non-finite update; needed by ``--on-nan skip``, which sets ``engine.skip_nonfinite =
-    True``) and ``supports_rollback`` (default True: ``load_checkpoint`` works in a running job;
-    needed by ``--on-nan rollback``).
+    Optional (``OPTIONAL["engine"]``, defaults in :class:`EngineBase`): ``adapter_export()`` returns
+    the ``ExportModel.adapter`` callable (or None) when the tuner cannot read adapters from
+    ``engine.model`` itself (a sharded model); without it the runner asks the tuner's
+    ``adapter_export(engine.model)``. ``model``: the HF module, where there is one; ``device``: the
+    ``torch.device`` its parameters live on (RL rollouts generate there).
+    ``release_reference()``: free the reference model once ``--precompute-reference`` has run.
+    ``skips_nonfinite_updates`` (True when ``train_step`` can check the reduced loss and gradient
+    norm before its optimizer step and skip a non-finite update; needed by ``--on-nan skip``, which
+    sets ``engine.skip_nonfinite = True``) and ``supports_rollback`` (default True:
+    ``load_checkpoint`` works in a running job; needed by ``--on-nan rollback``).
     """
 
     dp_rank: int
     dp_world_size: int
     is_main: bool
+
+    def set_total_steps(self, total: int) -> None:
+        """The run's optimizer steps, known once the data is counted: the learning-rate schedule's length."""
+
+    def current_lr(self) -> float:
+        """The learning rate the next step uses (logged as ``lr``)."""
 
     def train_step(self, micro_batches: list[dict], loss: Loss, ctx: StepContext) -> StepResult: ...
 
@@ -291,9 +307,9 @@ class Reward(Registered, Protocol):
 class Metric(Registered, Protocol):
     """A generation metric for ``toolkit eval``: one score per prediction against its reference answers.
 
-    ``prepare()`` runs before any model loads: check options and import optional dependencies there, raising a
-    ``ToolkitError`` that names the flag or the ``pip install`` command. Scores are usually in [0, 1] (higher is
-    better); ``toolkit eval`` reports their mean."""
+    Optional ``prepare()`` (``OPTIONAL["metric"]``) runs before any model loads: check options and import optional
+    dependencies there, raising a ``ToolkitError`` that names the flag or the ``pip install`` command. Scores are
+    usually in [0, 1] (higher is better); ``toolkit eval`` reports their mean."""
 
     def prepare(self) -> None: ...
 
@@ -301,13 +317,108 @@ class Metric(Registered, Protocol):
 
 
 class Callback(Registered, Protocol):
-    """Receives a run's metrics on the main process (``toolkit.builtins.callbacks.Callback`` has no-op methods).
+    """Told about a run's progress on the main rank. Every method is optional (no-ops in
+    :class:`CallbackBase`): implement the ones you need.
 
-    Optional class attributes the runner reads: ``tracker`` (default False: the callback always runs; True: only
-    when ``--report-to`` names it) and ``requires`` (the pip package a tracker needs, named when it is missing).
-    Its ``Config`` fields become ``--NAME-FIELD`` flags and a YAML section, as for losses."""
+    Optional class attributes (``OPTIONAL["callback"]``): ``tracker`` (default False: the callback always
+    runs; True: an experiment tracker, run only when ``--report-to`` names it, :mod:`toolkit.tracking`) and
+    ``requires`` (the pip package a tracker needs, named when it is missing). Its ``Config`` fields become
+    ``--NAME-FIELD`` flags and a YAML section, as for losses."""
 
     def available(self) -> bool: ...
+
+    def on_train_start(self, run: Any) -> None: ...
+
+    def on_step_end(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def on_log(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def on_train_end(self, run: Any) -> None: ...
+
+
+# ----------------------------------------------------------------------------- conformance
+
+PROTOCOLS: dict[str, type] = {
+    "model_loader": ModelLoader, "architecture": Architecture, "strategy": Strategy, "tuner": Tuner, "loss": Loss,
+    "dataset_format": DatasetFormat, "exporter": Exporter, "inference_backend": InferenceBackend,
+    "callback": Callback, "reward": Reward, "metric": Metric, "engine": Engine,
+}
+"""The protocol of each registry kind (and of the engines strategies build)."""
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _available() -> bool:
+    return True
+
+
+OPTIONAL: dict[str, dict[str, Any]] = {
+    "engine": {"adapter_export": None, "model": None, "device": None, "release_reference": None, "skips_nonfinite_updates": False,
+               "supports_rollback": True, "skip_nonfinite": False},
+    "tuner": {"adapter_export": None, "adapter_from_checkpoint": None, "disabled_adapters": None, "optimizer_factory": None,
+              "quantized": False, "zero3_compatible": True},
+    "loss": {"train_on": "assistant", "uniform_token_gradient": False, "cli_command": True},
+    "dataset_format": {"bundled_datasets": {}},
+    "exporter": {"export_adapter": None},
+    "inference_backend": {"serve": None},
+    "callback": {"available": _available, "on_train_start": _noop, "on_step_end": _noop, "on_log": _noop,
+                 "on_train_end": _noop, "tracker": False, "requires": ""},
+    "metric": {"prepare": _noop},
+}
+"""Members the core reads only when a component has them, with what their absence means. Everything
+else a kind's protocol declares is required (:func:`missing_members`); the core reads nothing else
+(tests/test_contracts.py checks both)."""
+
+
+def protocol_members(kind: str) -> list[str]:
+    """Every member the protocol of ``kind`` declares (methods and annotated attributes), its optional ones included."""
+    names: set[str] = set()
+    for cls in PROTOCOLS[kind].__mro__:
+        if cls in (object, Protocol) or cls.__module__ != __name__:
+            continue
+        names |= {n for n in vars(cls) if not n.startswith("_") or n == "__call__"} | set(vars(cls).get("__annotations__", {}))
+    return sorted(names | set(OPTIONAL.get(kind, {})))
+
+
+def missing_members(kind: str, component: Any) -> list[str]:
+    """The required members of ``kind``'s protocol that ``component`` (a class or an instance) lacks."""
+    optional = OPTIONAL.get(kind, {})
+    return [n for n in protocol_members(kind) if n not in optional and not hasattr(component, n)]
+
+
+def member(component: Any, kind: str, name: str) -> Any:
+    """``component.name``, or what its absence means when the member is optional (``OPTIONAL``).
+    Asking for a member the protocol does not declare is a bug in the caller (KeyError)."""
+    optional = OPTIONAL.get(kind, {})
+    if name not in optional and name not in protocol_members(kind):
+        raise KeyError(f"{name!r} is not a member of contracts.{PROTOCOLS[kind].__name__}")
+    return getattr(component, name, optional.get(name))
+
+
+class EngineBase:
+    """Defaults of an engine's optional members, for strategies to inherit (they need not)."""
+
+    model: Any = None
+    skips_nonfinite_updates: ClassVar[bool] = False
+    supports_rollback: ClassVar[bool] = True
+    skip_nonfinite: bool = False
+
+    def release_reference(self) -> None:
+        """Nothing to free."""
+
+
+class CallbackBase:
+    """A callback with every method a no-op; subclasses override what they need."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, config: Any = None):
+        self.config = config
+
+    def available(self) -> bool:
+        return True
 
     def on_train_start(self, run: Any) -> None: ...
 

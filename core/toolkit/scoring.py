@@ -139,6 +139,7 @@ def raw_prompts_config(config: Any, backend: str) -> Any:
 
 def metric_instances(names: list[str], options: dict[str, dict[str, Any]]) -> list[Any]:
     """The metrics asked for, prepared (options checked, optional packages imported) before any model loads."""
+    from toolkit.contracts import member
     from toolkit.plugins import get_plugin_manager
 
     if not names:
@@ -148,7 +149,7 @@ def metric_instances(names: list[str], options: dict[str, dict[str, Any]]) -> li
     for name in dict.fromkeys(names):
         cls = manager.get("metric", name)
         metric = cls(cls.Config(**options.get(name, {})))
-        metric.prepare()
+        member(metric, "metric", "prepare")()
         metrics.append(metric)
     return metrics
 

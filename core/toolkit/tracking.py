@@ -68,10 +68,11 @@ def numeric(metrics: dict[str, Any]) -> dict[str, float]:
 def select_callbacks(recipe: Any) -> list[type]:
     """The callback classes this run uses, checked: an unknown ``--report-to`` name lists the installed trackers,
     a missing package names its pip command."""
+    from toolkit.contracts import member
     from toolkit.plugins import get_plugin_manager
 
     registry = get_plugin_manager().registry("callback")
-    trackers = [name for name, cls in registry.items() if getattr(cls, "tracker", False)]
+    trackers = [name for name, cls in registry.items() if member(cls, "callback", "tracker")]
     asked = [name for name in recipe.report_to if name != "none"]
     if "none" in recipe.report_to and asked:
         raise ConfigError(f"--report-to none means no tracker, but {', '.join(asked)} is named too: give one or the other")
@@ -80,13 +81,14 @@ def select_callbacks(recipe: Any) -> list[type]:
         raise ConfigError(f"--report-to {', '.join(unknown)}: not an installed tracker; installed: {', '.join(trackers)}")
     chosen = []
     for name, cls in registry.items():
-        if not getattr(cls, "tracker", False):
+        if not member(cls, "callback", "tracker"):
             chosen.append(cls)
         elif name in asked:
-            if not cls(cls.Config()).available():
-                raise ConfigError(f"--report-to {name} needs the {cls.requires} package, which is not installed: "
-                                  f"pip install {cls.requires}")
+            if not member(cls(cls.Config()), "callback", "available")():
+                package = member(cls, "callback", "requires") or name
+                raise ConfigError(f"--report-to {name} needs the {package} package, which is not installed: "
+                                  f"pip install {package}")
             chosen.append(cls)
-        elif not recipe.report_to and name in DEFAULT_TRACKERS and cls(cls.Config()).available():
+        elif not recipe.report_to and name in DEFAULT_TRACKERS and member(cls(cls.Config()), "callback", "available")():
             chosen.append(cls)
     return chosen

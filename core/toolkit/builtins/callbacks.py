@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 from toolkit import hookimpl
 from toolkit.config import option
+from toolkit.contracts import CallbackBase
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -19,29 +20,14 @@ class NoOptions:
     """No options."""
 
 
-class Callback:
-    """Base class with no-op methods; subclasses override what they need."""
+class Callback(CallbackBase):
+    """contracts.CallbackBase (no-op methods) without options."""
 
-    name: ClassVar[str] = ""
     Config: ClassVar[type] = NoOptions
     tracker: ClassVar[bool] = False
     """True for an experiment tracker: it runs only when ``--report-to`` names it (:mod:`toolkit.tracking`)."""
     requires: ClassVar[str] = ""
     """The pip package a tracker needs (named by the error when it is missing)."""
-
-    def __init__(self, config: Any = None):
-        self.config = config
-
-    def available(self) -> bool:
-        return True
-
-    def on_train_start(self, run: Any) -> None: ...
-
-    def on_step_end(self, step: int, metrics: dict[str, float]) -> None: ...
-
-    def on_log(self, step: int, metrics: dict[str, float]) -> None: ...
-
-    def on_train_end(self, run: Any) -> None: ...
 
 
 class JsonlMetrics(Callback):

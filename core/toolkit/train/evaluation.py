@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from toolkit.contracts import Example, LossOutput, Sequence, StepContext, TokenLogps
+from toolkit.contracts import Example, LossOutput, Sequence, StepContext, TokenLogps, member
 from toolkit.errors import ConfigError
 
 PAD_KEY = "eval_pad"
@@ -58,7 +58,7 @@ def load_eval_examples(recipe: Any, tokenizer: Any, loss: Any) -> list[Example]:
     from toolkit.data.pipeline import load_examples
 
     examples, _ = load_examples(recipe.eval_dataset, tokenizer, dataset_format=recipe.dataset_format, columns=recipe.columns,
-                                train_on=getattr(loss, "train_on", "assistant"), seq_len=recipe.seq_len,
+                                train_on=member(loss, "loss", "train_on"), seq_len=recipe.seq_len,
                                 example_kinds=loss.example_kinds, options=recipe.options,
                                 isolate_documents=recipe.isolate_documents, seed=recipe.seed)
     return examples

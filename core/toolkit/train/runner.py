@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from toolkit.contracts import IGNORE_INDEX
-from toolkit.errors import EXIT_STOPPED, ConfigError, LayoutError, ModelError, RunStopped, ToolkitError
+from toolkit.contracts import IGNORE_INDEX, PROTOCOLS, member, missing_members
+from toolkit.errors import EXIT_STOPPED, ConfigError, LayoutError, ModelError, PluginLoadError, RunStopped, ToolkitError
 from toolkit.recipe import Recipe, thing_options
 
 
@@ -101,6 +101,11 @@ def resolve_components(recipe: Recipe, world_size: int) -> tuple[Any, Any, Any, 
     strategy_cls = manager.get("strategy", recipe.strategy)
     tuner_cls = manager.get("tuner", recipe.tuner)
     loss_cls = manager.get("loss", recipe.loss)
+    for kind, cls in (("strategy", strategy_cls), ("tuner", tuner_cls), ("loss", loss_cls)):
+        missing = missing_members(kind, cls)
+        if missing:
+            raise PluginLoadError(f"{kind} {cls.name!r} (plugin {manager.registry(kind).owner(cls.name)!r}) lacks "
+                                  f"{', '.join(missing)}, which contracts.{PROTOCOLS[kind].__name__} requires (docs/hooks.md)")
     strategy, tuner, loss = (cls(thing_options(recipe, cls)) for cls in (strategy_cls, tuner_cls, loss_cls))
     problems = strategy.validate(recipe, world_size)
     if problems:
@@ -191,7 +196,7 @@ def run_training(recipe: Recipe, raise_if_stopped: bool = False) -> Path:
 
     examples, stats = ([], DataStats()) if recipe.streaming else load_examples(
         recipe.dataset, source.tokenizer, dataset_format=recipe.dataset_format, columns=recipe.columns,
-        train_on=getattr(loss, "train_on", "assistant"), seq_len=recipe.seq_len, max_samples=recipe.max_samples,
+        train_on=member(loss, "loss", "train_on"), seq_len=recipe.seq_len, max_samples=recipe.max_samples,
         example_kinds=loss.example_kinds, options=recipe.options, packing=recipe.packing,
         isolate_documents=recipe.isolate_documents, ratios=recipe.dataset_ratios, seed=recipe.seed)
     from toolkit.train.evaluation import load_eval_examples, split_held_out
@@ -199,8 +204,9 @@ def run_training(recipe: Recipe, raise_if_stopped: bool = False) -> Path:
     examples, eval_examples = split_held_out(examples, recipe)  # checked before the model is built
     eval_examples += load_eval_examples(recipe, source.tokenizer, loss)
     engine = strategy.build(source, tuner, loss, recipe)
+    check_engine(engine, recipe.strategy)
     try:
-        if recipe.precompute_reference and getattr(loss, "needs_reference", False):
+        if recipe.precompute_reference and loss.needs_reference:
             from toolkit.train.reference import precompute_reference_logps
 
             precompute_reference_logps(engine, examples + eval_examples, recipe, source, run_dir)
@@ -243,7 +249,7 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
     examples, eval_examples = data
     pad_id = source.tokenizer.pad_token_id if source.tokenizer.pad_token_id is not None else 0
     # PT rows that keep documents apart hold several sequences: they are collated as packed rows
-    pt = getattr(loss, "train_on", "assistant") == "all"
+    pt = member(loss, "loss", "train_on") == "all"
     packed_rows = recipe.packing or bool((stats.documents or (recipe.streaming and pt)) and recipe.isolate_documents)
     shared = dict(seed=recipe.seed, seq_len=recipe.seq_len, packing=packed_rows, micro_batch_size=recipe.micro_batch_size,
                   global_batch_size=recipe.global_batch_size, dp_rank=engine.dp_rank, dp_world_size=engine.dp_world_size,
@@ -253,7 +259,7 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
         from toolkit.data.streaming import StreamBatches
 
         encode = stream_encoder(source.tokenizer, dataset_format=recipe.dataset_format, columns=recipe.columns,
-                                train_on=getattr(loss, "train_on", "assistant"), seq_len=recipe.seq_len,
+                                train_on=member(loss, "loss", "train_on"), seq_len=recipe.seq_len,
                                 example_kinds=loss.example_kinds, options=recipe.options, packing=recipe.packing,
                                 isolate_documents=recipe.isolate_documents, stats=stats)
         batches: Any = StreamBatches(recipe.dataset, encode, max_steps=recipe.max_steps, **shared)
@@ -276,8 +282,7 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
         write_recipe(recipe, run_dir)
     info = RunInfo(recipe, run_dir, total_steps, start_step, engine.is_main, stats.summary())
     callbacks = make_callbacks(recipe, engine.is_main)
-    for cb in callbacks:
-        cb.on_train_start(info)
+    notify(callbacks, "on_train_start", info)
     evaluation = Evaluation.for_run(recipe, engine, loss, eval_examples, pad_id, run_dir, total_steps)
     guard = NonFiniteGuard.for_run(recipe, engine, run_dir)
     watchdog = start_watchdog(recipe.dist_timeout)
@@ -324,8 +329,7 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
                            f"with --resume auto to continue (exit status {EXIT_STOPPED}: stopped, resumable).")
                 break
             step = done
-    for cb in callbacks:
-        cb.on_train_end(info)
+    notify(callbacks, "on_train_end", info)
     evaluation.report()
     if recipe.export and stopped is None:
         export_after_training(recipe, run_dir, engine, source, tuner)
@@ -367,12 +371,10 @@ class _StepLog:
                    "row_fill": real / max(capacity, 1), "epoch": step / self.steps_per_epoch, **result.metrics}
         if self.peak_memory is not None:  # on a GPU: the allocator's high-water mark so far (no synchronisation)
             metrics["peak_gib"] = self.peak_memory() / 2**30
-        for cb in self.callbacks:
-            cb.on_step_end(done, metrics)
+        notify(self.callbacks, "on_step_end", done, metrics)
         if done % self.recipe.log_every == 0 or done == self.total_steps or evaluated:
             metrics.update(evaluated)
-            for cb in self.callbacks:
-                cb.on_log(done, metrics)
+            notify(self.callbacks, "on_log", done, metrics)
             self.window_tokens, self.window_trained, self.window_start = 0, 0, time.perf_counter()
         self.logged = done
 
@@ -417,6 +419,12 @@ def keep_global_batch_size(recipe: Recipe, run_dir: Path, is_main: bool) -> Reci
     return dataclasses.replace(recipe, global_batch_size=saved)
 
 
+def notify(callbacks: list[Any], event: str, *args: Any) -> None:
+    """Call ``event`` on every callback that has it (each of contracts.Callback's methods is optional)."""
+    for callback in callbacks:
+        member(callback, "callback", event)(*args)
+
+
 def make_callbacks(recipe: Recipe, is_main: bool) -> list[Any]:
     """The main process's callbacks: metrics.jsonl, progress and the trackers ``--report-to`` names
     (:func:`toolkit.tracking.select_callbacks`), each with its options from the recipe."""
@@ -425,7 +433,7 @@ def make_callbacks(recipe: Recipe, is_main: bool) -> list[Any]:
     if not is_main:
         return []
     callbacks = [cls(thing_options(recipe, cls)) for cls in select_callbacks(recipe)]
-    return [callback for callback in callbacks if callback.available()]
+    return [callback for callback in callbacks if member(callback, "callback", "available")()]
 
 
 def export_after_training(recipe: Recipe, run_dir: Path, engine: Any, source: Any, tuner: Any) -> None:
@@ -445,8 +453,17 @@ def export_after_training(recipe: Recipe, run_dir: Path, engine: Any, source: An
 
 def adapter_export(tuner: Any, engine: Any) -> Any:
     """``ExportModel.adapter``: the engine's own when it has one (a sharded model), else the tuner's over ``engine.model``."""
-    if hasattr(engine, "adapter_export"):
-        return engine.adapter_export()
-    exporter = getattr(tuner, "adapter_export", None)
-    model = getattr(engine, "model", None)
+    own = member(engine, "engine", "adapter_export")
+    if own is not None:
+        return own()
+    exporter, model = member(tuner, "tuner", "adapter_export"), member(engine, "engine", "model")
     return exporter(model) if exporter is not None and model is not None else None
+
+
+def check_engine(engine: Any, strategy: str) -> None:
+    """The engine a strategy built has every required member of ``contracts.Engine``."""
+    missing = missing_members("engine", engine)
+    if missing:
+        raise PluginLoadError(f"strategy {strategy!r} built an engine ({type(engine).__qualname__}) without "
+                              f"{', '.join(missing)}, which contracts.Engine requires (docs/hooks.md); the strategy's "
+                              "plugin must add them")

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, NamedTuple
 
 from toolkit.config import option
-from toolkit.contracts import StepContext, StepResult
+from toolkit.contracts import EngineBase, StepContext, StepResult
 
 
 @dataclass(kw_only=True)
@@ -104,7 +104,7 @@ def _speed_levers(config: MegatronConfig, device: Any, loss: Any = None) -> Spee
     main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     if fused_loss and not declares_uniform_gradient(loss):
         if config.fused_loss is True and main:
-            name = getattr(loss, "name", type(loss).__name__)
+            name = loss.name
             print(f"toolkit: --megatron-fused-loss is off for the {name} loss: it does not give every token the same "
                   "gradient (the logits path serves it)", file=sys.stderr)
         fused_loss = False
@@ -178,7 +178,7 @@ def _layout(recipe: Any) -> Any:
                   expert=recipe.expert_parallel, expert_tensor=recipe.expert_tensor_parallel)
 
 
-class MegatronEngine:
+class MegatronEngine(EngineBase):
     """Model chunks of this rank wrapped in Megatron DDP, with Megatron's optimizer."""
 
     skips_nonfinite_updates: ClassVar[bool] = True
@@ -203,7 +203,7 @@ class MegatronEngine:
         from toolkit_megatron.architectures import architecture_for
 
         self.moe = architecture_for(source.config.model_type).moe
-        if getattr(loss, "needs_reference", False) and not recipe.precompute_reference:
+        if loss.needs_reference and not recipe.precompute_reference:
             from toolkit.errors import ConfigError
 
             raise ConfigError(f"--loss {loss.name} needs reference log-probs; under --strategy megatron they are computed "

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from toolkit.contracts import Example
+from toolkit.contracts import Example, member
 from toolkit.errors import ConfigError, DataError, ToolkitError
 from toolkit_rl.phase import RolloutBatch, dp_sum
 from toolkit_rl.rollout import RolloutError
@@ -87,7 +87,7 @@ class GRPORun:
 
         self.recipe, self.run_dir, self.engine, self.loss, self.tuner, self.source = recipe, run_dir, engine, loss, tuner, source
         self.config, self.prompts, self.rewards = loss.config, prompts, rewards
-        device = engine.device if hasattr(engine, "device") else _default_device()
+        device = member(engine, "engine", "device") or _default_device()
         self.rollouts = make_rollouts(source, recipe, self.config, device)
         self.reference = Reference(source, recipe, device) if self.config.beta else None
         self.pad_id = source.tokenizer.pad_token_id if source.tokenizer.pad_token_id is not None else 0
