@@ -117,20 +117,27 @@ def test_early_stopping_stops_at_the_step_the_patience_says(tmp_path, capsys):
     assert (stopped / f"checkpoints/step-{want}").is_dir()
 
 
-def test_resume_keeps_the_patience_count(tmp_path):
+def test_resume_keeps_the_patience_count_and_stays_bit_identical(tmp_path):
+    from safetensors.torch import load_file
+
     from toolkit.errors import RunStopped
     from toolkit.train.checkpoint import read_state
     from toolkit.train.runner import run_training
 
     # a threshold no step can beat: every evaluation after the first counts against the patience
-    values = {"model": "tiny-llama", "dataset": ["demo"], "seq_len": 64, "max_steps": 20, "eval_split": 0.05,
-              "eval_every": 1, "early_stopping_patience": 3, "early_stopping_threshold": 1e9, "output": str(tmp_path / "run")}
+    values = {"model": "tiny-llama", "dataset": ["demo"], "seq_len": 64, "max_steps": 20, "lr": 1e-3, "eval_split": 0.05,
+              "eval_every": 1, "early_stopping_patience": 3, "early_stopping_threshold": 1e9, "save_best": "eval/loss"}
+    straight = run_training(resolve_recipe({**values, "output": str(tmp_path / "straight")}))
     with pytest.raises(RunStopped):
-        run_training(resolve_recipe({**values, "stop_after": 2}), raise_if_stopped=True)
+        run_training(resolve_recipe({**values, "output": str(tmp_path / "run"), "stop_after": 2}), raise_if_stopped=True)
     assert read_state(tmp_path / "run/checkpoints/step-2")["best"]["bad_evals"] == 1
-    run = run_training(resolve_recipe({**values, "resume": "auto"}))
+    run = run_training(resolve_recipe({**values, "output": str(tmp_path / "run"), "resume": "auto"}))
     # evaluations at 1 (best), 2, 3, 4: the third without improvement ends the run at 4 (not 6, had it restarted)
-    assert metrics(run)[-1]["step"] == 4
+    assert metrics(run)[-1]["step"] == metrics(straight)[-1]["step"] == 4
+    assert evals(run) == evals(straight)  # evaluating changes nothing a resume depends on
+    a, b = (load_file(str(r / "checkpoints/step-4/model.safetensors")) for r in (straight, run))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((run / "best.json").read_text())["step"] == 1  # kept from before the resume
 
 
 def test_save_best_keeps_the_best_checkpoint_past_keep_last(tmp_path):
@@ -168,3 +175,4 @@ def test_two_ranks_evaluate_like_one(tmp_path, run_distributed, strategy):
     for a, b in zip(one, two, strict=True):
         for key in ("loss", "eval/loss", "eval/perplexity", "eval/examples"):
             assert a[key] == pytest.approx(b[key], rel=1e-5), key
+
