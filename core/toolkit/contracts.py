@@ -280,6 +280,10 @@ class Engine(Protocol):
 
 
 class Strategy(Registered, Protocol):
+    """Places a model on the processes of a run. Optional: ``parallel_axes``, the model-splitting axes
+    of :data:`toolkit.parallel.AXES` it supports (default none: data parallelism only); the runner
+    refuses the others before ``validate`` is asked."""
+
     def validate(self, recipe: Recipe, world_size: int) -> list[str]: ...
 
     def build(self, source: ModelSource, tuner: Tuner, loss: Loss, recipe: Recipe) -> Engine: ...
@@ -357,6 +361,7 @@ def _available() -> bool:
 OPTIONAL: dict[str, dict[str, Any]] = {
     "engine": {"adapter_export": None, "model": None, "device": None, "release_reference": None, "skips_nonfinite_updates": False,
                "supports_rollback": True, "skip_nonfinite": False},
+    "strategy": {"parallel_axes": frozenset()},
     "tuner": {"adapter_export": None, "adapter_from_checkpoint": None, "disabled_adapters": None, "optimizer_factory": None,
               "quantized": False, "zero3_compatible": True},
     "loss": {"train_on": "assistant", "uniform_token_gradient": False, "cli_command": True},

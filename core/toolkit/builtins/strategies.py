@@ -417,14 +417,8 @@ class LocalStrategy:
         from toolkit.plugins import install_hint
 
         problems = []
-        for flag, value in (("--tp", recipe.tensor_parallel), ("--pp", recipe.pipeline_parallel), ("--cp", recipe.context_parallel),
-                            ("--ep", recipe.expert_parallel), ("--vpp", recipe.virtual_pipeline)):
-            if value != 1:
-                problems.append(f"{flag} {value} needs --strategy megatron ({install_hint('toolkit-megatron')}); the local strategy is data-parallel only")
         if recipe.zero:
             problems.append(f"--zero {recipe.zero} needs --strategy deepspeed ({install_hint('toolkit-deepspeed')})")
-        if recipe.sequence_parallel:
-            problems.append("--sequence-parallel needs --strategy megatron with --tp > 1")
         if getattr(self.config, "fp8", False) and recipe.tuner not in ("full", "freeze"):
             problems.append(f"--local-fp8 trains the decoder's linear layers in float8: it needs --tuner full or freeze, not {recipe.tuner}")
         return problems

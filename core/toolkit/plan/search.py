@@ -97,22 +97,16 @@ def _megatron_layouts(shape: ModelShape, cluster: Cluster, workload: Workload, r
 
 
 def structural_problem(shape: ModelShape, layout: Layout, workload: Workload, global_rows: int) -> str | None:
-    """Why ``layout`` cannot be built for this model at all (None when it can)."""
-    if layout.tp > 1:
-        if shape.heads % layout.tp or shape.kv_heads % layout.tp:
-            return (f"TP{layout.tp} does not divide {shape.heads} attention heads / {shape.kv_heads} KV heads "
-                    "(Megatron splits whole query groups)")
-        if not shape.is_moe and shape.ffn % layout.tp:
-            return f"TP{layout.tp} does not divide the FFN size {shape.ffn}"
-    if shape.layers % (layout.pp * layout.vpp):
-        return f"{shape.layers} layers do not split into PP{layout.pp} x VPP{layout.vpp} = {layout.pp * layout.vpp} equal chunks"
-    if layout.cp > 1 and workload.seq_len % (2 * layout.cp):
-        return f"sequence length {workload.seq_len} is not a multiple of 2 x CP{layout.cp}"
-    if layout.ep > 1:
-        if shape.experts % layout.ep:
-            return f"EP{layout.ep} does not divide {shape.experts} experts"
-        if (layout.world_size // layout.pp) % layout.ep:
-            return f"EP{layout.ep} does not divide the {layout.world_size // layout.pp} GPUs of a pipeline stage"
+    """Why ``layout`` cannot be built for this model at all (None when it can): first the rules of
+    :class:`toolkit.parallel.ParallelLayout`, which the engines enforce, then the planner's own."""
+    from toolkit.parallel import ModelShape as Divisors
+
+    parallel = layout.parallel
+    divisors = Divisors(heads=shape.heads, kv_heads=shape.kv_heads, ffn=shape.ffn, layers=shape.layers,
+                        experts=shape.experts, model_type=shape.model_type)
+    rules = parallel.world_problems(layout.world_size) + parallel.model_problems(divisors, workload.seq_len)
+    if rules:
+        return rules[0]
     if global_rows % (layout.dp * workload.micro_batch_size):
         return (f"global batch {global_rows} rows is not a multiple of DP{layout.dp} x micro-batch "
                 f"{workload.micro_batch_size}")

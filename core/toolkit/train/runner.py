@@ -107,10 +107,25 @@ def resolve_components(recipe: Recipe, world_size: int) -> tuple[Any, Any, Any, 
             raise PluginLoadError(f"{kind} {cls.name!r} (plugin {manager.registry(kind).owner(cls.name)!r}) lacks "
                                   f"{', '.join(missing)}, which contracts.{PROTOCOLS[kind].__name__} requires (docs/hooks.md)")
     strategy, tuner, loss = (cls(thing_options(recipe, cls)) for cls in (strategy_cls, tuner_cls, loss_cls))
-    problems = strategy.validate(recipe, world_size)
+    problems = unsupported_axes(recipe, strategy_cls, manager) or strategy.validate(recipe, world_size)
     if problems:
         raise LayoutError(f"--strategy {recipe.strategy} cannot run this layout:\n" + "\n".join(f"  - {p}" for p in problems))
     return strategy, tuner, loss, recipe
+
+
+def unsupported_axes(recipe: Recipe, strategy_cls: type, manager: Any) -> list[str]:
+    """The parallel axes the recipe uses that the strategy does not declare, each naming a strategy that does."""
+    from toolkit.parallel import AXES, ParallelLayout
+    from toolkit.plugins import FIRST_PARTY, install_hint
+
+    providers = {}
+    for axis in AXES:
+        able = [name for name, cls in manager.registry("strategy").items() if axis in member(cls, "strategy", "parallel_axes")]
+        if able:
+            providers[axis] = able[0]
+        elif ("strategy", "megatron") in FIRST_PARTY:
+            providers[axis] = f"megatron ({install_hint(FIRST_PARTY[('strategy', 'megatron')])})"
+    return ParallelLayout.from_recipe(recipe).unsupported(strategy_cls.name, member(strategy_cls, "strategy", "parallel_axes"), providers)
 
 
 def choose_auto_strategy(recipe: Recipe, world_size: int) -> Recipe:

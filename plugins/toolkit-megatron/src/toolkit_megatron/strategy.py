@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Literal, NamedTuple
 
 from toolkit.config import option
 from toolkit.contracts import EngineBase, StepContext, StepResult
+from toolkit.parallel import AXES, ParallelLayout
 
 
 @dataclass(kw_only=True)
@@ -123,23 +124,13 @@ class MegatronStrategy:
 
     name: ClassVar[str] = "megatron"
     Config: ClassVar[type] = MegatronConfig
+    parallel_axes: ClassVar[frozenset[str]] = frozenset(AXES)
 
     def __init__(self, config: MegatronConfig | None = None):
         self.config = config or MegatronConfig()
 
     def validate(self, recipe: Any, world_size: int) -> list[str]:
-        problems = []
-        layout = _layout(recipe)
-        needed = math.lcm(layout.model_parallel, max(recipe.expert_parallel, 1) * max(recipe.expert_tensor_parallel, 1) * layout.pipeline)
-        if world_size == 1 and needed > 1:
-            from toolkit.commands.launch import launch_advice
-
-            problems.append(f"{layout.describe()} needs a multiple of {needed} processes and this is one process; {launch_advice(needed)}")
-        elif world_size % layout.model_parallel:
-            problems.append(f"world size {world_size} is not divisible by tp*pp*cp = {layout.tensor}*{layout.pipeline}*{layout.context}; "
-                            f"launch a multiple of {layout.model_parallel} processes")
-        if recipe.expert_parallel < 1 or recipe.expert_tensor_parallel < 1:
-            problems.append(f"--ep {recipe.expert_parallel} / --etp {recipe.expert_tensor_parallel}: sizes must be >= 1")
+        problems = ParallelLayout.from_recipe(recipe).world_problems(world_size)
         if recipe.tuner not in ("full", "lora", "dora"):
             problems.append(f"--tuner {recipe.tuner}: the megatron strategy trains with --tuner full, lora or dora")
         if recipe.precision == "fp16":
@@ -170,14 +161,6 @@ class MegatronStrategy:
         yield from mcore_to_hf_tensors(Path(checkpoint) / "mcore", lora=lora)
 
 
-def _layout(recipe: Any) -> Any:
-    from toolkit_megatron.model import Layout
-
-    return Layout(tensor=recipe.tensor_parallel, pipeline=recipe.pipeline_parallel, virtual=recipe.virtual_pipeline,
-                  context=recipe.context_parallel, sequence_parallel=recipe.sequence_parallel,
-                  expert=recipe.expert_parallel, expert_tensor=recipe.expert_tensor_parallel)
-
-
 class MegatronEngine(EngineBase):
     """Model chunks of this rank wrapped in Megatron DDP, with Megatron's optimizer."""
 
@@ -190,7 +173,7 @@ class MegatronEngine(EngineBase):
 
         from toolkit.train.distributed import init_world
         from toolkit_megatron.bridge import SafetensorsReader, load_hf_weights
-        from toolkit_megatron.model import build_model, check_layout, initialize_parallel
+        from toolkit_megatron.model import build_model, initialize_parallel
 
         self.world = init_world()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -198,8 +181,8 @@ class MegatronEngine(EngineBase):
 
         one_process_group(self.device)  # one GPU or CPU without torchrun: NCCL on CUDA, gloo on CPU
         self.recipe, self.source, self.config, self.tuner = recipe, source, config, tuner
-        self.layout = _layout(recipe)
-        check_layout(self.layout, source.config, torch.distributed.get_world_size(), recipe.seq_len)
+        self.layout = ParallelLayout.from_recipe(recipe)
+        self.layout.check(source.config, torch.distributed.get_world_size(), recipe.seq_len)
         from toolkit_megatron.architectures import architecture_for
 
         self.moe = architecture_for(source.config.model_type).moe
@@ -382,7 +365,6 @@ class MegatronEngine(EngineBase):
         """Megatron's ``optimizer.step()`` with a check between the gradient norm and the update:
         a non-finite loss (already reduced over ranks) or norm (reduced over model-parallel ranks)
         leaves weights and optimizer state untouched (``--on-nan skip``)."""
-        import math
 
         import torch
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
