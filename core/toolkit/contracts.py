@@ -257,7 +257,12 @@ class Engine(Protocol):
 
     def train_step(self, micro_batches: list[dict], loss: Loss, ctx: StepContext) -> StepResult: ...
 
-    def evaluate(self, micro_batches: list[dict], loss: Loss, ctx: StepContext) -> dict[str, float]: ...
+    def evaluate(self, micro_batches: list[dict], loss: Loss, ctx: StepContext) -> dict[str, float]:
+        """The eval forward (``toolkit.train.evaluation``): the model in eval mode, no gradients, no update;
+        ``loss`` applied to each micro-batch; returns ``{"loss": ..., **loss metrics}`` summed over the
+        micro-batches and reduced over every rank (the same values on every rank). Every rank passes the same
+        number of micro-batches; ``ctx`` holds the counts of the whole held-out set."""
+        ...
 
     def reference_logps(self, micro_batch: dict) -> torch.Tensor: ...
 
@@ -303,9 +308,26 @@ class Reward(Registered, Protocol):
                  records: list[dict[str, Any]]) -> list[float | None]: ...
 
 
+class Metric(Registered, Protocol):
+    """A generation metric for ``toolkit eval``: one score per prediction against its reference answers.
+
+    Optional ``prepare()`` (``OPTIONAL["metric"]``) runs before any model loads: check options and import optional
+    dependencies there, raising a ``ToolkitError`` that names the flag or the ``pip install`` command. Scores are
+    usually in [0, 1] (higher is better); ``toolkit eval`` reports their mean."""
+
+    def prepare(self) -> None: ...
+
+    def score(self, predictions: list[str], references: list[list[str]]) -> list[float]: ...
+
+
 class Callback(Registered, Protocol):
     """Told about a run's progress on the main rank. Every method is optional (no-ops in
-    :class:`CallbackBase`): implement the ones you need."""
+    :class:`CallbackBase`): implement the ones you need.
+
+    Optional class attributes (``OPTIONAL["callback"]``): ``tracker`` (default False: the callback always
+    runs; True: an experiment tracker, run only when ``--report-to`` names it, :mod:`toolkit.tracking`) and
+    ``requires`` (the pip package a tracker needs, named when it is missing). Its ``Config`` fields become
+    ``--NAME-FIELD`` flags and a YAML section, as for losses."""
 
     def available(self) -> bool: ...
 
@@ -323,7 +345,7 @@ class Callback(Registered, Protocol):
 PROTOCOLS: dict[str, type] = {
     "model_loader": ModelLoader, "architecture": Architecture, "strategy": Strategy, "tuner": Tuner, "loss": Loss,
     "dataset_format": DatasetFormat, "exporter": Exporter, "inference_backend": InferenceBackend,
-    "callback": Callback, "reward": Reward, "engine": Engine,
+    "callback": Callback, "reward": Reward, "metric": Metric, "engine": Engine,
 }
 """The protocol of each registry kind (and of the engines strategies build)."""
 
@@ -347,7 +369,8 @@ OPTIONAL: dict[str, dict[str, Any]] = {
     "exporter": {"export_adapter": None},
     "inference_backend": {"serve": None},
     "callback": {"available": _available, "on_train_start": _noop, "on_step_end": _noop, "on_log": _noop,
-                 "on_train_end": _noop},
+                 "on_train_end": _noop, "tracker": False, "requires": ""},
+    "metric": {"prepare": _noop},
 }
 """Members the core reads only when a component has them, with what their absence means. Everything
 else a kind's protocol declares is required (:func:`missing_members`); the core reads nothing else

@@ -72,6 +72,9 @@ def check_schedule(recipe: Any, config: Any) -> None:
                         "batch (steps_per_rollout x iterations): checkpoints fall between rollout batches")
     if recipe.packing:
         problems.append("--packing does not apply to toolkit grpo (completions are scored one per row)")
+    if recipe.eval_dataset or recipe.eval_split or recipe.eval_samples or recipe.save_best or recipe.early_stopping_patience:
+        problems.append("toolkit grpo does not evaluate during training: leave out --eval-dataset/--eval-split/"
+                        "--eval-samples/--save-best/--early-stopping-patience and score the export with toolkit eval")
     if problems:
         raise ConfigError(problems, source="toolkit grpo")
 
@@ -253,7 +256,7 @@ class GRPORun:
             write_recipe(self.recipe, self.run_dir)
         info = RunInfo(self.recipe, self.run_dir, self.total_steps, step, self.engine.is_main,
                        f"{len(self.prompts)} prompts, {self.config.num_generations} completions each")
-        callbacks = make_callbacks(self.engine.is_main)
+        callbacks = make_callbacks(self.recipe, self.engine.is_main)
         for cb in callbacks:
             cb.on_train_start(info)
         log = RolloutLog(self.run_dir, step, self.engine.is_main)

@@ -154,8 +154,10 @@ def form_fields(manager: Any) -> list[Field]:
 
 
 def active_sections(values: dict[str, Any], fields: list[Field]) -> set[str]:
-    """The option sections that apply: the chosen strategy, tuner, loss, dataset format; every architecture's."""
+    """The option sections that apply: the chosen strategy, tuner, loss, dataset format, the --report-to trackers;
+    every architecture's."""
     chosen = {values.get(name) for name in ("strategy", "tuner", "loss", "dataset_format")}
+    chosen |= set(values.get("report_to") or [])
     return {f.section for f in fields if f.section is not None and (f.kind == "architecture" or f.section in chosen)}
 
 
