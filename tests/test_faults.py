@@ -234,6 +234,25 @@ def test_resuming_with_other_training_settings_names_them_and_needs_resume_chang
     assert "lr: 0.0003" in (run_copy / "recipe.yaml").read_text()
 
 
+def test_a_run_from_an_older_toolkit_resumes_when_the_new_settings_are_at_their_defaults(run_copy, train_tiny):
+    """recipe.yaml without fields a newer version added (here: the evaluation ones) still resumes as it was,
+    and a new field set away from its default is still a change."""
+    import yaml
+
+    from toolkit.errors import ConfigError
+
+    path = run_copy / "recipe.yaml"
+    saved = yaml.safe_load(path.read_text())
+    older = {k: v for k, v in saved.items() if k not in ("early_stopping_patience", "eval_split", "best_mode")}
+    assert len(older) == len(saved) - 3
+    path.write_text(yaml.safe_dump(older))
+    with pytest.raises(ConfigError, match="eval_split: None -> 0.1"):
+        train_tiny(run_copy, resume="auto", max_steps=8, eval_split=0.1)
+    train_tiny(run_copy, resume="auto", max_steps=8)
+    steps = [json.loads(line)["step"] for line in (run_copy / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 8
+
+
 def test_resuming_with_another_model_is_refused_before_the_model_loads(run_copy, monkeypatch, train_tiny):
     import toolkit.builtins.loaders as loaders
     from toolkit.errors import ConfigError

@@ -171,7 +171,10 @@ def check_resume_changes(recipe: Recipe, is_main: bool) -> None:
     sections = {recipe.tuner, recipe.loss, recipe.dataset_format}
     keys = [k for k in dict.fromkeys([*saved, *current]) if k not in RESUME_MAY_CHANGE
             and (k in {f.name for f in dataclasses.fields(Recipe)} or k in sections)]
-    changes = [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)]
+    # a field the saved recipe lacks was added by a newer toolkit: at its default it trains as before
+    defaults = {k: v for k, v in Recipe().to_yaml_dict().items() if k not in saved}
+    changes = [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in keys
+               if saved.get(k, defaults.get(k)) != current.get(k)]
     if not changes:
         return
     if not recipe.resume_changed:
