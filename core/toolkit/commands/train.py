@@ -173,8 +173,10 @@ def make_training_command(name: str, loss: str | None, help_text: str, manager: 
 
         run_training(recipe, raise_if_stopped=True)
 
-    return click.Command(name, params=params, callback=callback, help=help_text, short_help=help_text.split("\n")[0],
-                         context_settings={"max_content_width": 110})
+    from toolkit.commands.help import TrainingCommand
+
+    return TrainingCommand(name, params=params, callback=callback, help=help_text, short_help=help_text.split("\n")[0],
+                           context_settings={"max_content_width": 110}, sections=sections, loss=loss)
 
 
 def add_training_commands(cli: click.Group) -> None:
