@@ -142,7 +142,7 @@ def test_toolkit_error_is_short_and_debug_shows_the_traceback(tmp_path):
 
 def test_bad_key_value_flag(probe_manager, cli_runner, captured_runs):
     result = cli_runner.invoke("probe", *PROBE_FLAGS[2:], "--columns", "instruction")
-    assert result.exit_code == 2 and "expected KEY=VALUE, got 'instruction'" in result.stderr
+    assert result.exit_code == 2 and "expected KEY=VALUE (for example --columns instruction=question), got 'instruction'" in result.stderr
     assert captured_runs == []
 
 
