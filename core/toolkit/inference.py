@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import tempfile
@@ -10,8 +11,30 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from toolkit.config import option
 from toolkit.contracts import member
 from toolkit.errors import ModelError, ToolkitError
+
+
+@dataclasses.dataclass(kw_only=True)
+class GenerationOptions:
+    """The options every inference backend's ``Config`` starts with (``toolkit infer`` and ``toolkit eval``
+    take them as ``--option`` or flags): one definition, so they mean the same on hf, vllm and lmdeploy."""
+
+    max_new_tokens: int = option(64, help="Tokens to generate per prompt.")
+    temperature: float = option(0.0, help="Sampling temperature; 0 is greedy.")
+    chat_template: bool = option(True, help="Wrap each prompt as a user turn of the model's chat template.")
+    system: str = option("", help="System message placed before each prompt.")
+
+
+def format_prompt(tokenizer: Any, prompt: str, chat_template: bool, system: str = "") -> str:
+    """The text a backend feeds the model: the prompt as a user turn of the chat template, or raw."""
+    if not chat_template:
+        return prompt
+    from toolkit.data.template import ChatTemplate
+
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return ChatTemplate(tokenizer).render(messages, add_generation_prompt=True)
 
 
 def model_directory(reference: str, workdir: Path, trust_remote_code: bool = False) -> Path:

@@ -4,31 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from toolkit import hookimpl
 from toolkit.config import option
+from toolkit.inference import GenerationOptions, format_prompt
 
 
 @dataclasses.dataclass(kw_only=True)
-class GenerateConfig:
-    max_new_tokens: int = option(64, help="Tokens to generate per prompt.")
-    temperature: float = option(0.0, help="Sampling temperature; 0 is greedy.")
-    chat_template: bool = option(True, help="Wrap each prompt as a user message with the model's chat template.")
+class GenerateConfig(GenerationOptions):
     dtype: str = option("float32", help="Weights dtype for generation.")
-    system: str = option("", help="System message placed before each prompt.")
     trust_remote_code: bool = option(False, help="Run the model directory's own Python code (only from this command's flag).")
     batch_size: int = option(1, help="Prompts generated together (left-padded); 1 generates each prompt on its own.")
-
-
-def format_prompt(tokenizer: Any, prompt: str, chat_template: bool, system: str = "") -> str:
-    """The text a backend feeds the model: the prompt as a user turn of the chat template, or raw."""
-    if not chat_template:
-        return prompt
-    from toolkit.data.template import ChatTemplate
-
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    return ChatTemplate(tokenizer).render(messages, add_generation_prompt=True)
 
 
 class HFBackend:

@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal
 from toolkit.config import option
 from toolkit.errors import ToolkitError
 from toolkit.hfdir import read_json
+from toolkit.inference import GenerationOptions, format_prompt
 from toolkit.serving import ServerCommand, engine_flags, option_value, serve_forever, split_extra
 from toolkit_lmdeploy.requirements import check_model_config
 
@@ -32,7 +33,7 @@ class LMDeployBackend:
     name: ClassVar[str] = "lmdeploy"
 
     @dataclass(kw_only=True)
-    class Config:
+    class Config(GenerationOptions):
         python: str = option(os.environ.get("TOOLKIT_LMDEPLOY_PYTHON", ""),
                              help="Interpreter of the environment with LMDeploy (default: $TOOLKIT_LMDEPLOY_PYTHON, else this one).")
         engine: Literal["auto", "turbomind", "pytorch"] = option(
@@ -44,10 +45,6 @@ class LMDeployBackend:
         model_name: str = option("", help="Model name the server answers to (default: the path).")
         adapters: str = option("", help="LoRA adapters NAME=DIR[,NAME=DIR] (PyTorch engine only).")
         startup_timeout_s: float = option(900.0, help="How long serve waits for the server to answer.")
-        max_new_tokens: int = option(64, help="Tokens to generate per prompt (infer).")
-        temperature: float = option(0.0, help="Sampling temperature; 0 is greedy (infer).")
-        chat_template: bool = option(True, help="Wrap each prompt as a user turn of the model's chat template (infer).")
-        system: str = option("", help="System message placed before each prompt (infer).")
 
     def __init__(self, config: Config | None = None):
         self.config = config or self.Config()
@@ -108,8 +105,6 @@ class LMDeployBackend:
         # The prompt text is built like the hf backend's (the model's own chat template), so LMDeploy's
         # name-matched built-in templates never change what the model sees.
         from transformers import AutoTokenizer
-
-        from toolkit.builtins.inference import format_prompt
 
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         inputs = [format_prompt(tokenizer, p, bool(option_value(options, "chat_template", True)),

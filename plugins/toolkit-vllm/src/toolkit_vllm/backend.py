@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Literal
 from toolkit.config import option
 from toolkit.errors import ToolkitError
 from toolkit.hfdir import checkpoint_dtype, read_json
+from toolkit.inference import GenerationOptions, format_prompt
 from toolkit.serving import ServerCommand, engine_flags, option_value, serve_forever, split_extra
 from toolkit_vllm.requirements import max_lora_rank_for
 
@@ -41,8 +42,6 @@ def has_cuda() -> bool:
 
 def prompt_token_ids(tokenizer: Any, prompt: str, chat_template: bool, system: str = "") -> list[int]:
     """The ids the model sees: the same text the ``hf`` backend builds, tokenized the same way."""
-    from toolkit.builtins.inference import format_prompt
-
     text = format_prompt(tokenizer, prompt, chat_template, system)
     return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
 
@@ -58,7 +57,7 @@ class VLLMBackend:
     name: ClassVar[str] = "vllm"
 
     @dataclass(kw_only=True)
-    class Config:
+    class Config(GenerationOptions):
         python: str = option(os.environ.get("TOOLKIT_VLLM_PYTHON", ""),
                              help="Interpreter of the environment that has vLLM (default: $TOOLKIT_VLLM_PYTHON, else this one).")
         dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
@@ -73,10 +72,6 @@ class VLLMBackend:
         seed: int = option(0, help="Sampling seed.")
         served_model_name: str = option("", help="Model name the server answers to (default: the path).")
         startup_timeout_s: float = option(900.0, help="How long serve waits for the server to answer.")
-        max_new_tokens: int = option(64, help="Tokens to generate per prompt (infer).")
-        temperature: float = option(0.0, help="Sampling temperature; 0 is greedy (infer).")
-        chat_template: bool = option(True, help="Wrap each prompt as a user turn of the chat template (infer).")
-        system: str = option("", help="System message placed before each prompt (infer).")
 
     def __init__(self, config: Config | None = None):
         self.config = config or self.Config()
