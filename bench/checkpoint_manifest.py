@@ -27,7 +27,7 @@ def make_model(directory: Path, hidden: int, layers: int) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from toolkit.builtins.loaders import preset_config, resolve_model
+    from toolkit.models import preset_config, resolve_model
 
     tiny = resolve_model("tiny-llama").directory
     config = preset_config("tiny-llama", hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,

@@ -55,10 +55,10 @@ def plain_deepspeed(model_dir: Path, data: list, warmup: int, stage: int, batch:
 
 
 def toolkit_deepspeed(model_dir: Path, data: list, warmup: int, stage: int, batch: int, world_size: int) -> tuple[float, float]:
-    from toolkit.builtins.loaders import load_hf_directory
     from toolkit.builtins.losses import SFTLoss
     from toolkit.builtins.tuners import FullTuner
     from toolkit.contracts import StepContext
+    from toolkit.models import load_hf_directory
     from toolkit.recipe import Recipe
     from toolkit_deepspeed.strategy import DeepSpeedStrategy
 

@@ -69,10 +69,10 @@ def trl_dpo(model_dir: Path, data: list, warmup: int, beta: float) -> tuple[floa
 
 
 def toolkit_dpo(model_dir: Path, data: list, warmup: int, beta: float, precision: str) -> tuple[float, float]:
-    from toolkit.builtins.loaders import load_hf_directory
     from toolkit.builtins.strategies import LocalConfig, LocalEngine
     from toolkit.builtins.tuners import FullTuner
     from toolkit.contracts import StepContext
+    from toolkit.models import load_hf_directory
     from toolkit.recipe import Recipe
     from toolkit_dpo.losses import DPOConfig, DPOLoss
 

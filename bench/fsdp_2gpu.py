@@ -73,9 +73,9 @@ def toolkit_step(engine, loss, world_size: int):
 
 
 def build_case(case: str, args: argparse.Namespace, world_size: int):
-    from toolkit.builtins.loaders import load_hf_directory
     from toolkit.builtins.losses import SFTLoss
     from toolkit.builtins.tuners import FullTuner
+    from toolkit.models import load_hf_directory
 
     if case == "ddp":
         return hf_ddp_step(args)

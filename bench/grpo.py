@@ -31,7 +31,7 @@ def make_model_dir(shape: dict, root: Path) -> Path:
     """A random-weight Llama with the toolkit's tiny tokenizer (its vocabulary, so every sampled id decodes)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from toolkit.builtins.loaders import TOKENIZER_DIR
+    from toolkit.models import TOKENIZER_DIR
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     config = LlamaConfig(**{**shape, "vocab_size": len(tokenizer)}, tie_word_embeddings=False, attn_implementation="sdpa",

@@ -24,7 +24,7 @@ SHAPE_TINY = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, n
 def make_model_dir(shape: dict, root: Path) -> Path:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from toolkit.builtins.loaders import TOKENIZER_DIR
+    from toolkit.models import TOKENIZER_DIR
 
     config = LlamaConfig(**shape, tie_word_embeddings=False, torch_dtype="bfloat16", attn_implementation="sdpa")
     with torch.device("cpu"):
@@ -77,11 +77,11 @@ def hf_baseline(model_dir: Path, data: list, warmup: int, compile_model: bool = 
 
 
 def toolkit_engine(model_dir: Path, data: list, warmup: int, precision: str, master_weights: bool = True) -> tuple[float, float]:
-    from toolkit.builtins.loaders import load_hf_directory
     from toolkit.builtins.losses import SFTLoss
     from toolkit.builtins.strategies import LocalConfig, LocalEngine
     from toolkit.builtins.tuners import FullTuner
     from toolkit.contracts import StepContext
+    from toolkit.models import load_hf_directory
     from toolkit.recipe import Recipe
 
     recipe = Recipe(model=str(model_dir), precision=precision, lr=1e-5, max_grad_norm=1.0)

@@ -62,7 +62,7 @@ def prepare(args) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from toolkit.builtins.loaders import TOKENIZER_DIR
+    from toolkit.models import TOKENIZER_DIR
 
     config = build_config(args.tiny, args.layers)
     torch.manual_seed(0)
@@ -277,8 +277,8 @@ def engine_case(args, device, rank: int):
     import torch
     from common import full_rows
 
-    from toolkit.builtins.loaders import load_hf_directory
     from toolkit.contracts import StepContext
+    from toolkit.models import load_hf_directory
     from toolkit.recipe import resolve_recipe
     from toolkit.train.runner import resolve_components
 

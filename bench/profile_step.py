@@ -36,11 +36,11 @@ def hf_step(model_dir: Path):
 
 
 def toolkit_step(model_dir: Path):
-    from toolkit.builtins.loaders import load_hf_directory
     from toolkit.builtins.losses import SFTLoss
     from toolkit.builtins.strategies import LocalConfig, LocalEngine
     from toolkit.builtins.tuners import FullTuner
     from toolkit.contracts import StepContext
+    from toolkit.models import load_hf_directory
     from toolkit.recipe import Recipe
 
     recipe = Recipe(model=str(model_dir), precision="bf16", lr=1e-5, max_grad_norm=1.0)

@@ -134,7 +134,7 @@ def make_models(args: argparse.Namespace, root: Path) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from toolkit.builtins.loaders import TOKENIZER_DIR
+    from toolkit.models import TOKENIZER_DIR
 
     shape = SHAPE_TINY if args.tiny else SHAPE_1B
     for name, tied in (("full", False), ("lora", True)):
@@ -277,8 +277,8 @@ def hf_peft_case(args: argparse.Namespace, model_dir: Path, data: list, options:
 def toolkit_case(args: argparse.Namespace, model_dir: Path, data: list, options: dict, tuner_name: str) -> dict:
     from common import full_rows
 
-    from toolkit.builtins.loaders import load_hf_directory
     from toolkit.contracts import StepContext
+    from toolkit.models import load_hf_directory
     from toolkit.plugins import get_plugin_manager
     from toolkit.recipe import resolve_recipe, thing_options
 

@@ -107,7 +107,7 @@ def write_model(directory: Path, kind: str, shape: dict) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen3MoeConfig
 
-    from toolkit.builtins.loaders import TOKENIZER_DIR
+    from toolkit.models import TOKENIZER_DIR
 
     config_cls = LlamaConfig if kind == "dense" else Qwen3MoeConfig
     config = config_cls(**shape, tie_word_embeddings=False)

@@ -84,7 +84,7 @@ PROBE_YAML = "loss: probe\nstrategy: probe-strategy\ntuner: probe-tuner\n"
 @pytest.fixture(scope="module")
 def tokenizer():
     """The tiny presets' tokenizer."""
-    from toolkit.builtins.loaders import resolve_model
+    from toolkit.models import resolve_model
 
     return resolve_model("tiny-llama").tokenizer
 

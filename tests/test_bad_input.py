@@ -52,7 +52,7 @@ def test_sane_numbers_pass():
 
 
 def test_the_cli_refuses_a_bad_lr_before_loading_the_model(cli_runner, monkeypatch, tmp_path):
-    import toolkit.builtins.loaders as loaders
+    import toolkit.models as loaders
 
     monkeypatch.setattr(loaders, "resolve_model", lambda *a, **k: pytest.fail("the model was loaded"))
     result = cli_runner.invoke("sft", "--model", "tiny-llama", "--lr", "inf", "--adam-beta2", "1",
@@ -65,8 +65,8 @@ def test_the_cli_refuses_a_bad_lr_before_loading_the_model(cli_runner, monkeypat
 
 def test_eval_samples_larger_than_the_data_names_the_flag_and_the_count(tmp_path, monkeypatch):
     import toolkit.builtins.strategies as strategies
-    from toolkit.builtins.loaders import resolve_model
     from toolkit.data.pipeline import load_examples
+    from toolkit.models import resolve_model
     from toolkit.train.runner import run_training
 
     count = len(load_examples(["demo"], resolve_model("tiny-llama").tokenizer, seq_len=64)[0])
@@ -91,7 +91,7 @@ TOOLS = [{"type": "function", "function": {"name": "weather", "description": "We
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from toolkit.builtins.loaders import TOKENIZER_DIR
+    from toolkit.models import TOKENIZER_DIR
 
     return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
 

@@ -162,7 +162,7 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(checkpointed_run,
 def test_another_write_error_names_itself_and_the_checkpoint_kept(tmp_path, monkeypatch, train_tiny):
     import safetensors.torch
 
-    from toolkit.builtins.loaders import materialize_preset
+    from toolkit.models import materialize_preset
 
     materialize_preset("tiny-llama")  # in a fresh cache the preset's own write would be the first save_file
     _fail_on_call(monkeypatch, safetensors.torch, "save_file", 1, PermissionError(errno.EACCES, "Permission denied"))

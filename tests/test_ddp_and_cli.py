@@ -93,7 +93,7 @@ def test_refuses_to_reuse_a_run_directory_then_infers(tmp_path):
 
 @pytest.mark.slow
 def test_a_relative_model_path_is_stored_absolute_so_export_works_from_elsewhere(tmp_path):
-    from toolkit.builtins.loaders import materialize_preset
+    from toolkit.models import materialize_preset
 
     materialize_preset("tiny-llama", tmp_path / "base", num_hidden_layers=1)
     toolkit("sft", *COMMON[2:], "--model", "base", "--max-steps", "1", "--output", "run", cwd=tmp_path)

@@ -20,8 +20,8 @@ STARTUP = 40  # seconds two CPU ranks may take to import torch and build the tin
 
 def poisoned_position(data: Path) -> tuple[int, int]:
     """(1-based step, data-parallel rank) that meets the poisoned sample with 2 ranks, computed independently."""
-    from toolkit.builtins.loaders import resolve_model
     from toolkit.data.pipeline import Batches, load_examples
+    from toolkit.models import resolve_model
 
     examples, _ = load_examples([str(data)], resolve_model("tiny-llama").tokenizer, dataset_format="poisoned", seq_len=64)
     for rank in range(2):

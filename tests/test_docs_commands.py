@@ -108,7 +108,7 @@ def parse(args: list[str]) -> None:
 
 def _missing_input(args: list[str]) -> str | None:
     """A model, recipe or dataset path of the example that is not in this repository (``./my-model``)."""
-    from toolkit.builtins.loaders import PRESETS
+    from toolkit.models import PRESETS
 
     values = [value for flag, value in zip(args, args[1:]) if flag in ("--model", "--config", "--dataset")]
     if args[:2] == ["data", "inspect"] and len(args) > 2:

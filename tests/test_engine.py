@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from toolkit.builtins.loaders import resolve_model
 from toolkit.builtins.losses import SFTLoss
 from toolkit.data.pipeline import collate, load_examples
+from toolkit.models import resolve_model
 from toolkit.recipe import resolve_recipe
 from toolkit.train.logps import CausalLMLogps, token_logps
 from toolkit.train.runner import run_training

@@ -37,8 +37,8 @@ def hf_mean_nll(model_dir, dataset):
     """Token-mean cross-entropy of ``dataset`` under the model in ``model_dir``, by transformers' own loss."""
     from transformers import AutoModelForCausalLM
 
-    from toolkit.builtins.loaders import resolve_model
     from toolkit.data.pipeline import load_examples
+    from toolkit.models import resolve_model
 
     examples, _ = load_examples([dataset], resolve_model("tiny-llama").tokenizer, seq_len=64)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

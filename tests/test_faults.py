@@ -254,7 +254,7 @@ def test_a_run_from_an_older_toolkit_resumes_when_the_new_settings_are_at_their_
 
 
 def test_resuming_with_another_model_is_refused_before_the_model_loads(run_copy, monkeypatch, train_tiny):
-    import toolkit.builtins.loaders as loaders
+    import toolkit.models as loaders
     from toolkit.errors import ConfigError
 
     monkeypatch.setattr(loaders, "resolve_model", lambda *a, **k: pytest.fail("the model was loaded"))

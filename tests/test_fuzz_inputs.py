@@ -43,7 +43,7 @@ def report_counts():
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from toolkit.builtins.loaders import TOKENIZER_DIR
+    from toolkit.models import TOKENIZER_DIR
 
     return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
 

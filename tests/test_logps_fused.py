@@ -110,9 +110,9 @@ class WeightedLoss:
 
 
 def _engine(**local):
-    from toolkit.builtins.loaders import resolve_model
     from toolkit.builtins.strategies import LocalConfig, LocalEngine
     from toolkit.builtins.tuners import FullTuner
+    from toolkit.models import resolve_model
 
     recipe = resolve_recipe({"model": "tiny-llama", "lr": 1e-3, "precision": "fp32"})
     engine = LocalEngine(resolve_model("tiny-llama"), FullTuner(), SFTLoss(), recipe, LocalConfig(**local))

@@ -46,8 +46,8 @@ def events(run_dir: Path) -> list[dict]:
 
 def reference_weights(recipe, skip_step: int | None) -> dict[str, torch.Tensor]:
     """A plain loop over the engine that never feeds the 0-based ``skip_step``: what skipping must equal."""
-    from toolkit.builtins.loaders import resolve_model
     from toolkit.data.pipeline import Batches, load_examples
+    from toolkit.models import resolve_model
     from toolkit.train.runner import resolve_components
 
     strategy, tuner, loss, recipe = resolve_components(recipe, 1)

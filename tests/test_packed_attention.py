@@ -128,10 +128,10 @@ def test_reward_scores_with_flex_equal_masked_sdpa(tiny_model_factory):
 
 def _engine(packed: str, strategy: str = "local"):
     from toolkit.builtins.fsdp import FSDPConfig, FSDPEngine
-    from toolkit.builtins.loaders import resolve_model
     from toolkit.builtins.losses import SFTLoss
     from toolkit.builtins.strategies import LocalConfig, LocalEngine
     from toolkit.builtins.tuners import FullTuner
+    from toolkit.models import resolve_model
     from toolkit.recipe import resolve_recipe
 
     recipe = resolve_recipe({"model": "tiny-llama", "lr": 1e-3, "precision": "fp32", "packing": True})

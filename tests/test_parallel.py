@@ -40,7 +40,7 @@ def test_one_process_is_told_how_many_to_launch_and_how():
 
 
 def test_check_raises_one_error_with_every_problem():
-    from toolkit.builtins.loaders import preset_config
+    from toolkit.models import preset_config
 
     config = preset_config("tiny-llama")
     with pytest.raises(LayoutError) as error:

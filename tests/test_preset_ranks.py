@@ -21,7 +21,7 @@ def materialise_on_this_rank(root: str) -> dict:
     import torch.distributed as dist
     from safetensors import safe_open
 
-    from toolkit.builtins.loaders import materialize_preset
+    from toolkit.models import materialize_preset
 
     if dist.get_rank() == 0:
         time.sleep(1.0)
@@ -44,7 +44,7 @@ def test_rank_zero_writes_the_preset_and_the_other_rank_reads_it(tmp_path):
 
 
 def test_a_damaged_cache_entry_is_refused_with_its_path(tmp_path):
-    from toolkit.builtins.loaders import PRESET_MANIFEST, materialize_preset
+    from toolkit.models import PRESET_MANIFEST, materialize_preset
 
     target = materialize_preset("tiny-llama", tmp_path / "model", num_hidden_layers=1)
     assert json.loads((target / PRESET_MANIFEST).read_text())["files"]["model.safetensors"]
@@ -59,7 +59,7 @@ def test_a_damaged_cache_entry_is_refused_with_its_path(tmp_path):
 
 
 def test_a_folder_without_a_manifest_is_not_taken_for_a_preset(tmp_path):
-    from toolkit.builtins.loaders import materialize_preset
+    from toolkit.models import materialize_preset
 
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
@@ -68,7 +68,7 @@ def test_a_folder_without_a_manifest_is_not_taken_for_a_preset(tmp_path):
 
 
 def test_a_waiting_rank_names_the_cache_when_rank_zero_never_writes(tmp_path, monkeypatch):
-    from toolkit.builtins import loaders
+    from toolkit import models as loaders
 
     monkeypatch.setenv("TOOLKIT_PRESET_WAIT_S", "0.3")
     with pytest.raises(ModelError, match=f"rank 1 waited 0s for rank 0 to write the preset cache {tmp_path / 'never'}"):

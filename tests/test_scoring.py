@@ -76,8 +76,8 @@ def test_batched_predictions_equal_transformers_one_prompt_at_a_time(tmp_path, c
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from toolkit.builtins.loaders import materialize_preset
     from toolkit.data.template import ChatTemplate
+    from toolkit.models import materialize_preset
 
     dataset = write_jsonl(tmp_path / "qa.jsonl", QA)
     result = cli_runner.invoke("eval", "tiny-llama", "--dataset", dataset, "--metric", "exact", "--metric", "contains",

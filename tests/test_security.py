@@ -94,7 +94,7 @@ def test_a_crafted_optimizer_pt_is_a_one_line_refusal(tmp_path, cli_runner):
 @pytest.fixture
 def remote_code_model(tmp_path):
     """tiny-llama whose config names its own code (auto_map); importing that code writes the marker."""
-    from toolkit.builtins.loaders import materialize_preset
+    from toolkit.models import materialize_preset
 
     model = tmp_path / "model"
     shutil.copytree(materialize_preset("tiny-llama"), model)
@@ -138,7 +138,7 @@ def test_a_recipe_file_cannot_turn_on_remote_code(tmp_path, cli_runner):
 
 
 def test_infer_refuses_pickled_bin_weights_in_one_line(tmp_path, cli_runner):
-    from toolkit.builtins.loaders import materialize_preset
+    from toolkit.models import materialize_preset
 
     model = tmp_path / "model"
     shutil.copytree(materialize_preset("tiny-llama"), model)
@@ -204,7 +204,7 @@ def test_infer_stdout_holds_only_the_completion(tmp_path):
 
 
 def test_a_tokenizer_with_its_own_code_is_refused_in_one_line(tmp_path, cli_runner):
-    from toolkit.builtins.loaders import materialize_preset
+    from toolkit.models import materialize_preset
 
     model = tmp_path / "model"
     shutil.copytree(materialize_preset("tiny-llama"), model)
@@ -221,7 +221,7 @@ def test_a_tokenizer_with_its_own_code_is_refused_in_one_line(tmp_path, cli_runn
 
 
 def test_infer_with_a_chat_template_that_escapes_the_sandbox_is_one_line(tmp_path, cli_runner):
-    from toolkit.builtins.loaders import materialize_preset
+    from toolkit.models import materialize_preset
 
     model = tmp_path / "model"
     shutil.copytree(materialize_preset("tiny-llama"), model)

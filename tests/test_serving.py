@@ -122,7 +122,7 @@ def test_the_server_log_path_has_no_space(tmp_path):
 
 def test_infer_takes_backend_options_and_names_the_valid_ones(cli_runner):
     from toolkit.builtins.inference import GenerateConfig, HFBackend
-    from toolkit.builtins.loaders import materialize_preset
+    from toolkit.models import materialize_preset
 
     short = cli_runner.invoke("infer", "tiny-llama", "--prompt", "Hello", "--max-new-tokens", "8", "--option", "max_new_tokens=2")
     assert short.exit_code == 0, short.output

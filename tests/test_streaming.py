@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from toolkit.builtins.loaders import resolve_model
 from toolkit.data.pipeline import DataStats, stream_encoder
 from toolkit.data.streaming import StreamBatches
 from toolkit.errors import ConfigError
+from toolkit.models import resolve_model
 from toolkit.recipe import resolve_recipe
 from toolkit.train.runner import run_training
 

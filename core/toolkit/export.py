@@ -48,7 +48,7 @@ def checkpoint_source(checkpoint: Path, run_dir: Path, adapter_only: bool = Fals
 
     ``trust_remote_code`` comes from this command's flag, never from the run's recipe.yaml: whoever
     hands over a run directory writes its recipe too."""
-    from toolkit.builtins.loaders import resolve_model
+    from toolkit.models import resolve_model
     from toolkit.plugins import get_plugin_manager
     from toolkit.recipe import thing_options
 
@@ -68,7 +68,7 @@ def checkpoint_source(checkpoint: Path, run_dir: Path, adapter_only: bool = Fals
 
 
 def resolve_export_source(reference: str, adapter_only: bool = False, trust_remote_code: bool = False) -> ExportModel:
-    from toolkit.builtins.loaders import resolve_model
+    from toolkit.models import resolve_model
     from toolkit.plugins import get_plugin_manager
     from toolkit.train.checkpoint import MANIFEST_FILE, STATE_FILE, find_resume_checkpoint
 

@@ -40,8 +40,8 @@ def format_prompt(tokenizer: Any, prompt: str, chat_template: bool, system: str 
 def model_directory(reference: str, workdir: Path, trust_remote_code: bool = False) -> Path:
     """An HF directory for a run (its export, else its newest checkpoint exported), an HF dir or a preset;
     checked before a backend reads it: safetensors weights, and no model code unless ``trust_remote_code``."""
-    from toolkit.builtins.loaders import PRESETS, check_remote_code, materialize_preset
     from toolkit.export import export_model, resolve_export_source
+    from toolkit.models import PRESETS, check_remote_code, materialize_preset
 
     path = Path(reference)
     if reference in PRESETS and not path.exists():

@@ -121,7 +121,7 @@ def cli_runner() -> CliRunner:
 
 def preset_name(family: str) -> str:
     """``llama`` / ``qwen2_moe`` (HF ``model_type``) or ``tiny-qwen2-moe`` -> the embedded preset name."""
-    from toolkit.builtins.loaders import PRESETS
+    from toolkit.models import PRESETS
 
     name = family if family.startswith("tiny-") else "tiny-" + family.replace("_", "-")
     if name not in PRESETS:
@@ -139,7 +139,7 @@ class TinyModels:
 
     def config(self, family: str = "llama", **overrides: Any) -> Any:
         """The ``transformers`` config (``overrides`` such as ``num_hidden_layers=1``)."""
-        from toolkit.builtins.loaders import preset_config
+        from toolkit.models import preset_config
 
         return preset_config(preset_name(family), **overrides)
 
@@ -157,7 +157,7 @@ class TinyModels:
         """The model written as an HF directory (config, safetensors, tokenizer) under the test's tmp dir."""
         import hashlib
 
-        from toolkit.builtins.loaders import materialize_preset
+        from toolkit.models import materialize_preset
 
         name = preset_name(family)
         digest = hashlib.sha256(repr(sorted(overrides.items())).encode()).hexdigest()[:10]
@@ -167,7 +167,7 @@ class TinyModels:
         """The small tokenizer shipped with the core (what every preset uses)."""
         from transformers import AutoTokenizer
 
-        from toolkit.builtins.loaders import TOKENIZER_DIR
+        from toolkit.models import TOKENIZER_DIR
 
         return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
 

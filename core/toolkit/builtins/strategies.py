@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Literal
 from toolkit import hookimpl
 from toolkit.config import option
 from toolkit.contracts import EngineBase, StepContext, StepResult, member
+from toolkit.models import autocast_dtype, load_hf_model
 from toolkit.train.numerics import nonfinite_quantities
 
 
@@ -65,48 +66,6 @@ class LocalConfig:
             return [f"master_weights {str(self.master_weights).lower()} contradicts bf16_mode {self.bf16_mode!r}: "
                     "set only --local-bf16-mode (master_weights is its older spelling)"]
         return []
-
-
-def wants_scores(recipe: Any) -> bool:
-    """Whether the recipe's loss consumes per-sequence scores (reward modeling) instead of label log-probs."""
-    from toolkit.plugins import get_plugin_manager
-
-    return get_plugin_manager().get("loss", recipe.loss).consumes == "scores"
-
-
-def load_hf_model(source: Any, tuner: Any, recipe: Any, device: Any) -> Any:
-    """The HF causal LM in fp32 master weights, with the tuner applied, on ``device``.
-
-    For a loss that consumes scores it is the ``*ForSequenceClassification`` model with one label
-    (the value head starts from the seeded initialisation; the LM head is dropped).
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    torch.manual_seed(recipe.seed)
-    kwargs = {"dtype": torch.float32, **tuner.model_load_kwargs()}
-    if wants_scores(recipe):
-        pad = source.tokenizer.pad_token_id if source.tokenizer.pad_token_id is not None else source.tokenizer.eos_token_id
-        model = AutoModelForSequenceClassification.from_pretrained(
-            source.directory, trust_remote_code=source.trust_remote_code, num_labels=1, pad_token_id=pad, **kwargs)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(source.directory, trust_remote_code=source.trust_remote_code, **kwargs)
-    if "quantization_config" not in kwargs:
-        model.to(device)
-    if recipe.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
-    from toolkit.plugins import get_plugin_manager
-
-    get_plugin_manager().patch_model(model, source, recipe)
-    torch.manual_seed(recipe.seed)
-    return tuner.apply(model, source)
-
-
-def autocast_dtype(precision: str) -> Any:
-    import torch
-
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
 
 class LocalEngine(EngineBase):

@@ -36,8 +36,8 @@ def inspect_samples(dataset: str, *, model: str, dataset_format: str, loss: str,
                     columns: dict[str, str] | None = None, options: dict[str, dict[str, Any]] | None = None) -> tuple[str, Any, list]:
     """The data summary, the tokenizer and the first ``num`` examples of ``dataset``, read exactly as
     training reads it (format, columns, format options from the ``--<format>-<field>`` flags)."""
-    from toolkit.builtins.loaders import resolve_model
     from toolkit.data.pipeline import load_examples
+    from toolkit.models import resolve_model
     from toolkit.plugins import get_plugin_manager
 
     loss_cls = get_plugin_manager().get("loss", loss)

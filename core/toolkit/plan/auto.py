@@ -32,7 +32,7 @@ def _model_config(recipe: Any) -> Any:
 
     if Path(recipe.model).is_dir() or Path(recipe.model).is_file():
         return Path(recipe.model)
-    from toolkit.builtins.loaders import resolve_model
+    from toolkit.models import resolve_model
 
     return resolve_model(recipe.model, trust_remote_code=getattr(recipe, "trust_remote_code", False))
 

@@ -192,7 +192,7 @@ def run_training(recipe: Recipe, raise_if_stopped: bool = False) -> Path:
     ``raise_if_stopped`` (the CLI) a single process raises :class:`RunStopped` (exit status 75). Ranks under
     torchrun exit 0, since torchrun reports any other status as its own failure; rank 0 writes ``stopped`` to
     ``$TOOLKIT_STATUS_FILE`` when set, which ``toolkit launch`` turns into 75."""
-    from toolkit.builtins.loaders import resolve_model
+    from toolkit.models import resolve_model
     from toolkit.train.distributed import end_if_peer_lost, init_world, shutdown, start_watchdog
     from toolkit.train.numerics import NumericalError
 

@@ -22,8 +22,8 @@ BASE = {"model": os.environ.get("SCENARIO_MODEL", "tiny-qwen2"), "dataset": ["de
 
 
 def build(overrides: dict, world_size: int):
-    from toolkit.builtins.loaders import resolve_model
     from toolkit.data.pipeline import Batches, load_examples
+    from toolkit.models import resolve_model
     from toolkit.recipe import resolve_recipe
     from toolkit.train.distributed import barrier, init_world
     from toolkit.train.runner import resolve_components

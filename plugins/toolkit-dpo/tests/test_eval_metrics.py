@@ -16,8 +16,8 @@ def test_dpo_eval_metrics_are_the_implicit_rewards_of_the_trained_policy(tmp_pat
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from toolkit.builtins.loaders import materialize_preset
     from toolkit.data.reading import read_records
+    from toolkit.models import materialize_preset
     from toolkit.recipe import resolve_recipe
     from toolkit.testing import write_jsonl
     from toolkit.train.runner import run_training

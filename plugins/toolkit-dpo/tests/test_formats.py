@@ -19,7 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from toolkit.builtins.loaders import TOKENIZER_DIR
+    from toolkit.models import TOKENIZER_DIR
 
     return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
 

@@ -35,7 +35,7 @@ def hf_scores(model, examples, batch, pad_id):
 def test_engine_scores_equal_hf_sequence_classification(packing):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from toolkit.builtins.loaders import materialize_preset
+    from toolkit.models import materialize_preset
     from toolkit.train.logps import CausalLMLogps, token_logps
 
     directory = materialize_preset("tiny-llama")
@@ -54,7 +54,7 @@ def test_engine_scores_equal_hf_sequence_classification(packing):
 def test_rm_training_and_hf_rm_export(tmp_path):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from toolkit.builtins.loaders import materialize_preset
+    from toolkit.models import materialize_preset
     from toolkit.recipe import resolve_recipe
     from toolkit.train.logps import CausalLMLogps, token_logps
     from toolkit_dpo.functional import pair_indices

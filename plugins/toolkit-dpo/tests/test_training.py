@@ -15,7 +15,7 @@ def test_dpo_raises_held_out_preference_accuracy(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from toolkit.builtins.loaders import materialize_preset
+    from toolkit.models import materialize_preset
     from toolkit.recipe import resolve_recipe
     from toolkit.train.runner import run_training
     from toolkit_dpo.evaluation import pair_logps

@@ -50,7 +50,7 @@ def ep1_run(tmp_path_factory):
 def test_ep2_equals_ep1_and_export_reloads(preset, dispatcher, layout, tmp_path, ep1_run):
     from transformers import AutoModelForCausalLM
 
-    from toolkit.builtins.loaders import materialize_preset
+    from toolkit.models import materialize_preset
 
     args = ["sft", "--model", preset, *COMMON, "--strategy", "megatron", "--megatron-moe-dispatcher", dispatcher, "--export", "hf"]
     ep1_dir = ep1_run(args)
@@ -81,7 +81,7 @@ def test_ep2_equals_ep1_and_export_reloads(preset, dispatcher, layout, tmp_path,
 
 def test_equals_local_without_router_losses(tmp_path):
     """With the aux coefficient at 0 both engines optimise the same objective (the definitions differ)."""
-    from toolkit.builtins.loaders import materialize_preset
+    from toolkit.models import materialize_preset
 
     model = materialize_preset("tiny-qwen3-moe", tmp_path / "model", router_aux_loss_coef=0.0)
     args = ["sft", "--model", str(model), *COMMON]

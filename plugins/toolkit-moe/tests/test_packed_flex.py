@@ -12,10 +12,10 @@ pytest.importorskip("torch.nn.attention.flex_attention")
 
 
 def step(packed: str) -> tuple[float, float, dict[str, torch.Tensor]]:
-    from toolkit.builtins.loaders import resolve_model
     from toolkit.builtins.losses import SFTLoss
     from toolkit.builtins.strategies import LocalConfig, LocalEngine
     from toolkit.builtins.tuners import FullTuner
+    from toolkit.models import resolve_model
     from toolkit.recipe import resolve_recipe
 
     recipe = resolve_recipe({"model": "tiny-qwen3-moe", "lr": 1e-3, "precision": "fp32", "packing": True,

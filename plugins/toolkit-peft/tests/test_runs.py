@@ -26,9 +26,8 @@ def losses(run):
 
 def engine_model(run, step):
     """The adapted model exactly as the local engine builds it, with the checkpoint's adapters loaded."""
-    from toolkit.builtins.loaders import resolve_model
-    from toolkit.builtins.strategies import load_hf_model
     from toolkit.export import load_run_recipe
+    from toolkit.models import load_hf_model, resolve_model
     from toolkit.plugins import get_plugin_manager
     from toolkit.recipe import thing_options
 
@@ -168,7 +167,7 @@ def test_fsdp_lora_export_equals_the_checkpoint_export(tmp_path):
     in_run, from_checkpoint = (load_file(str(d / "model.safetensors")) for d in (run / "export", tmp_path / "from-checkpoint"))
     assert in_run.keys() == from_checkpoint.keys()
     assert all(torch.equal(in_run[k], from_checkpoint[k]) for k in in_run)
-    from toolkit.builtins.loaders import resolve_model
+    from toolkit.models import resolve_model
 
     base = load_file(str(resolve_model("tiny-llama").weight_files[0]))
     key = "model.layers.0.self_attn.q_proj.weight"
@@ -177,9 +176,9 @@ def test_fsdp_lora_export_equals_the_checkpoint_export(tmp_path):
 
 def test_engine_reference_logps_are_the_frozen_base(tmp_path):
     """What DPO gets as reference on a LoRA run: the base model's log-probs, with no second copy of the model."""
-    from toolkit.builtins.loaders import resolve_model
     from toolkit.builtins.strategies import LocalStrategy
     from toolkit.data.pipeline import Batches, load_examples
+    from toolkit.models import resolve_model
     from toolkit.plugins import get_plugin_manager
     from toolkit.recipe import resolve_recipe
     from toolkit.train.logps import CausalLMLogps, token_logps

@@ -110,7 +110,7 @@ def test_combined_rewards_are_weighted_and_nan_only_when_no_reward_applied():
 def test_reward_model_scores_like_the_classifier(tmp_path):
     from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 
-    from toolkit.builtins.loaders import materialize_preset
+    from toolkit.models import materialize_preset
 
     tokenizer = AutoTokenizer.from_pretrained(materialize_preset("tiny-llama"))
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,

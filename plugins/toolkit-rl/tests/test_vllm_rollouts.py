@@ -32,7 +32,7 @@ def model_dir(root: Path, seed: int) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from toolkit.builtins.loaders import TOKENIZER_DIR
+    from toolkit.models import TOKENIZER_DIR
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -62,7 +62,7 @@ def test_loaded_weights_change_the_engine_output_and_greedy_equals_transformers(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from toolkit.builtins.loaders import resolve_model
+    from toolkit.models import resolve_model
     from toolkit.recipe import Recipe
     from toolkit_rl.losses import GRPOConfig
     from toolkit_rl.vllm_rollouts import VLLMRollouts

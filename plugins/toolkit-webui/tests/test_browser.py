@@ -133,7 +133,7 @@ def test_plan_matches_cli(page, server):
     page.get_by_role("tab", name="Plan").click()
     fill(page, "plan-gpus", "2")
     page.locator("#plan-run").click()
-    from toolkit.builtins.loaders import materialize_preset
+    from toolkit.models import materialize_preset
 
     cli = toolkit("plan", "--model", str(materialize_preset("tiny-llama")), "--gpus", "2", "--gpu", "h100", "--seq-len", "4096",
                   "--tuner", "full", cwd=server.root).stdout

@@ -32,7 +32,7 @@ class ZeroEngine(LocalEngine):
     def __init__(self, source: Any, tuner: Any, loss: Any, recipe: Any, options: Any, ds_config: dict[str, Any]):
         import torch
 
-        from toolkit.builtins.strategies import autocast_dtype, load_hf_model
+        from toolkit.models import autocast_dtype, load_hf_model
         from toolkit.train import logps
         from toolkit_deepspeed.runtime import init_distributed
 
@@ -86,7 +86,7 @@ class ZeroEngine(LocalEngine):
 
         import deepspeed
 
-        from toolkit.builtins.strategies import load_hf_model
+        from toolkit.models import load_hf_model
         from toolkit.train.logps import CausalLMLogps
 
         if member(self.tuner, "tuner", "disabled_adapters") is not None:

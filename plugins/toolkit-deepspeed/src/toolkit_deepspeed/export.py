@@ -80,7 +80,7 @@ def rebuilt_tensors(state: dict[str, Any], source: Any, tuner: Any, recipe: Any)
     """The tuner's export of the whole model rebuilt on CPU with the checkpoint's weights."""
     import torch
 
-    from toolkit.builtins.strategies import load_hf_model
+    from toolkit.models import load_hf_model
 
     model = load_hf_model(source, tuner, recipe, torch.device("cpu"))
     params = dict(model.named_parameters())

@@ -25,7 +25,7 @@ _NAME = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_(A|B|magnitud
 
 def hf_adapters(source: Any, tuner: Any, recipe: Any) -> tuple[dict, float]:
     """``{(layer, hf_proj): {"A": tensor, "B": tensor}}`` as the tuner initialises them, and the scale."""
-    from toolkit.builtins.strategies import load_hf_model
+    from toolkit.models import load_hf_model
 
     config = getattr(tuner, "config", None)
     if config is None or not hasattr(config, "rank"):

@@ -27,7 +27,7 @@ MAX_DRAWS = 4
 
 def run_grpo(recipe: Any) -> Path:
     """Train ``recipe`` (loss ``grpo``) from rewards; returns the run directory."""
-    from toolkit.builtins.loaders import resolve_model
+    from toolkit.models import resolve_model
     from toolkit.plugins import get_plugin_manager
     from toolkit.train.distributed import init_world, shutdown
     from toolkit.train.runner import check_model_limits, prepare_run_dir, resolve_components

@@ -46,7 +46,7 @@ class HFRollouts:
     name = "hf"
 
     def __init__(self, source: Any, recipe: Any, config: Any, device: Any):
-        from toolkit.builtins.strategies import autocast_dtype
+        from toolkit.models import autocast_dtype
         from toolkit.train.logps import CausalLMLogps
 
         self.config, self.device = config, device
@@ -128,7 +128,7 @@ class Reference:
     """A frozen copy of the starting model: per-token reference log-probs for the KL term."""
 
     def __init__(self, source: Any, recipe: Any, device: Any):
-        from toolkit.builtins.strategies import autocast_dtype
+        from toolkit.models import autocast_dtype
         from toolkit.train.logps import CausalLMLogps
 
         self.scorer = CausalLMLogps(load_policy_copy(source, device), autocast_dtype(recipe.precision))

@@ -118,7 +118,7 @@ def config_fields(cls: type, section: str | None, kind: str | None, flags: dict[
         elif _is_switch(tp):
             choices = _switch_choices(tp)
         if section is None and f.name == "model":
-            from toolkit.builtins.loaders import PRESETS
+            from toolkit.models import PRESETS
 
             choices, custom = tuple(PRESETS), True
         out.append(Field(section=section, kind=kind, name=f.name, type=tp, default=_default(f), help=f.metadata.get("help", ""),

@@ -75,7 +75,7 @@ def data_tab(app: Any) -> None:
     """``toolkit data inspect`` in the page: samples as training sees them, trained tokens highlighted."""
     import gradio as gr
 
-    from toolkit.builtins.loaders import PRESETS
+    from toolkit.models import PRESETS
 
     with gr.Row():
         dataset = gr.Textbox("demo", label="dataset (bundled name or a file inside the data directories)", elem_id="data-dataset")
@@ -106,7 +106,7 @@ def plan_tab(app: Any) -> None:
     """``toolkit plan``: layouts for a model on N GPUs, per-GPU memory and estimated step time."""
     import gradio as gr
 
-    from toolkit.builtins.loaders import PRESETS
+    from toolkit.models import PRESETS
     from toolkit.plan.hardware import GPU_KINDS
     from toolkit.plan.memory import TUNERS
 

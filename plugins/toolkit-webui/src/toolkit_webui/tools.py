@@ -16,7 +16,7 @@ from toolkit_webui.paths import Roots
 
 def model_reference(roots: Roots, value: str, what: str = "model") -> str:
     """A preset name as it is, any other model as a path inside the roots."""
-    from toolkit.builtins.loaders import PRESETS
+    from toolkit.models import PRESETS
 
     value = (value or "").strip()
     return value if value in PRESETS else str(roots.readable_path(value, what))
@@ -57,7 +57,7 @@ def run_toolkit(args: list[str], cwd: Path, timeout: float = 600) -> str:
 
 def plan(roots: Roots, model: str, gpus: int, gpu_kind: str, gpu_memory: str, seq_len: int, tuner: str) -> str:
     """``toolkit plan`` for a preset (its config) or a model directory / config.json inside the roots."""
-    from toolkit.builtins.loaders import PRESETS, materialize_preset
+    from toolkit.models import PRESETS, materialize_preset
 
     reference = str(materialize_preset(model)) if model in PRESETS else str(roots.readable_path(model, "model"))
     args = ["plan", "--model", reference, "--gpus", str(int(gpus)), "--gpu", gpu_kind, "--seq-len", str(int(seq_len)),

@@ -1,0 +1,270 @@
+"""Models: resolving ``--model`` through the registered loaders, the embedded ``tiny-*`` presets and
+loading the HF module a strategy trains (shared by the core's strategies and the plugins' engines).
+
+Presets are built from configs with the tokenizer that ships with the package and materialised
+once into a cache directory (deterministic weights), so every strategy sees an ordinary HF dir.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from toolkit.contracts import ModelSource
+from toolkit.errors import ModelError
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+TOKENIZER_DIR = ASSETS / "tokenizer"
+
+_COMMON = {
+    "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 768, "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False, "initializer_range": 0.02,
+    "bos_token_id": None, "eos_token_id": 2, "pad_token_id": 3,
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **_COMMON},
+    "tiny-mistral": {"model_type": "mistral", "architectures": ["MistralForCausalLM"], **_COMMON, "sliding_window": None},
+    "tiny-qwen2": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], **_COMMON, "tie_word_embeddings": True},
+    "tiny-qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], **_COMMON},
+    "tiny-mixtral": {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], **_COMMON,
+                     "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 128},
+    "tiny-qwen2-moe": {"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"], **_COMMON,
+                       "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                       "shared_expert_intermediate_size": 128, "decoder_sparse_step": 1, "norm_topk_prob": False},
+    "tiny-qwen3-moe": {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], **_COMMON,
+                       "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                       "decoder_sparse_step": 1, "norm_topk_prob": True},
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TOOLKIT_CACHE", Path.home() / ".cache" / "toolkit"))
+
+
+def preset_config(name: str, **overrides: Any) -> Any:
+    """The ``transformers`` config of a preset (optionally overridden, e.g. ``num_hidden_layers=4``)."""
+    from transformers import AutoConfig
+
+    if name not in PRESETS:
+        raise ModelError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+    values = {**PRESETS[name], **overrides}
+    model_type = values.pop("model_type")
+    return AutoConfig.for_model(model_type, **values)
+
+
+PRESET_MANIFEST = "toolkit-preset.json"  # written last: its presence marks a complete cache entry
+
+
+def materialize_preset(name: str, directory: Path | None = None, seed: int = 0, **overrides: Any) -> Path:
+    """Write a preset as an HF directory (config, safetensors, tokenizer) and return it.
+
+    Weights come from ``seed``, so the same preset is the same model on every machine. One
+    process writes (under a file lock; under an initialised process group, rank 0, because
+    transformers' ``save_pretrained`` writes weights only there) into a temporary folder that is
+    renamed into place with a manifest of file hashes; every other caller waits for it. A cache
+    entry is checked against its manifest whenever it is read.
+    """
+    spec = {"preset": PRESETS.get(name), "overrides": overrides, "seed": seed, "v": 2}
+    encoded = json.dumps(spec, sort_keys=True)
+    digest = hashlib.sha256(encoded.encode() + (TOKENIZER_DIR / "tokenizer.json").read_bytes()).hexdigest()[:12]
+    target = directory or cache_root() / "presets" / f"{name}-{digest}"
+    if (target / PRESET_MANIFEST).is_file():
+        return _checked_preset(target, encoded)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return _wait_for_preset(target, encoded, dist.get_rank())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{target.name}.lock"):
+        if (target / PRESET_MANIFEST).is_file():
+            return _checked_preset(target, encoded)
+        if target.is_dir() and not any(target.iterdir()):
+            target.rmdir()  # an empty folder the caller made for it
+        if target.exists():
+            raise ModelError(f"preset cache {target} exists but has no {PRESET_MANIFEST} (written by an older toolkit, or by hand): "
+                             f"delete it (rm -rf {target}) and run again; it is rebuilt from the preset")
+        _write_preset(name, target, seed, overrides, encoded)
+    return target
+
+
+def _write_preset(name: str, target: Path, seed: int, overrides: dict[str, Any], encoded: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    config = preset_config(name, **overrides)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.save_pretrained(staging, safe_serialization=True)
+        if not (staging / "model.safetensors").is_file():
+            raise ModelError(f"transformers wrote no weights for preset {name!r} into {staging}; files: "
+                             f"{', '.join(sorted(p.name for p in staging.iterdir())) or 'none'}")
+        AutoTokenizer.from_pretrained(TOKENIZER_DIR).save_pretrained(staging)
+        GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, do_sample=False).save_pretrained(staging)
+        files = {p.name: _sha256(p) for p in sorted(staging.iterdir())}
+        (staging / PRESET_MANIFEST).write_text(json.dumps({"spec": json.loads(encoded), "files": files}, indent=1, sort_keys=True))
+        os.replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _checked_preset(target: Path, encoded: str) -> Path:
+    """``target`` if it holds exactly the files its manifest lists, of this preset spec."""
+    manifest = json.loads((target / PRESET_MANIFEST).read_text())
+    problems = []
+    if manifest.get("spec") != json.loads(encoded):
+        problems.append(f"it holds {manifest.get('spec')}, not {json.loads(encoded)}")
+    for file, expected in manifest.get("files", {}).items():
+        if not (target / file).is_file():
+            problems.append(f"{file} is missing")
+        elif _sha256(target / file) != expected:
+            problems.append(f"{file} was changed since it was written")
+    if problems:
+        raise ModelError(f"preset cache {target} is damaged: {'; '.join(problems)}. Delete it (rm -rf {target}) and run "
+                         "again; it is rebuilt from the preset")
+    return target
+
+
+def check_remote_code(directory: Path, trust_remote_code: bool) -> None:
+    """Refuse a model whose config or tokenizer names its own Python code (``auto_map``) unless this command was
+    given ``--trust-remote-code``: transformers would otherwise ask on a terminal (one "y" runs it) or fail
+    with an EOFError without one."""
+    if trust_remote_code:
+        return
+    for name in ("config.json", "tokenizer_config.json"):
+        path = Path(directory) / name
+        try:
+            data = json.loads(path.read_text()) if path.is_file() else {}
+        except (OSError, ValueError):
+            continue  # an unreadable config is reported by the loader that reads it
+        auto_map = data.get("auto_map") if isinstance(data, dict) else None
+        if auto_map:
+            values = auto_map.values() if isinstance(auto_map, dict) else [auto_map]
+            names = [n for v in values for n in (v if isinstance(v, list) else [v]) if isinstance(n, str)]
+            shown = ", ".join(sorted({name.split("--")[-1].split(".")[0] for name in names}))
+            raise ModelError(f"{path} asks to run the model's own Python code ({shown or 'auto_map'}); it was not run. "
+                             "Remote code runs only when --trust-remote-code is given on this command line")
+
+
+def _wait_for_preset(target: Path, encoded: str, rank: int) -> Path:
+    import time
+
+    patience = float(os.environ.get("TOOLKIT_PRESET_WAIT_S", "600"))
+    deadline = time.monotonic() + patience
+    while not (target / PRESET_MANIFEST).is_file():
+        if time.monotonic() > deadline:
+            raise ModelError(f"rank {rank} waited {patience:.0f}s for rank 0 to write the preset cache {target}, which did "
+                             "not appear. Every rank must ask for the same preset; on several nodes, set TOOLKIT_CACHE to a "
+                             "shared filesystem (TOOLKIT_PRESET_WAIT_S sets the wait)")
+        time.sleep(0.2)
+    return _checked_preset(target, encoded)
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock (fcntl) held for the block: one writer per cache entry at a time."""
+    import fcntl
+
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def load_hf_directory(reference: str, directory: Path, trust_remote_code: bool = False) -> ModelSource:
+    from transformers import AutoConfig, AutoTokenizer
+
+    if not (directory / "config.json").is_file():
+        raise ModelError(f"{directory} is not a Hugging Face model directory: config.json is missing")
+    check_remote_code(directory, trust_remote_code)
+    weights = sorted(directory.glob("*.safetensors"))
+    if not weights:
+        found = ", ".join(sorted(p.name for p in directory.iterdir())) or "nothing"
+        hint = " (.bin weights are not read: convert them to safetensors)" if list(directory.glob("*.bin")) else ""
+        raise ModelError(f"model directory {directory} has no *.safetensors weights{hint}; found: {found}")
+    try:
+        config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        raise ModelError(f"cannot read {directory / 'config.json'}: {exc}. If the model needs its own code, pass --trust-remote-code.") from None
+    tokenizer_dir = directory if any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")) else None
+    if tokenizer_dir is None:
+        raise ModelError(f"model directory {directory} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=trust_remote_code)
+    return ModelSource(reference=reference, directory=directory, config=config, tokenizer=tokenizer,
+                       weight_files=weights, trust_remote_code=trust_remote_code)
+
+
+def resolve_model(reference: str, trust_remote_code: bool = False) -> ModelSource:
+    """Turn ``--model`` into a :class:`ModelSource` through the registered loaders."""
+    from toolkit.plugins import get_plugin_manager
+
+    registry = get_plugin_manager().registry("model_loader")
+    for _, cls in registry.items():
+        loader = cls(cls.Config())
+        if loader.accepts(reference):
+            return loader.load(reference, trust_remote_code=trust_remote_code)
+    raise ModelError(
+        f"cannot load model {reference!r}: it is neither a local directory nor a preset "
+        f"({', '.join(PRESETS)}). This machine has no model hub access: download the model "
+        "elsewhere and pass its directory."
+    )
+
+
+def wants_scores(recipe: Any) -> bool:
+    """Whether the recipe's loss consumes per-sequence scores (reward modeling) instead of label log-probs."""
+    from toolkit.plugins import get_plugin_manager
+
+    return get_plugin_manager().get("loss", recipe.loss).consumes == "scores"
+
+
+def load_hf_model(source: Any, tuner: Any, recipe: Any, device: Any) -> Any:
+    """The HF causal LM in fp32 master weights, with the tuner applied, on ``device``.
+
+    For a loss that consumes scores it is the ``*ForSequenceClassification`` model with one label
+    (the value head starts from the seeded initialisation; the LM head is dropped).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    torch.manual_seed(recipe.seed)
+    kwargs = {"dtype": torch.float32, **tuner.model_load_kwargs()}
+    if wants_scores(recipe):
+        pad = source.tokenizer.pad_token_id if source.tokenizer.pad_token_id is not None else source.tokenizer.eos_token_id
+        model = AutoModelForSequenceClassification.from_pretrained(
+            source.directory, trust_remote_code=source.trust_remote_code, num_labels=1, pad_token_id=pad, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(source.directory, trust_remote_code=source.trust_remote_code, **kwargs)
+    if "quantization_config" not in kwargs:
+        model.to(device)
+    if recipe.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    from toolkit.plugins import get_plugin_manager
+
+    get_plugin_manager().patch_model(model, source, recipe)
+    torch.manual_seed(recipe.seed)
+    return tuner.apply(model, source)
+
+
+def autocast_dtype(precision: str) -> Any:
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
