@@ -181,7 +181,14 @@ class Architecture(Registered, Protocol):
 
 
 class Tuner(Registered, Protocol):
-    """What trains. Works on HF modules; strategies with their own modules call ``apply_megatron``."""
+    """What trains. Works on HF modules; strategies with their own modules call ``apply_megatron``.
+
+    Optional: ``before_step(model, optimizer, optimized, step)``, called by the ``local`` engine at the
+    start of every optimizer step (0-based ``step``) with ``optimized`` mapping parameter names to the
+    tensors the optimizer holds: a tuner whose trainable set changes during the run (toolkit-optim's
+    ``lisa``) switches ``requires_grad`` there and drops the optimizer state it no longer needs.
+    Strategies that do not call it must be refused by the tuner's ``validate``.
+    """
 
     def validate(self, recipe: Recipe, source: ModelSource) -> list[str]: ...
 
@@ -194,6 +201,21 @@ class Tuner(Registered, Protocol):
     def load_checkpoint_state(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None: ...
 
     def export_tensors(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+class Optimizer(Registered, Protocol):
+    """How the trainable tensors are updated (``--optimizer``): a factory of ``torch.optim.Optimizer``.
+
+    ``named_params`` are the tensors the engine optimises, with their HF parameter names (fp32 master
+    copies under ``--precision bf16``); the optimizer reads the recipe's ``lr``, ``weight_decay``, betas
+    and its own ``Config``. Engines set the learning-rate schedule on the returned optimizer's
+    ``param_groups`` and save its ``state_dict()`` in checkpoints (tensors only: checkpoints load with
+    ``weights_only``).
+    """
+
+    def validate(self, recipe: Recipe) -> list[str]: ...
+
+    def build(self, named_params: list[tuple[str, torch.Tensor]], recipe: Recipe) -> Any: ...
 
 
 class Loss(Registered, Protocol):

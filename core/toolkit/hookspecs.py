@@ -75,6 +75,18 @@ def toolkit_register_tuners(register: Register) -> None:
 
 
 @hookspec
+def toolkit_register_optimizers(register: Register) -> None:
+    """Register optimizers (``adamw``, ``adafactor``; toolkit-optim: ``adamw-8bit``, ``galore``).
+
+    ``register(cls)`` takes a class following :class:`toolkit.contracts.Optimizer`: ``validate(recipe)``
+    names what the optimizer cannot do (a strategy it does not run under) before the model loads, and
+    ``build(named_params, recipe)`` returns a ``torch.optim.Optimizer`` over the trainable
+    ``(name, tensor)`` pairs. ``--optimizer NAME`` picks one; its ``Config`` fields become
+    ``--NAME-FIELD`` flags and a YAML section. Called the first time a run resolves ``--optimizer``.
+    """
+
+
+@hookspec
 def toolkit_register_losses(register: Register) -> None:
     """Register training objectives (``pt``, ``sft``, ``dpo``, ...).
 

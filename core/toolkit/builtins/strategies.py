@@ -168,10 +168,12 @@ class LocalEngine:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.module = torch.nn.parallel.DistributedDataParallel(
                 self.module, device_ids=ids, find_unused_parameters=config.find_unused_parameters)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        trained = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in trained]
         optimized = self.master.master if self.master else self.params
+        self.optimized = {name: tensor for (name, _), tensor in zip(trained, optimized)}
         self.shards = {id(t): shard_of(p) for t, p in zip(optimized, self.params) if shard_of(p) is not None}
-        self.optimizer = build_optimizer(optimized, recipe, getattr(tuner, "optimizer_factory", None))
+        self.optimizer = build_optimizer(list(self.optimized.items()), recipe, getattr(tuner, "optimizer_factory", None))
         self.scheduler = None
         self.reference = self._build_reference(loss) if getattr(loss, "needs_reference", False) else None
 
@@ -279,6 +281,8 @@ class LocalEngine:
     def _train_step(self, micro_batches: list[dict], loss: Any, ctx: StepContext) -> StepResult:
         """One optimizer step. Losses and metrics stay on the device; they are read once, after the
         optimizer step is queued, so the GPU never waits for the host inside the step."""
+        if hasattr(self.tuner, "before_step"):  # a trainable set that changes during the run (contracts.Tuner)
+            self.tuner.before_step(self.model, self.optimizer, self.optimized, ctx.step)
         self.module.train()
         total: Any = 0.0
         metrics: dict[str, Any] = {}

@@ -102,7 +102,8 @@ def resolve_components(recipe: Recipe, world_size: int) -> tuple[Any, Any, Any, 
     tuner_cls = manager.get("tuner", recipe.tuner)
     loss_cls = manager.get("loss", recipe.loss)
     strategy, tuner, loss = (cls(thing_options(recipe, cls)) for cls in (strategy_cls, tuner_cls, loss_cls))
-    problems = strategy.validate(recipe, world_size)
+    optimizer_cls = manager.get("optimizer", recipe.optimizer)
+    problems = strategy.validate(recipe, world_size) + optimizer_cls(thing_options(recipe, optimizer_cls)).validate(recipe)
     if problems:
         raise LayoutError(f"--strategy {recipe.strategy} cannot run this layout:\n" + "\n".join(f"  - {p}" for p in problems))
     return strategy, tuner, loss, recipe
@@ -147,7 +148,7 @@ def check_resume_changes(recipe: Recipe, is_main: bool) -> None:
     except (OSError, yaml.YAMLError):
         return  # written by an older or broken run: the checkpoint checks still apply
     current = recipe.to_yaml_dict()
-    sections = {recipe.tuner, recipe.loss, recipe.dataset_format}
+    sections = {recipe.tuner, recipe.optimizer, recipe.loss, recipe.dataset_format}
     keys = [k for k in dict.fromkeys([*saved, *current]) if k not in RESUME_MAY_CHANGE
             and (k in {f.name for f in dataclasses.fields(Recipe)} or k in sections)]
     changes = [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)]
