@@ -22,8 +22,9 @@ def strategy_problems(optimizer: str, recipe: Any, strategies: tuple[str, ...]) 
     (DeepSpeed's and Megatron's own optimizers) would silently train with AdamW."""
     if recipe.strategy in strategies or recipe.strategy == "auto":
         return []
+    why = "which steps its own AdamW" if recipe.strategy in ("deepspeed", "megatron") else "its sharded DTensor parameters"
     return [f"--optimizer {optimizer} runs under --strategy {' or '.join(strategies)}, not {recipe.strategy} "
-            f"(which steps its own AdamW); choose one of those strategies or --optimizer adamw"]
+            f"({why}); choose --strategy {strategies[0]} or --optimizer adamw"]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -72,7 +73,9 @@ class Adafactor:
 
     name: ClassVar[str] = "adafactor"
     Config: ClassVar[type] = AdafactorConfig
-    strategies: ClassVar[tuple[str, ...]] = ("local", "fsdp")
+    # torch's Adafactor runs in-place norms that DTensor cannot keep sharded (FSDP2 fails inside step()),
+    # and a per-shard factorisation would be another optimizer.
+    strategies: ClassVar[tuple[str, ...]] = ("local",)
 
     def __init__(self, config: Any = None):
         self.config = config or self.Config()
