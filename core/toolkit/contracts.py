@@ -294,6 +294,21 @@ class Exporter(Registered, Protocol):
     def export(self, model: ExportModel, output: Path, options: Any) -> Path: ...
 
 
+class Quantizer(Registered, Protocol):
+    """Post-training quantization of an HF directory (``toolkit export --quantize NAME``).
+
+    ``needs_calibration``: the method reads ``--calibration-dataset`` (GPTQ, AWQ); ``calibration`` is then a
+    list of token-id lists, else ``None``. ``quantize`` writes config (with its ``quantization_config``),
+    weights and tokenizer into ``output``; it never writes elsewhere.
+    """
+
+    needs_calibration: ClassVar[bool]
+
+    def validate(self) -> list[str]: ...
+
+    def quantize(self, model_dir: Path, output: Path, calibration: list[list[int]] | None) -> None: ...
+
+
 class InferenceBackend(Registered, Protocol):
     def generate(self, model_dir: Path, prompts: list[str], options: Any) -> list[str]: ...
 

@@ -118,6 +118,19 @@ def toolkit_register_exporters(register: Register) -> None:
 
 
 @hookspec
+def toolkit_register_quantizers(register: Register) -> None:
+    """Register post-training quantizers for ``toolkit export --to hf --quantize NAME`` (``bnb4``, ``gptq``, ...).
+
+    ``register(cls)`` takes a class following :class:`toolkit.contracts.Quantizer`: ``validate()`` names what
+    keeps it from running on this machine (a missing library, no GPU) before any model loads;
+    ``quantize(model_dir, output, calibration)`` reads the unquantized HF directory the core exported
+    and writes a quantized HF directory that ``transformers`` loads, calibrating on ``calibration``
+    (token-id lists from ``--calibration-dataset``) when ``needs_calibration`` is true. The core then
+    writes the size and perplexity report beside it. Called when ``toolkit export`` gets ``--quantize``.
+    """
+
+
+@hookspec
 def toolkit_register_inference_backends(register: Register) -> None:
     """Register inference backends (``hf``, ``vllm``, ``lmdeploy``).
 
