@@ -83,6 +83,16 @@ class AWQ(GPTQ):
     name: ClassVar[str] = "awq"
     Config: ClassVar[type] = AWQConfig
 
+    def validate(self) -> list[str]:
+        import torch
+
+        if not torch.cuda.is_available():
+            # llm-compressor 0.14's AWQ pins its cached activations (pipelines/cache.py, pin_memory) for GPU
+            # transfers, which raises "Cannot access accelerator device" on a machine without one.
+            return ["--quantize awq needs a CUDA GPU: llm-compressor's AWQ pins host memory for its grid search, which "
+                    "fails without an accelerator; on this machine use --quantize gptq (also 4-bit weights, W4A16)"]
+        return super().validate()
+
     def recipe(self) -> Any:
         from llmcompressor.modifiers.quantization import QuantizationModifier
         from llmcompressor.modifiers.transform import AWQModifier
