@@ -54,6 +54,7 @@ FIRST_PARTY = {
     ("exporter", "mcore"): "toolkit-megatron",
     **{("quantizer", n): "toolkit-quantize" for n in ("bnb4", "bnb8", "gptq", "awq", "fp8")},
     ("exporter", "vllm"): "toolkit-vllm",
+    ("exporter", "gguf"): "toolkit-quantize",
     ("exporter", "lmdeploy"): "toolkit-lmdeploy",
     ("inference_backend", "vllm"): "toolkit-vllm",
     ("inference_backend", "lmdeploy"): "toolkit-lmdeploy",

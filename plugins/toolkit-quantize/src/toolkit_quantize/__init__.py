@@ -1,4 +1,5 @@
-"""toolkit-quantize: the ``bnb4``, ``bnb8``, ``gptq``, ``awq`` and ``fp8`` quantizers of ``toolkit export --quantize``."""
+"""toolkit-quantize: the ``bnb4``, ``bnb8``, ``gptq``, ``awq`` and ``fp8`` quantizers of ``toolkit export --quantize``
+and the ``gguf`` exporter (llama.cpp / Ollama)."""
 
 from __future__ import annotations
 
@@ -12,3 +13,10 @@ def toolkit_register_quantizers(register):
 
     for quantizer in (BnB4, BnB8, GPTQ, AWQ, FP8):
         register(quantizer)
+
+
+@hookimpl
+def toolkit_register_exporters(register):
+    from toolkit_quantize.gguf_export import GGUFExporter
+
+    register(GGUFExporter)
