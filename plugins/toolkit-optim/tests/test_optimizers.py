@@ -178,3 +178,11 @@ def test_engines_with_their_own_optimizer_refuse_every_other(strategy):
         recipe = Recipe(optimizer=name, strategy=strategy)
         problems = cls(thing_options(recipe, cls)).validate(recipe)
         assert bool(problems) == (name != "adamw"), (name, problems)
+
+
+def test_toolkit_plugins_lists_what_this_plugin_registers(cli_runner):
+    result = cli_runner.invoke(["plugins", "--json"])
+    assert result.exit_code == 0, result
+    (row,) = [r for r in json.loads(result.stdout) if r["name"] == "optim"]
+    assert row["distribution"] == "toolkit-optim" and row["error"] is None
+    assert row["registers"] == {"optimizer": ["adamw-8bit", "galore"], "tuner": ["lisa"]}

@@ -71,3 +71,13 @@ def test_other_supported_families_reload(tmp_path, cli_runner, family):
     ids = torch.tensor([[1, 5, 9, 14, 20, 33]])
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, full(ids).logits, rtol=0, atol=5e-3)
+
+
+def test_toolkit_plugins_lists_what_this_plugin_registers(cli_runner):
+    import json
+
+    result = cli_runner.invoke(["plugins", "--json"])
+    assert result.exit_code == 0, result
+    (row,) = [r for r in json.loads(result.stdout) if r["name"] == "quantize"]
+    assert row["distribution"] == "toolkit-quantize" and row["error"] is None
+    assert row["registers"] == {"quantizer": ["bnb4", "bnb8", "gptq", "awq", "fp8"], "exporter": ["gguf"]}
