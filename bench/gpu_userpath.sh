@@ -4,10 +4,12 @@
 # Carry .whl (bash bench/wheels.sh; WITH_BNB=1 adds bitsandbytes for the qlora case):
 #   bash bench/gpu_userpath.sh 1    # pt, sft packed/unpacked, HF and TRL SFT baselines, megatron dense and MoE + the megatron tests
 #   bash bench/gpu_userpath.sh 2    # sft packed (longer limit), megatron dense and MoE, dpo beside TRL DPO, LoRA
-#   bash bench/gpu_userpath.sh 3    # fsdp, deepspeed, rm, MoE local, export + infer, QLoRA, DoRA, isolated PT + the megatron tests
+#   bash bench/gpu_userpath.sh 3    # fsdp, deepspeed, rm, MoE local + the megatron tests
+#   bash bench/gpu_userpath.sh 4    # export + infer, QLoRA, DoRA, isolated PT
+#   bash bench/gpu_userpath.sh 5    # megatron under torchrun, megatron MoE, unpacked SFT without length grouping
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: bash bench/gpu_userpath.sh 1|2}
+part=${1:?usage: bash bench/gpu_userpath.sh 1|2|3|4|5|final}
 : "${OUT:=/tmp/gpu_userpath}"
 mkdir -p "$OUT"
 source bench/gpu_setup.sh
@@ -36,9 +38,15 @@ case "$part" in
     (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 timeout 420 python3 -m pytest -q -p no:cacheprovider -n 8 plugins/toolkit-megatron/tests \
       > "$OUT/megatron-tests.log" 2>&1; echo "megatron tests: rc $?" >> "$OUT/megatron-tests.log") &
     tests=$!
-    timeout 480 python3 bench/userpath.py --case-timeout 120 --cases sft-fsdp,sft-deepspeed,rm,moe-sft,export-infer,sft-qlora,sft-dora,pt-isolated
+    timeout 540 python3 bench/userpath.py --case-timeout 125 --cases sft-fsdp,sft-deepspeed,rm,moe-sft
     wait $tests
     tail -5 "$OUT/megatron-tests.log"
+    ;;
+  4)
+    timeout 560 python3 bench/userpath.py --case-timeout 135 --cases export-infer,sft-qlora,sft-dora,pt-isolated
+    ;;
+  5)
+    timeout 560 python3 bench/userpath.py --case-timeout 170 --cases sft-megatron-torchrun,moe-megatron,sft-nopack-ungrouped
     ;;
 esac
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader

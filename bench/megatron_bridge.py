@@ -53,9 +53,10 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    from toolkit.parallel import ParallelLayout
     from toolkit_megatron.bridge import SafetensorsReader, load_hf_weights
     from toolkit_megatron.compat import cpu_compat
-    from toolkit_megatron.model import Layout, build_model, initialize_parallel
+    from toolkit_megatron.model import build_model, initialize_parallel
 
     seq, batch = s.pop("seq"), s.pop("batch")
     config = LlamaConfig(**s, max_position_embeddings=seq, tie_word_embeddings=False)
@@ -65,9 +66,9 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp)
-        initialize_parallel(Layout())
+        initialize_parallel(ParallelLayout())
         for attention in ("sdpa", "local"):
-            model = build_model(config, Layout(), dtype=dtype, attention=attention)[0]
+            model = build_model(config, ParallelLayout(), dtype=dtype, attention=attention)[0]
             load_hf_weights([model], config, SafetensorsReader.from_directory(tmp))
             model.to(device)
 

@@ -2,30 +2,36 @@
 
     python examples/score_demo.py runs/demo/export      # after training
     python examples/score_demo.py tiny-llama            # the untrained preset, for comparison
+
+It is one call of ``toolkit eval`` (the same as ``toolkit eval MODEL --dataset capitals-qa.jsonl --metric contains
+--max-new-tokens 16``) on the demo's 48 capitals, written as question/answer records first.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
+import tempfile
 from pathlib import Path
 
-from toolkit.builtins.inference import GenerateConfig, HFBackend
-from toolkit.inference import model_directory
+from toolkit.scoring import run_eval
 
 
 def main(reference: str) -> float:
     spec = importlib.util.spec_from_file_location("make_assets", Path(__file__).resolve().parents[1] / "scripts" / "make_assets.py")
     assets = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(assets)
-    pairs = assets.capitals()
-    prompts = [f"What is the capital of {country}?" for country, _ in pairs]
-    directory = model_directory(reference, Path("/tmp"))
-    answers = HFBackend().generate(directory, prompts, GenerateConfig(max_new_tokens=16))
-    correct = sum(city in answer for (_, city), answer in zip(pairs, answers))
-    print(f"example: {prompts[0]!r} -> {answers[0]!r}")
-    print(f"demo accuracy: {correct}/{len(pairs)} capitals named correctly")
-    return correct / len(pairs)
+    with tempfile.TemporaryDirectory(prefix="score-demo-") as workdir:
+        dataset = Path(workdir) / "capitals-qa.jsonl"
+        dataset.write_text("".join(json.dumps({"question": f"What is the capital of {country}?", "answer": city}) + "\n"
+                                   for country, city in assets.capitals()))
+        summary = run_eval(reference, str(dataset), ["contains"], output=workdir, max_new_tokens=16, batch_size=16)
+        first = json.loads((Path(workdir) / "predictions.jsonl").read_text().splitlines()[0])
+    correct = summary["matches"]["contains"]
+    print(f"example: {first['prompt']!r} -> {first['prediction']!r}")
+    print(f"demo accuracy: {correct}/{summary['count']} capitals named correctly")
+    return correct / summary["count"]
 
 
 if __name__ == "__main__":

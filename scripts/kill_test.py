@@ -39,11 +39,14 @@ def child_main(argv: list[str]) -> None:
 
     slow = float(os.environ.get("KILL_TEST_SLOW_SAVE", "0"))
     disk_full_at = int(os.environ.get("KILL_TEST_DISK_FULL", "0"))  # this process's N-th checkpoint write fails
+    hold_at = os.environ.get("KILL_TEST_HOLD_AT", "")  # a killed round never finishes: it waits in this write for its kill
     saves = []
     write_rank_files, write_manifest = checkpoint.write_rank_files, checkpoint.write_manifest
 
     def slowed_rank_files(staging, engine):
         time.sleep(slow)
+        while staging.name == hold_at:
+            time.sleep(1)
         write_rank_files(staging, engine)
         time.sleep(slow)
         saves.append(staging.name)
@@ -246,7 +249,10 @@ def run_kill_test(args: argparse.Namespace) -> dict[str, object]:
         round_index += 1
         log = work / f"round-{round_index:03d}.log"
         disk_full = round_index == args.disk_full_round
-        child_env = {**env, "KILL_TEST_SLOW_SAVE": str(args.slow_save), "KILL_TEST_DISK_FULL": "2" if disk_full else "0"}
+        child_env = {**env, "KILL_TEST_SLOW_SAVE": str(args.slow_save), "KILL_TEST_DISK_FULL": "2" if disk_full else "0",
+                     # a busy machine must not let a round run to its end before its kill lands (the count of
+                     # kills would then depend on timing): the killed rounds wait inside the last checkpoint write
+                     "KILL_TEST_HOLD_AT": "" if disk_full else f".tmp-step-{args.steps}"}
         since = time.time()
         process = start(command(args.mode, run_dir, args), log, child_env)
         summary["rounds"] += 1  # type: ignore[operator]

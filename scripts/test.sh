@@ -2,12 +2,38 @@
 # The test command of the README and of CI (.ci/run): installs the core and every plugin under
 # plugins/ with their [test] extras (-c constraints.txt) into fresh venvs and runs every
 # package's tests, through the `tests`-tagged nox sessions (noxfile.py discovers the plugins).
-#   TOOLKIT_TEST_FAST=1 bash scripts/test.sh     skip tests marked slow
-#   TOOLKIT_TEST_WORKERS=4 bash scripts/test.sh  4 pytest-xdist workers per suite (many-core CI machines)
-#   bash scripts/test.sh -k focal                extra arguments go to pytest
+#   TOOLKIT_TEST_FAST=1 bash scripts/test.sh       skip tests marked slow
+#   TOOLKIT_TEST_WORKERS=4 bash scripts/test.sh    pytest-xdist workers per suite of the shared session (default: 2)
+#   TOOLKIT_TEST_LANES=1 bash scripts/test.sh      run the sessions one after another (default 2 lanes: the shared
+#                                                  session beside the plugins' own sessions, whose log follows it)
+#   bash scripts/test.sh -k focal                  extra arguments go to pytest
+# The wheels are built once (nox -s build); every session installs them (TOOLKIT_PREBUILT_WHEELS).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 python3 -m venv .venv-nox
 .venv-nox/bin/pip install -q -c constraints.txt "nox>=2024.4"
-exec .venv-nox/bin/nox --no-reuse-existing-virtualenvs -t tests -- "$@"
+nox=(.venv-nox/bin/nox --no-reuse-existing-virtualenvs)
+"${nox[@]}" -s build
+export TOOLKIT_PREBUILT_WHEELS=1
+mapfile -t own < <("${nox[@]}" -l -t tests --json | python3 -c \
+  'import json, sys; print("\n".join(s["session"] for s in json.load(sys.stdin) if s["session"] != "tests"))')
+if [[ "${TOOLKIT_TEST_LANES:-2}" == 1 || ${#own[@]} == 0 ]]; then
+  TOOLKIT_TEST_WORKERS="${TOOLKIT_TEST_WORKERS:-2}" exec "${nox[@]}" -t tests -- "$@"
+fi
+log=$(mktemp -t toolkit-own-sessions.XXXXXX.log)
+# the plugins' own sessions (mostly installs of their engines) run beside the shared one, their suites on one
+# worker each; their output is printed after the shared session's, in one piece
+"${nox[@]}" -s "${own[@]}" -- "$@" > "$log" 2>&1 &
+lane=$!
+status=0
+TOOLKIT_TEST_WORKERS="${TOOLKIT_TEST_WORKERS:-2}" "${nox[@]}" -s tests -- "$@" || status=$?
+own_status=0
+wait "$lane" || own_status=$?
+echo "=================== the plugins' own sessions (${own[*]}) ==================="
+cat "$log"
+rm -f "$log"
+if (( status || own_status )); then
+  echo "scripts/test.sh: failed: $( ((status)) && echo "the shared session (tests) ")$( ((own_status)) && echo "own sessions (${own[*]})")" >&2
+  exit 1
+fi

@@ -106,3 +106,36 @@ def captured_runs(monkeypatch):
         monkeypatch.setitem(sys.modules, "toolkit.train.runner", runner_module)
     monkeypatch.setattr(runner_module, "run_training", lambda recipe, **_: runs.append(recipe), raising=False)
     return runs
+
+
+CHECKPOINTED_RECIPE = {"model": "tiny-llama", "dataset": ["demo"], "lr": 1e-3, "seq_len": 64, "micro_batch_size": 2,
+                       "max_steps": 6, "save_every": 2, "keep_last": 3}
+
+
+@pytest.fixture(scope="session")
+def train_tiny():
+    """Train the tiny Llama on the demo data in this process: 6 steps, a checkpoint every 2, the last 3
+    kept; keyword arguments override recipe fields (``resume="auto"``, ``max_steps=8``)."""
+    from toolkit.recipe import resolve_recipe
+    from toolkit.train.runner import run_training
+
+    def train(output, **values):
+        return run_training(resolve_recipe({**CHECKPOINTED_RECIPE, "output": str(output), **values}))
+
+    return train
+
+
+@pytest.fixture(scope="session")
+def checkpointed_run(train_tiny, tmp_path_factory):
+    """One uninterrupted run with checkpoints at steps 2, 4 and 6, shared by the checkpoint and fault tests
+    (which work on copies: ``run_copy``)."""
+    return train_tiny(tmp_path_factory.mktemp("checkpointed") / "run")
+
+
+@pytest.fixture
+def run_copy(checkpointed_run, tmp_path):
+    import shutil
+
+    target = tmp_path / "run"
+    shutil.copytree(checkpointed_run, target)
+    return target

@@ -8,29 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.recipe import resolve_recipe
 from toolkit.train import checkpoint as ckpt
-from toolkit.train.runner import run_training
-
-RECIPE = {"model": "tiny-llama", "dataset": ["demo"], "lr": 1e-3, "seq_len": 64, "micro_batch_size": 2,
-          "max_steps": 6, "save_every": 2, "keep_last": 3}
-
-
-def train(output, **values):
-    return run_training(resolve_recipe({**RECIPE, "output": str(output), **values}))
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """An uninterrupted run with checkpoints at steps 2, 4 and 6; tests work on copies."""
-    return train(tmp_path_factory.mktemp("faults") / "run")
-
-
-@pytest.fixture
-def copy(run, tmp_path):
-    target = tmp_path / "run"
-    shutil.copytree(run, target)
-    return target
 
 
 def flip_byte(path: Path) -> None:
@@ -39,39 +17,39 @@ def flip_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_the_refusal_of_a_byte_flipped_checkpoint_does_not_list_it_as_whole(copy):
-    flip_byte(copy / "checkpoints" / "step-6" / "model.safetensors")
+def test_the_refusal_of_a_byte_flipped_checkpoint_does_not_list_it_as_whole(run_copy):
+    flip_byte(run_copy / "checkpoints" / "step-6" / "model.safetensors")
     with pytest.raises(ckpt.CheckpointError) as error:
-        ckpt.find_resume_checkpoint(copy, str(copy / "checkpoints" / "step-6"))
+        ckpt.find_resume_checkpoint(run_copy, str(run_copy / "checkpoints" / "step-6"))
     message = str(error.value)
     assert "model.safetensors does not match its sha256" in message
-    assert message.split("Whole checkpoints in ")[1].startswith(f"{copy / 'checkpoints'}: step-2, step-4.")
+    assert message.split("Whole checkpoints in ")[1].startswith(f"{run_copy / 'checkpoints'}: step-2, step-4.")
 
 
-def test_when_every_checkpoint_is_damaged_resume_refuses_and_keeps_the_metrics(copy):
-    for step in ckpt.step_dirs(copy):
+def test_when_every_checkpoint_is_damaged_resume_refuses_and_keeps_the_metrics(run_copy, train_tiny):
+    for step in ckpt.step_dirs(run_copy):
         flip_byte(step / "optimizer.pt")
-    metrics = (copy / "metrics.jsonl").read_text()
+    metrics = (run_copy / "metrics.jsonl").read_text()
     with pytest.raises(ckpt.CheckpointError) as error:
-        train(copy, resume="auto", max_steps=8)
+        train_tiny(run_copy, resume="auto", max_steps=8)
     message = str(error.value)
-    assert message.startswith(f"every checkpoint in {copy / 'checkpoints'} is damaged (step-6: optimizer.pt does not match")
+    assert message.startswith(f"every checkpoint in {run_copy / 'checkpoints'} is damaged (step-6: optimizer.pt does not match")
     assert "step-2: optimizer.pt" in message and "--overwrite" in message
-    assert (copy / "metrics.jsonl").read_text() == metrics
+    assert (run_copy / "metrics.jsonl").read_text() == metrics
 
 
-def test_a_torn_last_metrics_line_does_not_stop_resume(copy):
-    with (copy / "metrics.jsonl").open("a") as handle:
+def test_a_torn_last_metrics_line_does_not_stop_resume(run_copy, train_tiny):
+    with (run_copy / "metrics.jsonl").open("a") as handle:
         handle.write('{"step": 7, "loss": 1.2')  # a kill in the middle of a line's write
-    shutil.rmtree(copy / "checkpoints" / "step-6")
-    train(copy, resume="auto", max_steps=8)
-    steps = [json.loads(line)["step"] for line in (copy / "metrics.jsonl").read_text().splitlines()]
+    shutil.rmtree(run_copy / "checkpoints" / "step-6")
+    train_tiny(run_copy, resume="auto", max_steps=8)
+    steps = [json.loads(line)["step"] for line in (run_copy / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 9))
 
 
-def test_a_kill_during_the_metrics_rewrite_at_resume_loses_no_history(copy, monkeypatch):
-    shutil.rmtree(copy / "checkpoints" / "step-6")
-    before = (copy / "metrics.jsonl").read_text()
+def test_a_kill_during_the_metrics_rewrite_at_resume_loses_no_history(run_copy, monkeypatch, train_tiny):
+    shutil.rmtree(run_copy / "checkpoints" / "step-6")
+    before = (run_copy / "metrics.jsonl").read_text()
     real = Path.write_text
 
     def killed_half_way(self, text, *args, **kwargs):
@@ -82,8 +60,8 @@ def test_a_kill_during_the_metrics_rewrite_at_resume_loses_no_history(copy, monk
 
     monkeypatch.setattr(Path, "write_text", killed_half_way)
     with pytest.raises(KeyboardInterrupt):
-        train(copy, resume="auto", max_steps=8)
-    assert (copy / "metrics.jsonl").read_text() == before
+        train_tiny(run_copy, resume="auto", max_steps=8)
+    assert (run_copy / "metrics.jsonl").read_text() == before
 
 
 # ----------------------------------------------------------------------------------------------- exit codes, pipes
@@ -157,8 +135,12 @@ def test_a_signal_during_the_last_step_finishes_the_run_and_exports(tmp_path, mo
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(LocalEngine, "train_step", signalled_on_step_4)
-    run = run_training(resolve_recipe({**RECIPE, "max_steps": 4, "export": "hf", "output": str(tmp_path / "run")}),
-                       raise_if_stopped=True)  # no RunStopped: the run is finished
+    from conftest import CHECKPOINTED_RECIPE
+    from toolkit.recipe import resolve_recipe
+    from toolkit.train.runner import run_training
+
+    recipe = resolve_recipe({**CHECKPOINTED_RECIPE, "max_steps": 4, "export": "hf", "output": str(tmp_path / "run")})
+    run = run_training(recipe, raise_if_stopped=True)  # no RunStopped: the run is finished
     assert len(calls) == 4 and (run / "export" / "model.safetensors").is_file()
 
 
@@ -237,25 +219,44 @@ def test_sigterm_during_an_export_leaves_no_staging_folder_and_the_next_export_s
 
 
 # ----------------------------------------------------------------------------------------------- resume with other settings
-def test_resuming_with_other_training_settings_names_them_and_needs_resume_changed(copy):
+def test_resuming_with_other_training_settings_names_them_and_needs_resume_changed(run_copy, train_tiny):
     from toolkit.errors import ConfigError
 
-    recipe = (copy / "recipe.yaml").read_text()
+    recipe = (run_copy / "recipe.yaml").read_text()
     with pytest.raises(ConfigError) as error:
-        train(copy, resume="auto", max_steps=8, lr=3e-4, seed=7, dataset=["demo", "demo"])
+        train_tiny(run_copy, resume="auto", max_steps=8, lr=3e-4, seed=7, dataset=["demo", "demo"])
     message = str(error.value)
     assert "this command trains differently from its" in message and "--resume-changed" in message
     assert "lr: 0.001 -> 0.0003" in message and "seed: 42 -> 7" in message and "dataset: ['demo'] -> ['demo', 'demo']" in message
     assert "max_steps" not in message  # a longer run is a resume, not a different one
-    assert (copy / "recipe.yaml").read_text() == recipe
-    train(copy, resume="auto", max_steps=8, lr=3e-4, resume_changed=True)
-    assert "lr: 0.0003" in (copy / "recipe.yaml").read_text()
+    assert (run_copy / "recipe.yaml").read_text() == recipe
+    train_tiny(run_copy, resume="auto", max_steps=8, lr=3e-4, resume_changed=True)
+    assert "lr: 0.0003" in (run_copy / "recipe.yaml").read_text()
 
 
-def test_resuming_with_another_model_is_refused_before_the_model_loads(copy, monkeypatch):
+def test_a_run_from_an_older_toolkit_resumes_when_the_new_settings_are_at_their_defaults(run_copy, train_tiny):
+    """recipe.yaml without fields a newer version added (here: the evaluation ones) still resumes as it was,
+    and a new field set away from its default is still a change."""
+    import yaml
+
+    from toolkit.errors import ConfigError
+
+    path = run_copy / "recipe.yaml"
+    saved = yaml.safe_load(path.read_text())
+    older = {k: v for k, v in saved.items() if k not in ("early_stopping_patience", "eval_split", "best_mode")}
+    assert len(older) == len(saved) - 3
+    path.write_text(yaml.safe_dump(older))
+    with pytest.raises(ConfigError, match="eval_split: None -> 0.1"):
+        train_tiny(run_copy, resume="auto", max_steps=8, eval_split=0.1)
+    train_tiny(run_copy, resume="auto", max_steps=8)
+    steps = [json.loads(line)["step"] for line in (run_copy / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 8
+
+
+def test_resuming_with_another_model_is_refused_before_the_model_loads(run_copy, monkeypatch, train_tiny):
     import toolkit.builtins.loaders as loaders
     from toolkit.errors import ConfigError
 
     monkeypatch.setattr(loaders, "resolve_model", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(ConfigError, match="model: 'tiny-llama' -> 'tiny-qwen2'"):
-        train(copy, resume="auto", model="tiny-qwen2")
+        train_tiny(run_copy, resume="auto", model="tiny-qwen2")

@@ -60,3 +60,19 @@ def test_nox_lists_the_sessions():
     assert result.returncode == 0, result.stderr
     for session in ("tests", "lint", "demo", "bench"):
         assert f" {session} " in result.stdout + " "
+
+
+def test_plugins_naming_one_session_share_it(noxfile, tmp_path):
+    write_plugin(tmp_path, "toolkit-a", '[tool.toolkit.nox]\nown-session = true\nsession = "engine"\n')
+    write_plugin(tmp_path, "toolkit-b", '[tool.toolkit.nox]\nown-session = true\nsession = "engine"\n')
+    write_plugin(tmp_path, "toolkit-c", '[tool.toolkit.nox]\nown-session = true\n')
+    names = {p.name: p.session_name for p in noxfile.discover_plugins(tmp_path)}
+    assert names == {"toolkit-a": "tests-engine", "toolkit-b": "tests-engine", "toolkit-c": "tests-c"}
+
+
+def test_the_vllm_engine_is_installed_once_for_its_plugins():
+    result = subprocess.run([sys.executable, "-m", "nox", "-l", "-f", str(ROOT / "noxfile.py")], capture_output=True, text=True, timeout=120)
+    if "No module named nox" in result.stderr:
+        pytest.skip("nox is not installed")
+    assert "tests-vllm [tests] -> toolkit-rl, toolkit-vllm in their own venv" in result.stdout
+    assert "tests-rl" not in result.stdout

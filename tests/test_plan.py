@@ -285,7 +285,7 @@ def test_infeasible_layouts_are_rejected_with_reasons():
     assert result.best is None
     reasons = {c.layout.describe(): c.rejected for c in result.rejected}
     assert "needs" in reasons["local DP8"] and "GiB" in reasons["local DP8"]
-    assert any("layers do not split" in r for r in reasons.values())
+    assert any("layers per virtual stage is not a whole number" in r for r in reasons.values())
     from toolkit.plan.report import render
 
     assert "no layout fits" in render(result)
@@ -299,7 +299,7 @@ def test_small_model_on_one_gpu_fits_everywhere():
 def test_tp_that_does_not_divide_kv_heads_is_impossible():
     result = plan(QWEN72, make_cluster(32, 2, "80GiB"), WORK, ("megatron",))
     reasons = [c.rejected for c in result.rejected if c.layout.tp == 16]
-    assert reasons and all("KV heads" in r for r in reasons)
+    assert reasons and all("key/value heads 8 / tp 16" in r for r in reasons)
 
 
 # ----------------------------------------------------------------------------- errors

@@ -233,3 +233,20 @@ def test_two_distributions_with_one_plugin_name_load_the_first_and_say_so(site, 
     (loaded,) = [p.distribution for p in manager.plugins if p.name == "same"]
     other = ({"toolkit-aa", "toolkit-bb"} - {loaded}).pop()
     assert f"plugin name 'same' is provided by {loaded} 0.0.1 and by {other} 0.0.1" in capsys.readouterr().err
+
+
+def test_entry_points_of_another_metadata_library_still_load(monkeypatch):
+    """Once the importlib_metadata backport is imported (MLflow does), entry points come back as its own class."""
+    import toolkit.plugins as plugins
+
+    class ForeignEntryPoint:
+        def __init__(self, ep):
+            self.name, self.value, self.dist, self._ep = ep.name, ep.value, ep.dist, ep
+
+        def load(self):
+            return self._ep.load()
+
+    stdlib = plugins._entry_points()
+    monkeypatch.setattr(plugins, "_entry_points", lambda: [ForeignEntryPoint(ep) for ep in stdlib])
+    manager = plugins.build_plugin_manager()
+    assert "local" in manager.registry("strategy") and "sft" in manager.registry("loss")

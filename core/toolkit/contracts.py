@@ -181,13 +181,20 @@ class Architecture(Registered, Protocol):
 
 
 class Tuner(Registered, Protocol):
-    """What trains. Works on HF modules; strategies with their own modules call ``apply_megatron``.
+    """What trains. Works on HF modules; a strategy with modules of its own (Megatron-Core) asks the
+    tuner's optional methods (``OPTIONAL["tuner"]``) or implements the tuner kinds it supports itself.
 
-    Optional: ``before_step(model, optimizer, optimized, step)``, called by the ``local`` engine at the
-    start of every optimizer step (0-based ``step``) with ``optimized`` mapping parameter names to the
-    tensors the optimizer holds: a tuner whose trainable set changes during the run (toolkit-optim's
-    ``lisa``) switches ``requires_grad`` there and drops the optimizer state it no longer needs.
-    Strategies that do not call it must be refused by the tuner's ``validate``.
+    Optional: ``adapter_export(model)`` (the ``ExportModel.adapter`` callable of a model with adapters),
+    ``adapter_from_checkpoint(checkpoint, source, recipe)`` (the same from a saved checkpoint),
+    ``disabled_adapters(model)`` (a context manager in which the model is its base: the reference of
+    preference losses without a second copy), ``optimizer_factory`` (``(params, recipe) -> optimizer``
+    in place of AdamW, e.g. LoRA+), ``quantized`` (True: the base weights are quantized, which
+    sharding strategies refuse), ``zero3_compatible`` (False: not under ZeRO-3) and
+    ``before_step(model, optimizer, optimized, step)``, called by the ``local`` engine at the start of
+    every optimizer step (0-based ``step``) with ``optimized`` mapping parameter names to the tensors
+    the optimizer holds: a tuner whose trainable set changes during the run (toolkit-optim's ``lisa``)
+    switches ``requires_grad`` there and drops the optimizer state it no longer needs; strategies that
+    do not call it must be refused by the tuner's ``validate``.
     """
 
     def validate(self, recipe: Recipe, source: ModelSource) -> list[str]: ...
@@ -246,24 +253,36 @@ class DatasetFormat(Registered, Protocol):
 class Engine(Protocol):
     """A model placed by a strategy: steps, checkpoints and exports it.
 
-    Optional: ``adapter_export()`` returns the ``ExportModel.adapter`` callable (or None) when the
-    tuner cannot read adapters from ``engine.model`` itself (a sharded model); without it the
-    runner asks the tuner's ``adapter_export(engine.model)``.
-
-    Optional class attributes the runner reads: ``skips_nonfinite_updates`` (True when
-    ``train_step`` can check the reduced loss and gradient norm before its optimizer step and
-    skip a non-finite update; needed by ``--on-nan skip``, which sets ``engine.skip_nonfinite =
-    True``) and ``supports_rollback`` (default True: ``load_checkpoint`` works in a running job;
-    needed by ``--on-nan rollback``).
+    Optional (``OPTIONAL["engine"]``, defaults in :class:`EngineBase`): ``adapter_export()`` returns
+    the ``ExportModel.adapter`` callable (or None) when the tuner cannot read adapters from
+    ``engine.model`` itself (a sharded model); without it the runner asks the tuner's
+    ``adapter_export(engine.model)``. ``model``: the HF module, where there is one; ``device``: the
+    ``torch.device`` its parameters live on (RL rollouts generate there).
+    ``release_reference()``: free the reference model once ``--precompute-reference`` has run.
+    ``skips_nonfinite_updates`` (True when ``train_step`` can check the reduced loss and gradient
+    norm before its optimizer step and skip a non-finite update; needed by ``--on-nan skip``, which
+    sets ``engine.skip_nonfinite = True``) and ``supports_rollback`` (default True:
+    ``load_checkpoint`` works in a running job; needed by ``--on-nan rollback``).
     """
 
     dp_rank: int
     dp_world_size: int
     is_main: bool
 
+    def set_total_steps(self, total: int) -> None:
+        """The run's optimizer steps, known once the data is counted: the learning-rate schedule's length."""
+
+    def current_lr(self) -> float:
+        """The learning rate the next step uses (logged as ``lr``)."""
+
     def train_step(self, micro_batches: list[dict], loss: Loss, ctx: StepContext) -> StepResult: ...
 
-    def evaluate(self, micro_batches: list[dict], loss: Loss, ctx: StepContext) -> dict[str, float]: ...
+    def evaluate(self, micro_batches: list[dict], loss: Loss, ctx: StepContext) -> dict[str, float]:
+        """The eval forward (``toolkit.train.evaluation``): the model in eval mode, no gradients, no update;
+        ``loss`` applied to each micro-batch; returns ``{"loss": ..., **loss metrics}`` summed over the
+        micro-batches and reduced over every rank (the same values on every rank). Every rank passes the same
+        number of micro-batches; ``ctx`` holds the counts of the whole held-out set."""
+        ...
 
     def reference_logps(self, micro_batch: dict) -> torch.Tensor: ...
 
@@ -281,6 +300,10 @@ class Engine(Protocol):
 
 
 class Strategy(Registered, Protocol):
+    """Places a model on the processes of a run. Optional: ``parallel_axes``, the model-splitting axes
+    of :data:`toolkit.parallel.AXES` it supports (default none: data parallelism only); the runner
+    refuses the others before ``validate`` is asked."""
+
     def validate(self, recipe: Recipe, world_size: int) -> list[str]: ...
 
     def build(self, source: ModelSource, tuner: Tuner, loss: Loss, recipe: Recipe) -> Engine: ...
@@ -320,10 +343,127 @@ class Reward(Registered, Protocol):
                  records: list[dict[str, Any]]) -> list[float | None]: ...
 
 
+class Metric(Registered, Protocol):
+    """A generation metric for ``toolkit eval``: one score per prediction against its reference answers.
+
+    Optional ``prepare()`` (``OPTIONAL["metric"]``) runs before any model loads: check options and import optional
+    dependencies there, raising a ``ToolkitError`` that names the flag or the ``pip install`` command. Scores are
+    usually in [0, 1] (higher is better); ``toolkit eval`` reports their mean."""
+
+    def prepare(self) -> None: ...
+
+    def score(self, predictions: list[str], references: list[list[str]]) -> list[float]: ...
+
+
 class Callback(Registered, Protocol):
+    """Told about a run's progress on the main rank. Every method is optional (no-ops in
+    :class:`CallbackBase`): implement the ones you need.
+
+    Optional class attributes (``OPTIONAL["callback"]``): ``tracker`` (default False: the callback always
+    runs; True: an experiment tracker, run only when ``--report-to`` names it, :mod:`toolkit.tracking`) and
+    ``requires`` (the pip package a tracker needs, named when it is missing). Its ``Config`` fields become
+    ``--NAME-FIELD`` flags and a YAML section, as for losses."""
+
     def available(self) -> bool: ...
 
     def on_train_start(self, run: Any) -> None: ...
+
+    def on_step_end(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def on_log(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def on_train_end(self, run: Any) -> None: ...
+
+
+# ----------------------------------------------------------------------------- conformance
+
+PROTOCOLS: dict[str, type] = {
+    "model_loader": ModelLoader, "architecture": Architecture, "strategy": Strategy, "tuner": Tuner, "loss": Loss,
+    "dataset_format": DatasetFormat, "exporter": Exporter, "inference_backend": InferenceBackend,
+    "callback": Callback, "reward": Reward, "metric": Metric, "engine": Engine, "optimizer": Optimizer,
+    "quantizer": Quantizer,
+}
+"""The protocol of each registry kind (and of the engines strategies build)."""
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _available() -> bool:
+    return True
+
+
+OPTIONAL: dict[str, dict[str, Any]] = {
+    "engine": {"adapter_export": None, "model": None, "device": None, "release_reference": None, "skips_nonfinite_updates": False,
+               "supports_rollback": True, "skip_nonfinite": False},
+    "strategy": {"parallel_axes": frozenset()},
+    "tuner": {"adapter_export": None, "adapter_from_checkpoint": None, "disabled_adapters": None, "optimizer_factory": None,
+              "quantized": False, "zero3_compatible": True, "before_step": None},
+    "loss": {"train_on": "assistant", "uniform_token_gradient": False, "cli_command": True},
+    "dataset_format": {"bundled_datasets": {}},
+    "exporter": {"export_adapter": None},
+    "inference_backend": {"serve": None},
+    "callback": {"available": _available, "on_train_start": _noop, "on_step_end": _noop, "on_log": _noop,
+                 "on_train_end": _noop, "tracker": False, "requires": ""},
+    "metric": {"prepare": _noop},
+}
+"""Members the core reads only when a component has them, with what their absence means. Everything
+else a kind's protocol declares is required (:func:`missing_members`); the core reads nothing else
+(tests/test_contracts.py checks both)."""
+
+
+def protocol_members(kind: str) -> list[str]:
+    """Every member the protocol of ``kind`` declares (methods and annotated attributes), its optional ones included."""
+    names: set[str] = set()
+    for cls in PROTOCOLS[kind].__mro__:
+        if cls in (object, Protocol) or cls.__module__ != __name__:
+            continue
+        names |= {n for n in vars(cls) if not n.startswith("_") or n == "__call__"} | set(vars(cls).get("__annotations__", {}))
+    return sorted(names | set(OPTIONAL.get(kind, {})))
+
+
+def missing_members(kind: str, component: Any) -> list[str]:
+    """The required members of ``kind``'s protocol that ``component`` (a class or an instance) lacks."""
+    optional = OPTIONAL.get(kind, {})
+    return [n for n in protocol_members(kind) if n not in optional and not hasattr(component, n)]
+
+
+def member(component: Any, kind: str, name: str) -> Any:
+    """``component.name``, or what its absence means when the member is optional (``OPTIONAL``).
+    Asking for a member the protocol does not declare is a bug in the caller (KeyError)."""
+    optional = OPTIONAL.get(kind, {})
+    if name not in optional and name not in protocol_members(kind):
+        raise KeyError(f"{name!r} is not a member of contracts.{PROTOCOLS[kind].__name__}")
+    return getattr(component, name, optional.get(name))
+
+
+class EngineBase:
+    """Defaults of an engine's optional members, for strategies to inherit (they need not)."""
+
+    model: Any = None
+    skips_nonfinite_updates: ClassVar[bool] = False
+    supports_rollback: ClassVar[bool] = True
+    skip_nonfinite: bool = False
+
+    def release_reference(self) -> None:
+        """Nothing to free."""
+
+
+class CallbackBase:
+    """A callback with every method a no-op; subclasses override what they need."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, config: Any = None):
+        self.config = config
+
+    def available(self) -> bool:
+        return True
+
+    def on_train_start(self, run: Any) -> None: ...
+
+    def on_step_end(self, step: int, metrics: dict[str, float]) -> None: ...
 
     def on_log(self, step: int, metrics: dict[str, float]) -> None: ...
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from toolkit.contracts import ExportModel, ModelSource
+from toolkit.contracts import ExportModel, ModelSource, member
 from toolkit.errors import ConfigError, ToolkitError
 from toolkit.hfdir import ExportError
 from toolkit.writes import is_write_failure, write_failure_text
@@ -58,8 +58,9 @@ def checkpoint_source(checkpoint: Path, run_dir: Path, adapter_only: bool = Fals
     strategy, tuner = strategy_cls(thing_options(recipe, strategy_cls)), tuner_cls(thing_options(recipe, tuner_cls))
     source = resolve_model(recipe.model, trust_remote_code)
     adapter = None
-    if hasattr(tuner, "adapter_from_checkpoint"):
-        adapter = lambda: tuner.adapter_from_checkpoint(checkpoint, source, recipe)  # noqa: E731
+    from_checkpoint = member(tuner, "tuner", "adapter_from_checkpoint")
+    if from_checkpoint is not None:
+        adapter = lambda: from_checkpoint(checkpoint, source, recipe)  # noqa: E731
     elif adapter_only:
         raise ToolkitError(f"--adapter-only: the run used --tuner {recipe.tuner}, which has no adapters to export")
     return ExportModel(source=source, tensors=lambda: strategy.checkpoint_tensors(checkpoint, source, tuner, recipe),
@@ -99,7 +100,7 @@ def export_model(model: ExportModel, exporter: str, output: str | Path, *, overw
     if adapter_only:
         if model.adapter is None:
             raise ToolkitError(f"{model.description} has no adapters; --adapter-only applies to LoRA/DoRA/QLoRA runs")
-        writer = getattr(instance, "export_adapter", None)
+        writer = member(instance, "exporter", "export_adapter")
         if writer is None:
             raise ToolkitError(f"exporter {exporter!r} cannot write adapter-only exports")
         return atomic_dir(output, lambda tmp: writer(model, tmp, instance.config))

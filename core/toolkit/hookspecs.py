@@ -164,6 +164,18 @@ def toolkit_register_rewards(register: Register) -> None:
 
 
 @hookspec
+def toolkit_register_metrics(register: Register) -> None:
+    """Register generation metrics for ``toolkit eval --metric NAME`` (``exact``, ``contains``, ``regex``, ``rouge``).
+
+    ``register(cls)`` takes a class following :class:`toolkit.contracts.Metric`: ``name``, ``Config`` (its
+    fields become ``--NAME-FIELD`` flags of ``toolkit eval``), ``prepare()`` (before the model loads: check
+    options, import optional dependencies) and ``score(predictions, references) -> list[float]``, one score
+    per prediction, ``references[i]`` the list of accepted answers of prediction ``i``. Called when
+    ``toolkit eval`` is assembled or run, and by ``toolkit plugins``.
+    """
+
+
+@hookspec
 def toolkit_register_commands(cli: click.Group) -> None:
     """Add click commands or groups to the ``toolkit`` CLI: ``cli.add_command(cmd)``.
 

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from toolkit.contracts import member
 from toolkit.errors import ModelError, ToolkitError
 
 
@@ -90,7 +91,7 @@ def stdout_to_stderr() -> Iterator[None]:
 
 def run_serve(reference: str, backend: str, *, host: str, port: int, extra: tuple[str, ...] = ()) -> None:
     instance = backend_instance(backend, {})
-    if not hasattr(instance, "serve"):
+    if member(instance, "inference_backend", "serve") is None:
         raise ToolkitError(f"inference backend {backend!r} cannot serve; try --backend vllm or lmdeploy")
     from toolkit.serving import parse_pairs
 

@@ -35,6 +35,7 @@ KINDS = {
     "inference_backend": "toolkit_register_inference_backends",
     "callback": "toolkit_register_callbacks",
     "reward": "toolkit_register_rewards",
+    "metric": "toolkit_register_metrics",
 }
 
 # Names the first-party plugins provide, so an unknown name can say what to install.
@@ -256,16 +257,17 @@ def build_plugin_manager(extra_plugins: list[tuple[str, object]] | None = None) 
     pm.add_hookspecs(hookspecs)
     allow, block = _env_list("TOOLKIT_PLUGINS"), _env_list("TOOLKIT_DISABLE_PLUGINS") or set()
     infos: list[PluginInfo] = []
-    candidates: list[tuple[str, str, str, Any]] = []
+    # (name, distribution, version, entry point or in-process object, in process?): not isinstance(EntryPoint),
+    # since once the importlib_metadata backport is imported (MLflow does) its EntryPoint class comes back instead
+    candidates: list[tuple[str, str, str, Any, bool]] = []
     for ep in _entry_points():
         dist = ep.dist.name if ep.dist else "?"
         version = ep.dist.version if ep.dist else "?"
-        candidates.append((ep.name, dist, version, ep))
+        candidates.append((ep.name, dist, version, ep, False))
     for name, obj in extra_plugins or []:
-        candidates.append((name, "(in-process)", __version__, obj))
+        candidates.append((name, "(in-process)", __version__, obj, True))
     _warn_unknown_names(allow, block, {c[0] for c in candidates})
-    for name, dist, version, target in candidates:
-        in_process = not isinstance(target, metadata.EntryPoint)
+    for name, dist, version, target, in_process in candidates:
         allowed = allow is None or name in allow or name.startswith("toolkit.") or in_process
         if not allowed or name in block:
             continue
@@ -277,7 +279,7 @@ def build_plugin_manager(extra_plugins: list[tuple[str, object]] | None = None) 
         info = PluginInfo(name=name, distribution=dist, version=version, module=getattr(target, "value", repr(target)))
         infos.append(info)
         try:
-            plugin = target.load() if isinstance(target, metadata.EntryPoint) else target
+            plugin = target if in_process else target.load()
             _check_hooks(plugin)
             pm.register(plugin, name=name)
             pm.check_pending()

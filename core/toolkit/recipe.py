@@ -12,8 +12,8 @@ from toolkit.errors import ConfigError
 
 # Kinds whose registered things expose their Config as CLI flags (``--lora-rank``) and as
 # YAML sections (``lora: {rank: 16}``); an architecture with Config fields (toolkit-moe's
-# ``moe``) gets a section too, and so does a reward (toolkit-rl's ``answer``).
-OPTION_KINDS = ("strategy", "tuner", "optimizer", "loss", "dataset_format", "architecture", "reward")
+# ``moe``) gets a section too, and so do a reward (toolkit-rl's ``answer``) and a tracker (``wandb``).
+OPTION_KINDS = ("strategy", "tuner", "optimizer", "loss", "dataset_format", "architecture", "reward", "callback")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -72,7 +72,24 @@ class Recipe:
     gradient_checkpointing: bool = option(False, help="Recompute activations in the backward pass.")
     seed: int = option(42, help="Seed for initialisation, shuffling and dropout.")
     max_samples: int = option(0, help="Use at most this many records per dataset (0: all).")
-    eval_samples: int = option(0, help="Hold out this many examples for evaluation at each log step.")
+    eval_samples: int = option(0, help="Hold out this many examples of the training set (a seeded choice, never "
+                                       "trained on) for evaluation (see --eval-every).")
+    eval_split: float = option(0.0, help="Hold out this fraction of the training set (a seeded choice, never trained "
+                                         "on) for evaluation, e.g. 0.05.")
+    eval_dataset: list[str] = option([], help="Evaluation file(s) in any format --dataset accepts, encoded the same way; "
+                                              "repeatable.")
+    eval_every: int = option(0, help="Evaluate every N steps (and after the last one); 0: only after the last step.")
+    save_best: str | None = option(None, help="Keep the checkpoint of the best value of this eval metric (e.g. "
+                                              "eval/loss, eval/rewards/accuracies), saved when it improves and kept "
+                                              "past --keep-last; best.json in the run directory names it.")
+    best_mode: Literal["auto", "min", "max"] = option("auto", help="Whether lower (min) or higher (max) is better for "
+                                                                   "--save-best and early stopping; auto: max for "
+                                                                   "accuracies, rewards, margins and scores, else min.")
+    early_stopping_patience: int = option(0, help="Stop when the metric (--save-best, else --early-stopping-metric) has "
+                                                  "not improved in N evaluations in a row; 0: never.")
+    early_stopping_threshold: float = option(0.0, help="An evaluation improves on the best only by more than this.")
+    early_stopping_metric: str = option("eval/loss", help="The eval metric early stopping watches when --save-best is "
+                                                          "not given.")
 
     save_every: int = option(0, help="Save a checkpoint every N steps (0: only at the end).")
     keep_last: int = option(2, help="Checkpoints to keep.")
@@ -86,6 +103,10 @@ class Recipe:
                                                           "for checkpoints too big to read back).")
     overwrite: bool = option(False, help="Allow reusing an output directory that holds a different run.")
     log_every: int = option(1, help="Log metrics every N steps.")
+    report_to: list[str] = option([], help="Experiment trackers that receive the metrics: tensorboard, wandb, mlflow, "
+                                           "swanlab, or a plugin's (repeatable); none for metrics.jsonl only. Default: "
+                                           "tensorboard when it is installed.")
+    run_name: str = option("", help="The run's name in trackers; default: the --output folder's name.")
     on_nan: Literal["stop", "skip", "rollback"] = option("stop", help="A step with a non-finite loss or gradient norm: stop (name the step, samples and last checkpoint), skip its update, or rollback to the last checkpoint and skip its batch.")
     max_nan_steps: int = option(3, help="With --on-nan skip or rollback: stop after this many non-finite steps in a row (0: never).")
     dist_timeout: float = option(600.0, help="Seconds a collective may wait for the other ranks before the job ends naming the rank and the collective.")
@@ -107,7 +128,7 @@ class Recipe:
                      "max_nan_steps"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be 0 or more, got {getattr(self, name)}")
-        problems += self._check_optimizer()
+        problems += self._check_optimizer() + self._check_evaluation()
         if not self.dist_timeout > 0:
             problems.append(f"dist_timeout must be a positive number of seconds, got {self.dist_timeout}")
         if self.zero not in (0, 1, 2, 3):
@@ -117,10 +138,33 @@ class Recipe:
         if self.streaming:
             problems += [f"streaming: {why}" for flag, why in (
                 (not self.max_steps, "a stream's length is unknown before it is read: give --max-steps"),
-                (self.eval_samples, "--eval-samples holds examples out of a list; not with --streaming"),
+                (self.eval_samples or self.eval_split, "--eval-samples/--eval-split hold examples out of a list; "
+                 "not with --streaming (give --eval-dataset FILE)"),
                 (self.dataset_ratios, "--dataset-ratios mixes whole sets; not with --streaming"),
                 (self.precompute_reference, "--precompute-reference needs every example up front; not with --streaming"),
                 (self.max_samples, "--max-samples: give --max-steps instead with --streaming")) if flag]
+        return problems
+
+    def _check_evaluation(self) -> list[str]:
+        problems = []
+        if not 0 <= self.eval_split < 1:
+            problems.append(f"eval_split must be a fraction in [0, 1) of the training set, got {self.eval_split}")
+        if self.eval_split and self.eval_samples:
+            problems.append("eval_split and eval_samples both hold out training examples: give one of them")
+        for name in ("eval_every", "early_stopping_patience"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must be 0 or more, got {getattr(self, name)}")
+        if not (math.isfinite(self.early_stopping_threshold) and self.early_stopping_threshold >= 0):
+            problems.append(f"early_stopping_threshold must be 0 or more, got {self.early_stopping_threshold}")
+        evaluates = self.eval_dataset or self.eval_samples or self.eval_split
+        for flag, wanted in (("--save-best", self.save_best), ("--early-stopping-patience", self.early_stopping_patience)):
+            if wanted and not evaluates:
+                problems.append(f"{flag} needs evaluation data: give --eval-dataset FILE or --eval-split FRACTION")
+        if self.early_stopping_patience and not self.eval_every:
+            problems.append("--early-stopping-patience counts evaluations: give --eval-every N as well")
+        metric = self.save_best or (self.early_stopping_metric if self.early_stopping_patience else "")
+        if metric and not metric.startswith("eval/"):
+            problems.append(f"--save-best/--early-stopping-metric {metric!r}: name an eval metric, e.g. eval/loss")
         return problems
 
     def _check_optimizer(self) -> list[str]:

@@ -1,4 +1,5 @@
-"""Core built-in plugin: callbacks that write metrics.jsonl, TensorBoard events and a progress bar."""
+"""Core built-in plugin: callbacks that write metrics.jsonl and a progress bar, and the trackers ``--report-to``
+names: TensorBoard, Weights & Biases, MLflow and SwanLab, each through its own package when installed."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import sys
 from typing import Any, ClassVar
 
 from toolkit import hookimpl
+from toolkit.config import option
+from toolkit.contracts import CallbackBase
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -17,25 +20,14 @@ class NoOptions:
     """No options."""
 
 
-class Callback:
-    """Base class with no-op methods; subclasses override what they need."""
+class Callback(CallbackBase):
+    """contracts.CallbackBase (no-op methods) without options."""
 
-    name: ClassVar[str] = ""
     Config: ClassVar[type] = NoOptions
-
-    def __init__(self, config: Any = None):
-        self.config = config
-
-    def available(self) -> bool:
-        return True
-
-    def on_train_start(self, run: Any) -> None: ...
-
-    def on_step_end(self, step: int, metrics: dict[str, float]) -> None: ...
-
-    def on_log(self, step: int, metrics: dict[str, float]) -> None: ...
-
-    def on_train_end(self, run: Any) -> None: ...
+    tracker: ClassVar[bool] = False
+    """True for an experiment tracker: it runs only when ``--report-to`` names it (:mod:`toolkit.tracking`)."""
+    requires: ClassVar[str] = ""
+    """The pip package a tracker needs (named by the error when it is missing)."""
 
 
 class JsonlMetrics(Callback):
@@ -68,25 +60,36 @@ def _step(line: str) -> float:
         return math.inf
 
 
-class TensorBoard(Callback):
-    """TensorBoard event files under ``<run>/tensorboard`` when tensorboard is installed."""
-
-    name: ClassVar[str] = "tensorboard"
+class _Tracker(Callback):
+    tracker: ClassVar[bool] = True
 
     def available(self) -> bool:
         import importlib.util
 
-        return importlib.util.find_spec("tensorboard") is not None
+        return importlib.util.find_spec(self.requires) is not None
+
+
+class TensorBoard(_Tracker):
+    """TensorBoard event files under ``<run>/tensorboard`` (the default when tensorboard is installed)."""
+
+    name: ClassVar[str] = "tensorboard"
+    requires: ClassVar[str] = "tensorboard"
 
     def on_train_start(self, run: Any) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
+        from toolkit.tracking import recipe_dict, system_info
+
         self.writer = SummaryWriter(str(run.run_dir / "tensorboard"))
+        if run.start_step == 0:
+            self.writer.add_text("recipe", "```\n" + json.dumps(recipe_dict(run), indent=2) + "\n```", 0)
+            self.writer.add_text("system", "```\n" + json.dumps(system_info(run), indent=2) + "\n```", 0)
 
     def on_log(self, step: int, metrics: dict[str, float]) -> None:
-        for key, value in metrics.items():
-            if key != "step" and isinstance(value, (int, float)):
-                self.writer.add_scalar(key, value, step)
+        from toolkit.tracking import numeric
+
+        for key, value in numeric(metrics).items():
+            self.writer.add_scalar(key, value, step)
 
     def on_train_end(self, run: Any) -> None:
         self.writer.close()
@@ -118,7 +121,135 @@ class Progress(Callback):
         self.bar.close()
 
 
+def _stored_id(run: Any, name: str) -> str | None:
+    """The tracker's run id kept in the run directory, so a resumed run continues the same tracker run."""
+    path = run.run_dir / f".{name}-run-id"
+    return path.read_text().strip() or None if run.start_step and path.is_file() else None
+
+
+def _store_id(run: Any, name: str, run_id: str) -> None:
+    (run.run_dir / f".{name}-run-id").write_text(run_id + "\n")
+
+
+@dataclasses.dataclass(kw_only=True)
+class WandbConfig:
+    project: str = option("toolkit", help="W&B project.")
+    entity: str = option("", help="W&B entity (team or user); default: yours.")
+    mode: str = option("", help="online, offline or disabled; default: $WANDB_MODE, else wandb's own (online). "
+                                "Offline runs are written under <run>/wandb and uploaded later with `wandb sync`.")
+
+
+class Wandb(_Tracker):
+    """Weights & Biases: metrics, the recipe and system info in a W&B run (files under ``<run>/wandb``)."""
+
+    name: ClassVar[str] = "wandb"
+    Config: ClassVar[type] = WandbConfig
+    requires: ClassVar[str] = "wandb"
+
+    def on_train_start(self, run: Any) -> None:
+        import wandb
+
+        from toolkit.tracking import recipe_dict, run_name, system_info
+
+        c = self.config
+        self.run = wandb.init(project=c.project, entity=c.entity or None, mode=c.mode or None, dir=str(run.run_dir),
+                              name=run_name(run), id=_stored_id(run, self.name), resume="allow",
+                              config={"recipe": recipe_dict(run), "system": system_info(run)})
+        _store_id(run, self.name, self.run.id)
+
+    def on_log(self, step: int, metrics: dict[str, float]) -> None:
+        from toolkit.tracking import numeric
+
+        self.run.log(numeric(metrics), step=step)
+
+    def on_train_end(self, run: Any) -> None:
+        self.run.finish()
+
+
+@dataclasses.dataclass(kw_only=True)
+class MlflowConfig:
+    tracking_uri: str = option("", help="MLflow tracking URI; default: $MLFLOW_TRACKING_URI, else a local SQLite "
+                                        "store, sqlite:///<run>/mlflow.db.")
+    experiment: str = option("toolkit", help="MLflow experiment name.")
+
+
+class Mlflow(_Tracker):
+    """MLflow: metrics, the recipe (as flat parameters) and system info (as tags) in an MLflow run."""
+
+    name: ClassVar[str] = "mlflow"
+    Config: ClassVar[type] = MlflowConfig
+    requires: ClassVar[str] = "mlflow"
+
+    def on_train_start(self, run: Any) -> None:
+        from mlflow.tracking import MlflowClient
+
+        from toolkit.tracking import flat_params, recipe_dict, run_name, system_info
+
+        uri = self.config.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run.run_dir.resolve() / 'mlflow.db'}"
+        self.client = MlflowClient(tracking_uri=uri)
+        experiment = self.client.get_experiment_by_name(self.config.experiment)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(self.config.experiment)
+        self.run_id = _stored_id(run, self.name)
+        if self.run_id is None:
+            tags = {f"system.{k}": str(v) for k, v in system_info(run).items()}
+            self.run_id = self.client.create_run(experiment_id, run_name=run_name(run), tags=tags).info.run_id
+            _store_id(run, self.name, self.run_id)
+            params = flat_params(recipe_dict(run))
+            from mlflow.entities import Param
+
+            items = [Param(k[:250], v[:6000]) for k, v in params.items()]
+            for start in range(0, len(items), 100):  # MLflow takes at most 100 parameters per batch
+                self.client.log_batch(self.run_id, params=items[start:start + 100])
+
+    def on_log(self, step: int, metrics: dict[str, float]) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        from toolkit.tracking import numeric
+
+        now = int(time.time() * 1000)
+        values = [Metric(key, value, now, step) for key, value in numeric(metrics).items()]
+        self.client.log_batch(self.run_id, metrics=values)
+
+    def on_train_end(self, run: Any) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+@dataclasses.dataclass(kw_only=True)
+class SwanlabConfig:
+    project: str = option("toolkit", help="SwanLab project.")
+    mode: str = option("", help="cloud, local, offline or disabled; default: $SWANLAB_MODE, else offline (files "
+                                "under <run>/swanlog, uploaded later with `swanlab sync`).")
+
+
+class Swanlab(_Tracker):
+    """SwanLab: metrics, the recipe and system info in a SwanLab experiment (files under ``<run>/swanlog``)."""
+
+    name: ClassVar[str] = "swanlab"
+    Config: ClassVar[type] = SwanlabConfig
+    requires: ClassVar[str] = "swanlab"
+
+    def on_train_start(self, run: Any) -> None:
+        import swanlab
+
+        from toolkit.tracking import recipe_dict, run_name, system_info
+
+        mode = self.config.mode or os.environ.get("SWANLAB_MODE") or "offline"
+        self.run = swanlab.init(project=self.config.project, experiment_name=run_name(run), mode=mode,
+                                logdir=str(run.run_dir / "swanlog"),
+                                config={"recipe": recipe_dict(run), "system": system_info(run)})
+
+    def on_log(self, step: int, metrics: dict[str, float]) -> None:
+        from toolkit.tracking import numeric
+
+        self.run.log(numeric(metrics), step=step)
+
+    def on_train_end(self, run: Any) -> None:
+        self.run.finish()
+
+
 @hookimpl
 def toolkit_register_callbacks(register):
-    for cls in (JsonlMetrics, TensorBoard, Progress):
+    for cls in (JsonlMetrics, TensorBoard, Progress, Wandb, Mlflow, Swanlab):
         register(cls)

@@ -9,6 +9,7 @@ from typing import Any, ClassVar, Literal
 
 from toolkit.builtins.strategies import LocalEngine, LocalStrategy, autocast_dtype, load_hf_model
 from toolkit.config import option
+from toolkit.contracts import member
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -59,12 +60,12 @@ class FSDPEngine(LocalEngine):
             self.shard_options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         self._ensure_group()
         # a frozen reference (DPO with full/freeze tuning) is copied before the policy is sharded, then sharded too
-        self.reference = self._build_reference(loss) if getattr(loss, "needs_reference", False) else None
+        self.reference = self._build_reference(loss) if loss.needs_reference else None
         compute_autocast = None if self.use_policy else autocast_dtype(recipe.precision)
         self.module = self._shard(logps.CausalLMLogps(self.model, compute_autocast, self.packed_attention))
         self.optimized = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         self.params = list(self.optimized.values())
-        self.optimizer = build_optimizer(list(self.optimized.items()), recipe, getattr(tuner, "optimizer_factory", None))
+        self.optimizer = build_optimizer(list(self.optimized.items()), recipe, member(tuner, "tuner", "optimizer_factory"))
         self.scheduler = None
 
     def _shard(self, module: Any) -> Any:
@@ -90,7 +91,7 @@ class FSDPEngine(LocalEngine):
         The policy must run through its FSDP root (``self.module``): calling the inner HF model as
         the local engine does would meet still-sharded embeddings and head.
         """
-        if self.reference is not None or not hasattr(self.tuner, "disabled_adapters") or getattr(self, "reference_released", False):
+        if self.reference is not None or member(self.tuner, "tuner", "disabled_adapters") is None or getattr(self, "reference_released", False):
             return super().reference_logps(micro_batch)
         import torch
 
@@ -155,7 +156,7 @@ class FSDPEngine(LocalEngine):
         The live adapters are sharded (gathering them would need every rank); the runner saves a
         checkpoint at the last step before it exports, so the newest one holds the final adapters.
         """
-        if not hasattr(self.tuner, "adapter_from_checkpoint"):
+        if member(self.tuner, "tuner", "adapter_from_checkpoint") is None:
             return None
         from toolkit.train.checkpoint import list_checkpoints
 

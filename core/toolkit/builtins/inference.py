@@ -18,6 +18,7 @@ class GenerateConfig:
     dtype: str = option("float32", help="Weights dtype for generation.")
     system: str = option("", help="System message placed before each prompt.")
     trust_remote_code: bool = option(False, help="Run the model directory's own Python code (only from this command's flag).")
+    batch_size: int = option(1, help="Prompts generated together (left-padded); 1 generates each prompt on its own.")
 
 
 def format_prompt(tokenizer: Any, prompt: str, chat_template: bool, system: str = "") -> str:
@@ -48,15 +49,24 @@ class HFBackend:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, options.dtype), trust_remote_code=trust,
                                                      use_safetensors=True).to(device).eval()
-        results = []
-        for prompt in prompts:
-            text = format_prompt(tokenizer, prompt, options.chat_template, options.system)
-            ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
-            sampling = {"do_sample": True, "temperature": options.temperature} if options.temperature > 0 else {"do_sample": False}
+        sampling = {"do_sample": True, "temperature": options.temperature} if options.temperature > 0 else {"do_sample": False}
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        texts = [tokenizer(format_prompt(tokenizer, p, options.chat_template, options.system), add_special_tokens=False).input_ids
+                 for p in prompts]
+        eos = model.generation_config.eos_token_id
+        ends = set(eos if isinstance(eos, list) else [eos if eos is not None else tokenizer.eos_token_id])
+        results: list[list[int]] = []
+        step = max(options.batch_size, 1)
+        for start in range(0, len(texts), step):
+            batch = texts[start:start + step]
+            width = max(len(ids) for ids in batch)
+            # left padding: every prompt ends where generation starts; the mask keeps the pads out of attention
+            ids = torch.tensor([[pad_id] * (width - len(t)) + t for t in batch], device=device)
+            mask = torch.tensor([[0] * (width - len(t)) + [1] * len(t) for t in batch], device=device)
             with torch.no_grad():
-                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=options.max_new_tokens,
-                                     pad_token_id=tokenizer.pad_token_id, **sampling)
-            results.append(out[0, ids.shape[1]:].tolist())
+                out = model.generate(ids, attention_mask=mask, max_new_tokens=options.max_new_tokens, pad_token_id=pad_id,
+                                     **sampling)
+            results += [_until_end(row[width:].tolist(), ends) for row in out]
         return results
 
     def generate(self, model_dir: Path, prompts: list[str], options: GenerateConfig) -> list[str]:
@@ -64,6 +74,15 @@ class HFBackend:
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=options.trust_remote_code)
         return [tokenizer.decode(ids, skip_special_tokens=True) for ids in self.generate_ids(model_dir, prompts, options)]
+
+
+def _until_end(ids: list[int], ends: set[int]) -> list[int]:
+    """A batched row's completion without the pads ``generate`` appends after its end-of-sequence token to match
+    the longest completion of the batch; the end token itself is kept, as a prompt generated on its own keeps it."""
+    for index, token in enumerate(ids):
+        if token in ends:
+            return ids[:index + 1]
+    return ids
 
 
 @hookimpl

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Literal
 
 from toolkit import hookimpl
 from toolkit.config import option
-from toolkit.contracts import StepContext, StepResult
+from toolkit.contracts import EngineBase, StepContext, StepResult, member
 from toolkit.train.numerics import nonfinite_quantities
 
 
@@ -71,7 +71,7 @@ def wants_scores(recipe: Any) -> bool:
     """Whether the recipe's loss consumes per-sequence scores (reward modeling) instead of label log-probs."""
     from toolkit.plugins import get_plugin_manager
 
-    return getattr(get_plugin_manager().get("loss", recipe.loss), "consumes", "logps") == "scores"
+    return get_plugin_manager().get("loss", recipe.loss).consumes == "scores"
 
 
 def load_hf_model(source: Any, tuner: Any, recipe: Any, device: Any) -> Any:
@@ -124,7 +124,7 @@ def autocast_dtype(precision: str) -> Any:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
 
-class LocalEngine:
+class LocalEngine(EngineBase):
     """HF model on one device; DDP over all processes when launched by torchrun."""
 
     master: Any = None
@@ -188,9 +188,9 @@ class LocalEngine:
         optimized = self.master.master if self.master else self.params
         self.optimized = {name: tensor for (name, _), tensor in zip(trained, optimized)}
         self.shards = {id(t): shard_of(p) for t, p in zip(optimized, self.params) if shard_of(p) is not None}
-        self.optimizer = build_optimizer(list(self.optimized.items()), recipe, getattr(tuner, "optimizer_factory", None))
+        self.optimizer = build_optimizer(list(self.optimized.items()), recipe, member(tuner, "tuner", "optimizer_factory"))
         self.scheduler = None
-        self.reference = self._build_reference(loss) if getattr(loss, "needs_reference", False) else None
+        self.reference = self._build_reference(loss) if loss.needs_reference else None
 
     def set_total_steps(self, total_steps: int) -> None:
         from toolkit.train.optim import build_scheduler
@@ -203,7 +203,7 @@ class LocalEngine:
 
         from toolkit.train.logps import CausalLMLogps
 
-        if hasattr(self.tuner, "disabled_adapters"):
+        if member(self.tuner, "tuner", "disabled_adapters") is not None:
             return None  # the policy with adapters disabled is the reference: no second copy
         frozen = copy.deepcopy(self.model).eval().requires_grad_(False)
         return CausalLMLogps(frozen, autocast_dtype(self.recipe.precision), self.packed_attention)
@@ -227,7 +227,7 @@ class LocalEngine:
             if self.reference is not None:
                 out = token_logps(self.reference, micro_batch, self.device)
             else:
-                context = self.tuner.disabled_adapters(self.model) if hasattr(self.tuner, "disabled_adapters") else contextlib.nullcontext()
+                context = self.tuner.disabled_adapters(self.model) if member(self.tuner, "tuner", "disabled_adapters") else contextlib.nullcontext()
                 with context:
                     policy = CausalLMLogps(self.model, autocast_dtype(self.recipe.precision), self.packed_attention)
                     out = token_logps(policy, micro_batch, self.device)
@@ -243,7 +243,7 @@ class LocalEngine:
             self.logps_module.fused_ops = fused_head_ops(loss, self.kernel_ops) if self.fused_loss else None
         with sdpa_preference(self.attention):
             out = token_logps(self.module, micro_batch, self.device)
-        if getattr(loss, "needs_reference", False) and out.reference_logps is None:
+        if loss.needs_reference and out.reference_logps is None:
             out.reference_logps = self.reference_logps(micro_batch)
         return out, loss(out, ctx)
 
@@ -296,7 +296,7 @@ class LocalEngine:
     def _train_step(self, micro_batches: list[dict], loss: Any, ctx: StepContext) -> StepResult:
         """One optimizer step. Losses and metrics stay on the device; they are read once, after the
         optimizer step is queued, so the GPU never waits for the host inside the step."""
-        if hasattr(self.tuner, "before_step"):  # a trainable set that changes during the run (contracts.Tuner)
+        if member(self.tuner, "tuner", "before_step") is not None:  # a trainable set that changes during the run
             self.tuner.before_step(self.model, self.optimizer, self.optimized, ctx.step)
         self.module.train()
         total: Any = 0.0
@@ -436,14 +436,8 @@ class LocalStrategy:
         from toolkit.plugins import install_hint
 
         problems = []
-        for flag, value in (("--tp", recipe.tensor_parallel), ("--pp", recipe.pipeline_parallel), ("--cp", recipe.context_parallel),
-                            ("--ep", recipe.expert_parallel), ("--vpp", recipe.virtual_pipeline)):
-            if value != 1:
-                problems.append(f"{flag} {value} needs --strategy megatron ({install_hint('toolkit-megatron')}); the local strategy is data-parallel only")
         if recipe.zero:
             problems.append(f"--zero {recipe.zero} needs --strategy deepspeed ({install_hint('toolkit-deepspeed')})")
-        if recipe.sequence_parallel:
-            problems.append("--sequence-parallel needs --strategy megatron with --tp > 1")
         if getattr(self.config, "fp8", False) and recipe.tuner not in ("full", "freeze"):
             problems.append(f"--local-fp8 trains the decoder's linear layers in float8: it needs --tuner full or freeze, not {recipe.tuner}")
         return problems

@@ -15,6 +15,7 @@ from typing import Any, Literal, get_args, get_origin
 import click
 
 from toolkit.config import describe_type, field_types, flag_name
+from toolkit.contracts import member
 from toolkit.recipe import OPTION_KINDS, Recipe
 
 
@@ -182,7 +183,7 @@ def add_training_commands(cli: click.Group) -> None:
     manager = get_plugin_manager()
 
     for loss_name, cls in manager.registry("loss").items():
-        if getattr(cls, "cli_command", True) and loss_name not in cli.commands:
+        if member(cls, "loss", "cli_command") and loss_name not in cli.commands:
             doc = (cls.__doc__ or f"Train with the {loss_name} objective.").strip()
             cli.add_command(make_training_command(loss_name, loss_name, doc, manager))
     cli.add_command(make_training_command("train", None, "Train with any registered objective (--loss NAME).", manager))

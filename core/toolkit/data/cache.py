@@ -35,8 +35,8 @@ def cache_root() -> Path | None:
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    vocabulary = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    fast = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer of a fast tokenizer
+    vocabulary = fast.to_str() if fast is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
     parts = [vocabulary, str(tokenizer.chat_template), json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str)]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from toolkit.contracts import IGNORE_INDEX
+from toolkit.contracts import IGNORE_INDEX, member
 
 
 def sample_segments(tokenizer, input_ids: list[int], labels: list[int]) -> list[tuple[str, bool]]:
@@ -43,7 +43,7 @@ def inspect_samples(dataset: str, *, model: str, dataset_format: str, loss: str,
     loss_cls = get_plugin_manager().get("loss", loss)
     source = resolve_model(model)
     examples, stats = load_examples([dataset], source.tokenizer, dataset_format=dataset_format, columns=columns,
-                                    options=options, train_on=getattr(loss_cls, "train_on", "assistant"), seq_len=seq_len,
+                                    options=options, train_on=member(loss_cls, "loss", "train_on"), seq_len=seq_len,
                                     example_kinds=loss_cls.example_kinds)
     return stats.summary(), source.tokenizer, examples[:num]
 

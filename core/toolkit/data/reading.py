@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from toolkit.contracts import member
 from toolkit.errors import DataError
 
 BUNDLED = Path(__file__).resolve().parents[1] / "assets" / "datasets"
@@ -26,7 +27,7 @@ def bundled_names() -> list[str]:
     from toolkit.plugins import get_plugin_manager
 
     for _, cls in get_plugin_manager().registry("dataset_format").items():
-        names.update(getattr(cls, "bundled_datasets", {}) or {})
+        names.update(member(cls, "dataset_format", "bundled_datasets") or {})
     return sorted(names)
 
 
@@ -40,7 +41,7 @@ def resolve_dataset_path(reference: str) -> Path:
     from toolkit.plugins import get_plugin_manager
 
     for _, cls in get_plugin_manager().registry("dataset_format").items():
-        extra = getattr(cls, "bundled_datasets", {}) or {}
+        extra = member(cls, "dataset_format", "bundled_datasets") or {}
         if reference in extra:
             return Path(extra[reference])
     raise DataError(f"dataset {reference!r} is neither a file nor a bundled dataset; bundled: {', '.join(bundled_names())}")

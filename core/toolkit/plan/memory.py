@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from toolkit.parallel import ParallelLayout
 from toolkit.plan.hardware import GIB, Cluster
 from toolkit.plan.model import ModelShape
 
@@ -119,6 +120,12 @@ class Layout:
         if self.recompute:
             parts.append("recompute")
         return " ".join(parts)
+
+    @property
+    def parallel(self) -> ParallelLayout:
+        """The model-splitting part, as the engines check it (the planner models expert tensor parallelism 1)."""
+        return ParallelLayout(tensor=self.tp, pipeline=self.pp, virtual=self.vpp, context=self.cp, expert=self.ep,
+                              expert_tensor=1, sequence_parallel=self.strategy == "megatron" and self.tp > 1)
 
     def recipe_overrides(self) -> dict:
         """The recipe fields that select this layout (what ``--strategy auto`` applies)."""

@@ -47,7 +47,9 @@ def render(result: PlanResult, top: int = 3, show_rejected: int = 5) -> str:
            f"usable {usable_memory(result.cluster) / GIB:.1f} GiB per GPU after CUDA context and 5% headroom",
            f"training: tuner {result.workload.tuner}, seq {result.workload.seq_len}, micro-batch "
            f"{result.workload.micro_batch_size}, global batch {result.global_rows} rows "
-           f"({result.global_rows * result.workload.seq_len} tokens)", ""]
+           f"({result.global_rows * result.workload.seq_len} tokens"
+           + (", --global-batch-size 0: one micro-batch per data-parallel rank, as training does" if not result.workload.global_batch_size else "")
+           + ")", ""]
     if not result.ranked:
         out.append("no layout fits. Closest candidates:")
         near = sorted((c for c in result.rejected if c.memory), key=lambda c: c.memory.total)[:show_rejected]

@@ -97,22 +97,16 @@ def _megatron_layouts(shape: ModelShape, cluster: Cluster, workload: Workload, r
 
 
 def structural_problem(shape: ModelShape, layout: Layout, workload: Workload, global_rows: int) -> str | None:
-    """Why ``layout`` cannot be built for this model at all (None when it can)."""
-    if layout.tp > 1:
-        if shape.heads % layout.tp or shape.kv_heads % layout.tp:
-            return (f"TP{layout.tp} does not divide {shape.heads} attention heads / {shape.kv_heads} KV heads "
-                    "(Megatron splits whole query groups)")
-        if not shape.is_moe and shape.ffn % layout.tp:
-            return f"TP{layout.tp} does not divide the FFN size {shape.ffn}"
-    if shape.layers % (layout.pp * layout.vpp):
-        return f"{shape.layers} layers do not split into PP{layout.pp} x VPP{layout.vpp} = {layout.pp * layout.vpp} equal chunks"
-    if layout.cp > 1 and workload.seq_len % (2 * layout.cp):
-        return f"sequence length {workload.seq_len} is not a multiple of 2 x CP{layout.cp}"
-    if layout.ep > 1:
-        if shape.experts % layout.ep:
-            return f"EP{layout.ep} does not divide {shape.experts} experts"
-        if (layout.world_size // layout.pp) % layout.ep:
-            return f"EP{layout.ep} does not divide the {layout.world_size // layout.pp} GPUs of a pipeline stage"
+    """Why ``layout`` cannot be built for this model at all (None when it can): first the rules of
+    :class:`toolkit.parallel.ParallelLayout`, which the engines enforce, then the planner's own."""
+    from toolkit.parallel import ModelShape as Divisors
+
+    parallel = layout.parallel
+    divisors = Divisors(heads=shape.heads, kv_heads=shape.kv_heads, ffn=shape.ffn, layers=shape.layers,
+                        experts=shape.experts, model_type=shape.model_type)
+    rules = parallel.world_problems(layout.world_size) + parallel.model_problems(divisors, workload.seq_len)
+    if rules:
+        return rules[0]
     if global_rows % (layout.dp * workload.micro_batch_size):
         return (f"global batch {global_rows} rows is not a multiple of DP{layout.dp} x micro-batch "
                 f"{workload.micro_batch_size}")
@@ -197,18 +191,24 @@ def check_inputs(cluster: Cluster, workload: Workload, strategies: tuple[str, ..
 def plan(shape: ModelShape, cluster: Cluster, workload: Workload, strategies: tuple[str, ...] = STRATEGIES) -> PlanResult:
     """Judge every candidate layout; feasible ones ranked fastest first."""
     check_inputs(cluster, workload, strategies)
-    global_rows = workload.global_batch_size or 8 * cluster.world_size * workload.micro_batch_size
     seen: set[Layout] = set()
     ranked, rejected = [], []
     for layout in enumerate_layouts(shape, cluster, workload, strategies):
         if layout in seen:
             continue
         seen.add(layout)
-        candidate = evaluate(shape, layout, workload, cluster, global_rows)
+        candidate = evaluate(shape, layout, workload, cluster, global_rows(workload, layout))
         (ranked if candidate.fits else rejected).append(candidate)
     # Fastest first; step times within 0.5% tie (the model is not more precise than that),
     # then less memory, then fewer model-parallel splits.
     ranked.sort(key=lambda c: (round(math.log(c.time.total) / math.log(1.005)), c.memory.total,
                                c.layout.tp * c.layout.pp * c.layout.cp))
-    return PlanResult(shape, cluster, workload, global_rows, ranked, rejected)
+    best = ranked[0].layout if ranked else None
+    return PlanResult(shape, cluster, workload, global_rows(workload, best) if best else workload.global_batch_size, ranked, rejected)
+
+
+def global_rows(workload: Workload, layout: Layout) -> int:
+    """Rows per optimizer step as the runner counts them: ``--global-batch-size``, or with 0 one
+    micro-batch per data-parallel rank (``toolkit.data.pipeline.Batches``)."""
+    return workload.global_batch_size or workload.micro_batch_size * layout.dp
 

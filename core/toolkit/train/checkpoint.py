@@ -235,9 +235,11 @@ def _fsync_dir(path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- saving
-def save_checkpoint(run_dir: Path, step: int, engine: Any, trainer_state: dict[str, Any], keep_last: int) -> Path:
+def save_checkpoint(run_dir: Path, step: int, engine: Any, trainer_state: dict[str, Any], keep_last: int,
+                    keep: int | None = None) -> Path:
     """Write ``checkpoints/step-N``: every rank writes into ``.tmp-step-N`` and hashes a share of the files;
-    rank 0 seals it with the manifest, renames it, then removes checkpoints beyond ``keep_last``. A failure
+    rank 0 seals it with the manifest, renames it, then removes checkpoints beyond ``keep_last`` (all but the
+    one of step ``keep``, the ``--save-best`` checkpoint, which does not count towards them). A failure
     on any rank removes the staging folder and raises a CheckpointError on every rank; the checkpoints
     already there are left as they were."""
     root = checkpoints_dir(run_dir)
@@ -247,7 +249,7 @@ def save_checkpoint(run_dir: Path, step: int, engine: Any, trainer_state: dict[s
     _phase(engine, run_dir, step, staging, (lambda: _prepare(root, staging)) if main else None)
     _phase(engine, run_dir, step, staging, lambda: write_rank_files(staging, engine))
     _phase(engine, run_dir, step, staging, lambda: hash_share(staging, *_rank_and_world()))
-    _phase(engine, run_dir, step, staging, (lambda: seal_and_publish(staging, final, trainer_state, keep_last)) if main else None)
+    _phase(engine, run_dir, step, staging, (lambda: seal_and_publish(staging, final, trainer_state, keep_last, keep)) if main else None)
     return final
 
 
@@ -280,7 +282,8 @@ def write_rank_files(staging: Path, engine: Any) -> None:
     _atomic_write(staging / f"python-rng-rank{engine.dp_rank}.json", lambda path: path.write_text(json.dumps(_python_rng())))
 
 
-def seal_and_publish(staging: Path, final: Path, trainer_state: dict[str, Any], keep_last: int) -> None:
+def seal_and_publish(staging: Path, final: Path, trainer_state: dict[str, Any], keep_last: int,
+                     keep: int | None = None) -> None:
     """Rank 0, after every rank wrote its part: trainer state, manifest (last), rename, then prune older ones."""
     (staging / STATE_FILE).write_text(json.dumps({**trainer_state, "checkpoint_format": CHECKPOINT_FORMAT}, indent=2))
     write_manifest(staging)
@@ -290,7 +293,7 @@ def seal_and_publish(staging: Path, final: Path, trainer_state: dict[str, Any], 
     os.replace(staging, final)
     _fsync_dir(final.parent)
     shutil.rmtree(retired, ignore_errors=True)
-    older = [p for p in step_dirs(final.parent.parent) if step_of(p) < step_of(final)]
+    older = [p for p in step_dirs(final.parent.parent) if step_of(p) < step_of(final) and step_of(p) != keep]
     for old in older[: max(0, len(older) - (keep_last - 1))]:  # only now that the new one is whole
         _remove(old)
 

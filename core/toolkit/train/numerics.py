@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from toolkit.contracts import member
 from toolkit.errors import ConfigError, ToolkitError
 
 POLICIES = ("stop", "skip", "rollback")
@@ -74,11 +75,11 @@ class NonFiniteGuard:
         if policy not in POLICIES:
             raise ConfigError(f"--on-nan {policy!r}: expected one of {', '.join(POLICIES)}")
         strategy = getattr(recipe, "strategy", "?")
-        if policy == "skip" and not getattr(engine, "skips_nonfinite_updates", False):
+        if policy == "skip" and not member(engine, "engine", "skips_nonfinite_updates"):
             raise ConfigError(f"--on-nan skip needs a strategy that checks the loss and gradient norm before its optimizer "
                               f"step; --strategy {strategy} applies the update first, so a skipped step would leave "
                               "poisoned weights. Use --on-nan rollback (reloads the last checkpoint) or --on-nan stop.")
-        if policy == "rollback" and not getattr(engine, "supports_rollback", True):
+        if policy == "rollback" and not member(engine, "engine", "supports_rollback"):
             raise ConfigError(f"--on-nan rollback: --strategy {strategy} cannot reload a checkpoint in a running job; "
                               "use --on-nan stop and resume with --resume auto.")
         if policy == "skip":

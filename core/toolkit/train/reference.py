@@ -36,6 +36,7 @@ def precompute_reference_logps(engine: Any, examples: list, recipe: Any, source:
     import torch
     from safetensors.torch import load_file, save_file
 
+    from toolkit.contracts import member
     from toolkit.data.pipeline import collate
 
     path = run_dir / "reference-logps" / f"{cache_key(source, examples, recipe)}.safetensors"
@@ -62,7 +63,7 @@ def precompute_reference_logps(engine: Any, examples: list, recipe: Any, source:
             index += 1
     if index != values.numel():
         raise RuntimeError(f"reference cache {path} holds {values.numel()} values for {index} sequences")
-    release = getattr(engine, "release_reference", None)
-    if callable(release):
+    release = member(engine, "engine", "release_reference")
+    if release is not None:
         release()
     return path

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from toolkit.contracts import IGNORE_INDEX
-from toolkit.errors import EXIT_STOPPED, ConfigError, LayoutError, ModelError, RunStopped, ToolkitError
+from toolkit.contracts import IGNORE_INDEX, PROTOCOLS, member, missing_members
+from toolkit.errors import EXIT_STOPPED, ConfigError, LayoutError, ModelError, PluginLoadError, RunStopped, ToolkitError
 from toolkit.recipe import Recipe, thing_options
 
 
@@ -101,12 +101,33 @@ def resolve_components(recipe: Recipe, world_size: int) -> tuple[Any, Any, Any, 
     strategy_cls = manager.get("strategy", recipe.strategy)
     tuner_cls = manager.get("tuner", recipe.tuner)
     loss_cls = manager.get("loss", recipe.loss)
-    strategy, tuner, loss = (cls(thing_options(recipe, cls)) for cls in (strategy_cls, tuner_cls, loss_cls))
     optimizer_cls = manager.get("optimizer", recipe.optimizer)
-    problems = strategy.validate(recipe, world_size) + optimizer_cls(thing_options(recipe, optimizer_cls)).validate(recipe)
+    for kind, cls in (("strategy", strategy_cls), ("tuner", tuner_cls), ("loss", loss_cls), ("optimizer", optimizer_cls)):
+        missing = missing_members(kind, cls)
+        if missing:
+            raise PluginLoadError(f"{kind} {cls.name!r} (plugin {manager.registry(kind).owner(cls.name)!r}) lacks "
+                                  f"{', '.join(missing)}, which contracts.{PROTOCOLS[kind].__name__} requires (docs/hooks.md)")
+    strategy, tuner, loss = (cls(thing_options(recipe, cls)) for cls in (strategy_cls, tuner_cls, loss_cls))
+    problems = unsupported_axes(recipe, strategy_cls, manager) or strategy.validate(recipe, world_size)
+    problems += optimizer_cls(thing_options(recipe, optimizer_cls)).validate(recipe)
     if problems:
         raise LayoutError(f"--strategy {recipe.strategy} cannot run this layout:\n" + "\n".join(f"  - {p}" for p in problems))
     return strategy, tuner, loss, recipe
+
+
+def unsupported_axes(recipe: Recipe, strategy_cls: type, manager: Any) -> list[str]:
+    """The parallel axes the recipe uses that the strategy does not declare, each naming a strategy that does."""
+    from toolkit.parallel import AXES, ParallelLayout
+    from toolkit.plugins import FIRST_PARTY, install_hint
+
+    providers = {}
+    for axis in AXES:
+        able = [name for name, cls in manager.registry("strategy").items() if axis in member(cls, "strategy", "parallel_axes")]
+        if able:
+            providers[axis] = able[0]
+        elif ("strategy", "megatron") in FIRST_PARTY:
+            providers[axis] = f"megatron ({install_hint(FIRST_PARTY[('strategy', 'megatron')])})"
+    return ParallelLayout.from_recipe(recipe).unsupported(strategy_cls.name, member(strategy_cls, "strategy", "parallel_axes"), providers)
 
 
 def choose_auto_strategy(recipe: Recipe, world_size: int) -> Recipe:
@@ -128,7 +149,8 @@ def check_model_limits(recipe: Recipe, source: Any) -> None:
 
 # What a run may change when it resumes: where and how often it logs, saves and stops, how it reacts to trouble,
 # its layout (checkpoints load at any layout) and its length. Everything else shapes the training itself.
-RESUME_MAY_CHANGE = {"output", "resume", "resume_changed", "overwrite", "log_every", "save_every", "keep_last",
+RESUME_MAY_CHANGE = {"output", "resume", "resume_changed", "overwrite", "log_every", "report_to", "run_name",
+                     "eval_every", "save_every", "keep_last",
                      "stop_after", "checkpoint_verify", "dist_timeout", "export", "on_nan", "max_nan_steps", "max_steps",
                      "epochs", "strategy", "tensor_parallel", "pipeline_parallel", "virtual_pipeline", "context_parallel",
                      "expert_parallel", "expert_tensor_parallel", "sequence_parallel", "zero", "micro_batch_size",
@@ -151,7 +173,10 @@ def check_resume_changes(recipe: Recipe, is_main: bool) -> None:
     sections = {recipe.tuner, recipe.optimizer, recipe.loss, recipe.dataset_format}
     keys = [k for k in dict.fromkeys([*saved, *current]) if k not in RESUME_MAY_CHANGE
             and (k in {f.name for f in dataclasses.fields(Recipe)} or k in sections)]
-    changes = [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)]
+    # a field the saved recipe lacks was added by a newer toolkit: at its default it trains as before
+    defaults = {k: v for k, v in Recipe().to_yaml_dict().items() if k not in saved}
+    changes = [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in keys
+               if saved.get(k, defaults.get(k)) != current.get(k)]
     if not changes:
         return
     if not recipe.resume_changed:
@@ -160,13 +185,6 @@ def check_resume_changes(recipe: Recipe, is_main: bool) -> None:
                           "is then rewritten), or give the run's settings, or choose another --output")
     if is_main:
         print(f"toolkit: resuming with changed settings (--resume-changed): {'; '.join(changes)}", file=sys.stderr)
-
-
-def check_eval_samples(recipe: Recipe, count: int) -> None:
-    """Held-out examples must leave some to train on (checked before the model is built)."""
-    if recipe.eval_samples and recipe.eval_samples >= count:
-        raise ConfigError(f"--eval-samples {recipe.eval_samples} holds out every example: the data has {count} after "
-                          f"encoding, so none would be left to train on; lower --eval-samples below {count}")
 
 
 def run_training(recipe: Recipe, raise_if_stopped: bool = False) -> Path:
@@ -184,6 +202,9 @@ def run_training(recipe: Recipe, raise_if_stopped: bool = False) -> Path:
     start_watchdog(recipe.dist_timeout)
     strategy, tuner, loss, recipe = resolve_components(recipe, world.world_size)
     check_resume_changes(recipe, world.is_main)
+    from toolkit.tracking import select_callbacks
+
+    select_callbacks(recipe)  # a --report-to tracker that is not installed: said before the model loads
     source = resolve_model(recipe.model, recipe.trust_remote_code)
     check_model_limits(recipe, source)
     problems = tuner.validate(recipe, source)
@@ -195,17 +216,21 @@ def run_training(recipe: Recipe, raise_if_stopped: bool = False) -> Path:
 
     examples, stats = ([], DataStats()) if recipe.streaming else load_examples(
         recipe.dataset, source.tokenizer, dataset_format=recipe.dataset_format, columns=recipe.columns,
-        train_on=getattr(loss, "train_on", "assistant"), seq_len=recipe.seq_len, max_samples=recipe.max_samples,
+        train_on=member(loss, "loss", "train_on"), seq_len=recipe.seq_len, max_samples=recipe.max_samples,
         example_kinds=loss.example_kinds, options=recipe.options, packing=recipe.packing,
         isolate_documents=recipe.isolate_documents, ratios=recipe.dataset_ratios, seed=recipe.seed)
-    check_eval_samples(recipe, len(examples))
+    from toolkit.train.evaluation import load_eval_examples, split_held_out
+
+    examples, eval_examples = split_held_out(examples, recipe)  # checked before the model is built
+    eval_examples += load_eval_examples(recipe, source.tokenizer, loss)
     engine = strategy.build(source, tuner, loss, recipe)
+    check_engine(engine, recipe.strategy)
     try:
-        if recipe.precompute_reference and getattr(loss, "needs_reference", False):
+        if recipe.precompute_reference and loss.needs_reference:
             from toolkit.train.reference import precompute_reference_logps
 
-            precompute_reference_logps(engine, examples, recipe, source, run_dir)
-        stopped = _train_loop(recipe, run_dir, engine, loss, tuner, source, examples, stats)
+            precompute_reference_logps(engine, examples + eval_examples, recipe, source, run_dir)
+        stopped = _train_loop(recipe, run_dir, engine, loss, tuner, source, (examples, eval_examples), stats)
     except NumericalError as exc:
         if not world.distributed:
             raise
@@ -231,18 +256,20 @@ def run_training(recipe: Recipe, raise_if_stopped: bool = False) -> Path:
     return run_dir
 
 
-def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: Any, source: Any, examples: list,
-                stats: Any) -> str | None:
-    """Train to the last step (returns None) or until a stop is asked for (returns what to tell the user)."""
+def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: Any, source: Any,
+                data: tuple[list, list], stats: Any) -> str | None:
+    """Train ``data`` (training and held-out examples) to the last step (returns None), to an early stop (also
+    None), or until a stop is asked for (returns what to tell the user)."""
     from toolkit.data.pipeline import Batches
     from toolkit.train.checkpoint import agree_on_resume, list_checkpoints, read_state, restore_rng, save_checkpoint
     from toolkit.train.distributed import init_world, note_collective, start_watchdog
+    from toolkit.train.evaluation import Evaluation
     from toolkit.train.numerics import NonFiniteGuard
 
-    eval_examples, examples = examples[: recipe.eval_samples], examples[recipe.eval_samples:]
+    examples, eval_examples = data
     pad_id = source.tokenizer.pad_token_id if source.tokenizer.pad_token_id is not None else 0
     # PT rows that keep documents apart hold several sequences: they are collated as packed rows
-    pt = getattr(loss, "train_on", "assistant") == "all"
+    pt = member(loss, "loss", "train_on") == "all"
     packed_rows = recipe.packing or bool((stats.documents or (recipe.streaming and pt)) and recipe.isolate_documents)
     shared = dict(seed=recipe.seed, seq_len=recipe.seq_len, packing=packed_rows, micro_batch_size=recipe.micro_batch_size,
                   global_batch_size=recipe.global_batch_size, dp_rank=engine.dp_rank, dp_world_size=engine.dp_world_size,
@@ -252,7 +279,7 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
         from toolkit.data.streaming import StreamBatches
 
         encode = stream_encoder(source.tokenizer, dataset_format=recipe.dataset_format, columns=recipe.columns,
-                                train_on=getattr(loss, "train_on", "assistant"), seq_len=recipe.seq_len,
+                                train_on=member(loss, "loss", "train_on"), seq_len=recipe.seq_len,
                                 example_kinds=loss.example_kinds, options=recipe.options, packing=recipe.packing,
                                 isolate_documents=recipe.isolate_documents, stats=stats)
         batches: Any = StreamBatches(recipe.dataset, encode, max_steps=recipe.max_steps, **shared)
@@ -274,15 +301,15 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
     if engine.is_main:
         write_recipe(recipe, run_dir)
     info = RunInfo(recipe, run_dir, total_steps, start_step, engine.is_main, stats.summary())
-    callbacks = make_callbacks(engine.is_main)
-    for cb in callbacks:
-        cb.on_train_start(info)
-    eval_batches = _eval_batches(eval_examples, recipe, engine, pad_id)
+    callbacks = make_callbacks(recipe, engine.is_main)
+    notify(callbacks, "on_train_start", info)
+    evaluation = Evaluation.for_run(recipe, engine, loss, eval_examples, pad_id, run_dir, total_steps)
     guard = NonFiniteGuard.for_run(recipe, engine, run_dir)
     watchdog = start_watchdog(recipe.dist_timeout)
     if checkpoint is not None:
         guard.restore(read_state(checkpoint))
-    log = _StepLog(recipe, engine, loss, callbacks, eval_batches, total_steps, batches.steps_per_epoch, start_step)
+        evaluation.restore(read_state(checkpoint))
+    log = _StepLog(recipe, engine, callbacks, total_steps, batches.steps_per_epoch, start_step)
     step, result, stopped = start_step, None, None
     with StopFlag() as stop:
         while step < total_steps:
@@ -301,22 +328,29 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
                         step = _rollback(engine, checkpoints[-1])
                         continue
                 elif done > log.logged:  # steps replayed after a rollback were logged already
-                    log.record(step, micro_batches, result, lr)
+                    log.record(step, micro_batches, result, lr, evaluation.run(done))
             if recipe.stop_after and done - start_step >= recipe.stop_after and done < total_steps:
                 stop.requested = True
             stopping = engine.all_reduce_sum([1.0 if stop.requested else 0.0])[0] > 0
             if watchdog is not None:  # saving may take long; a peer lost there still fails its barrier
                 watchdog.disarm()
-            if (recipe.save_every and done % recipe.save_every == 0) or done == total_steps or stopping:
-                state = _trainer_state(recipe, engine, batches, done, result, total_steps, tuner, guard)
-                path = save_checkpoint(run_dir, done, engine, state, recipe.keep_last)
+            early_stop = evaluation.stop_message(done)
+            if ((recipe.save_every and done % recipe.save_every == 0) or done == total_steps or stopping
+                    or early_stop or evaluation.wants_checkpoint(done)):
+                state = {**_trainer_state(recipe, engine, batches, done, result, total_steps, tuner, guard), **evaluation.state()}
+                path = save_checkpoint(run_dir, done, engine, state, recipe.keep_last, keep=evaluation.best_step())
+                evaluation.saved(done, path)
+            if early_stop:
+                if engine.is_main:
+                    print(f"toolkit: {early_stop}", file=sys.stderr)
+                break
             if stopping and done < total_steps:  # a stop asked for during the last step still finishes the run
                 stopped = (f"stopped at step {done} of {total_steps}; checkpoint {path} is whole. Run the same command "
                            f"with --resume auto to continue (exit status {EXIT_STOPPED}: stopped, resumable).")
                 break
             step = done
-    for cb in callbacks:
-        cb.on_train_end(info)
+    notify(callbacks, "on_train_end", info)
+    evaluation.report()
     if recipe.export and stopped is None:
         export_after_training(recipe, run_dir, engine, source, tuner)
     return stopped
@@ -331,9 +365,9 @@ def pad_multiple(device: Any) -> int:
 class _StepLog:
     """Metrics of each trained step to the callbacks; tokens/s over the steps since the last log line."""
 
-    def __init__(self, recipe: Recipe, engine: Any, loss: Any, callbacks: list, eval_batches: Any, total_steps: int,
-                 steps_per_epoch: int, start_step: int):
-        self.recipe, self.engine, self.loss, self.callbacks, self.eval_batches = recipe, engine, loss, callbacks, eval_batches
+    def __init__(self, recipe: Recipe, engine: Any, callbacks: list, total_steps: int, steps_per_epoch: int,
+                 start_step: int):
+        self.recipe, self.engine, self.callbacks = recipe, engine, callbacks
         self.total_steps, self.steps_per_epoch, self.logged = total_steps, steps_per_epoch, start_step
         self.window_tokens, self.window_trained, self.window_start = 0, 0, time.perf_counter()
         self.peak_memory = None
@@ -342,7 +376,8 @@ class _StepLog:
         if torch.cuda.is_available():
             self.peak_memory = torch.cuda.max_memory_allocated
 
-    def record(self, step: int, micro_batches: list, result: Any, lr: float) -> None:
+    def record(self, step: int, micro_batches: list, result: Any, lr: float, evaluated: dict[str, float]) -> None:
+        """Log one trained step; a step with ``evaluated`` (eval/ metrics) is always logged, in the same line."""
         done, engine = step + 1, self.engine
         real = sum(int((mb["sequence_ids"] >= 0).sum()) for mb in micro_batches)
         capacity = sum(mb["sequence_ids"].numel() for mb in micro_batches)
@@ -356,14 +391,10 @@ class _StepLog:
                    "row_fill": real / max(capacity, 1), "epoch": step / self.steps_per_epoch, **result.metrics}
         if self.peak_memory is not None:  # on a GPU: the allocator's high-water mark so far (no synchronisation)
             metrics["peak_gib"] = self.peak_memory() / 2**30
-        for cb in self.callbacks:
-            cb.on_step_end(done, metrics)
-        if done % self.recipe.log_every == 0 or done == self.total_steps:
-            if self.eval_batches:
-                evaluated = engine.evaluate(self.eval_batches[0], self.loss, self.eval_batches[1])
-                metrics.update({f"eval_{k}": v for k, v in evaluated.items()})
-            for cb in self.callbacks:
-                cb.on_log(done, metrics)
+        notify(self.callbacks, "on_step_end", done, metrics)
+        if done % self.recipe.log_every == 0 or done == self.total_steps or evaluated:
+            metrics.update(evaluated)
+            notify(self.callbacks, "on_log", done, metrics)
             self.window_tokens, self.window_trained, self.window_start = 0, 0, time.perf_counter()
         self.logged = done
 
@@ -408,30 +439,21 @@ def keep_global_batch_size(recipe: Recipe, run_dir: Path, is_main: bool) -> Reci
     return dataclasses.replace(recipe, global_batch_size=saved)
 
 
-def _eval_batches(eval_examples: list, recipe: Recipe, engine: Any, pad_id: int) -> tuple[list, Any] | None:
-    if not eval_examples:
-        return None
-    from toolkit.data.pipeline import Batches
-
-    count = len(eval_examples) - len(eval_examples) % engine.dp_world_size
-    if count == 0:
-        return None
-    batches = Batches(eval_examples[:count], seed=recipe.seed, seq_len=recipe.seq_len, packing=False, micro_batch_size=1,
-                      global_batch_size=count, dp_rank=engine.dp_rank, dp_world_size=engine.dp_world_size, pad_id=pad_id)
-    return batches.micro_batches(0), batches.context(0)
+def notify(callbacks: list[Any], event: str, *args: Any) -> None:
+    """Call ``event`` on every callback that has it (each of contracts.Callback's methods is optional)."""
+    for callback in callbacks:
+        member(callback, "callback", event)(*args)
 
 
-def make_callbacks(is_main: bool) -> list[Any]:
-    from toolkit.plugins import get_plugin_manager
+def make_callbacks(recipe: Recipe, is_main: bool) -> list[Any]:
+    """The main process's callbacks: metrics.jsonl, progress and the trackers ``--report-to`` names
+    (:func:`toolkit.tracking.select_callbacks`), each with its options from the recipe."""
+    from toolkit.tracking import select_callbacks
 
     if not is_main:
         return []
-    callbacks = []
-    for _, cls in get_plugin_manager().registry("callback").items():
-        callback = cls(cls.Config())
-        if callback.available():
-            callbacks.append(callback)
-    return callbacks
+    callbacks = [cls(thing_options(recipe, cls)) for cls in select_callbacks(recipe)]
+    return [callback for callback in callbacks if member(callback, "callback", "available")()]
 
 
 def export_after_training(recipe: Recipe, run_dir: Path, engine: Any, source: Any, tuner: Any) -> None:
@@ -451,8 +473,17 @@ def export_after_training(recipe: Recipe, run_dir: Path, engine: Any, source: An
 
 def adapter_export(tuner: Any, engine: Any) -> Any:
     """``ExportModel.adapter``: the engine's own when it has one (a sharded model), else the tuner's over ``engine.model``."""
-    if hasattr(engine, "adapter_export"):
-        return engine.adapter_export()
-    exporter = getattr(tuner, "adapter_export", None)
-    model = getattr(engine, "model", None)
+    own = member(engine, "engine", "adapter_export")
+    if own is not None:
+        return own()
+    exporter, model = member(tuner, "tuner", "adapter_export"), member(engine, "engine", "model")
     return exporter(model) if exporter is not None and model is not None else None
+
+
+def check_engine(engine: Any, strategy: str) -> None:
+    """The engine a strategy built has every required member of ``contracts.Engine``."""
+    missing = missing_members("engine", engine)
+    if missing:
+        raise PluginLoadError(f"strategy {strategy!r} built an engine ({type(engine).__qualname__}) without "
+                              f"{', '.join(missing)}, which contracts.Engine requires (docs/hooks.md); the strategy's "
+                              "plugin must add them")

@@ -61,7 +61,7 @@ def report_levers(config: Any, kernel_ops: Any, fused_loss: bool, loss: Any, pac
     if kernel_ops is not None:
         on.append(f"kernels {kernel_ops.name}" + (" (auto)" if config.kernels == "auto" else ""))
     if fused_loss:
-        name = getattr(loss, "name", type(loss).__name__)
+        name = loss.name
         how = " (auto)" if config.fused_loss == "auto" else ""
         on.append(f"fused loss{how}" if declares_uniform_gradient(loss)
                   else f"fused loss{how} unused: the {name} loss does not give every token the same gradient")

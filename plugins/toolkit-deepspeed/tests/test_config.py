@@ -140,13 +140,22 @@ def test_zero3_refuses_a_quantized_tuner_with_the_reason(manager):
 @pytest.mark.parametrize(("values", "needle"), [
     ({"zero": 0}, "needs --zero 1, 2 or 3"),
     ({"zero": 2, "deepspeed": {"offload_param": "cpu"}}, "--deepspeed-offload-param cpu needs --zero 3"),
-    ({"zero": 2, "tensor_parallel": 2}, "--tp 2 needs --strategy megatron"),
     ({"zero": 2, "precision": "fp16"}, "--precision fp16 is not supported"),
     ({"zero": 2, "global_batch_size": 3}, "must be a multiple of --micro-batch-size 1 x 2"),
 ])
 def test_layouts_it_cannot_run_are_refused(manager, values, needle):
     problems = validate(values)
     assert any(needle in p for p in problems), problems
+
+
+def test_model_splitting_axes_are_refused_before_validate_naming_who_splits(manager):
+    from toolkit.plugins import get_plugin_manager
+    from toolkit.train.runner import unsupported_axes
+
+    problems = unsupported_axes(recipe(zero=2, tensor_parallel=2, sequence_parallel=True), DeepSpeedStrategy, get_plugin_manager())
+    assert len(problems) == 2 and problems[0].startswith("--tp 2 needs --strategy megatron")
+    assert problems[1].startswith("--sequence-parallel needs --strategy megatron")
+    assert all("--strategy deepspeed splits models along data parallelism only" in p for p in problems)
 
 
 def test_consistent_layout_has_no_problems(manager):

@@ -51,7 +51,7 @@ def test_precomputed_reference_cache_matches_live_reference(tmp_path):
     def run(name: str, precompute: bool, overwrite: bool = False):
         recipe = resolve_recipe({"model": "tiny-llama", "dataset": ["parity-prefs"], "loss": "dpo", "max_steps": 2,
                                  "max_samples": 20, "micro_batch_size": 4, "global_batch_size": 8, "lr": 1e-3,
-                                 "eval_samples": 4, "output": str(tmp_path / name), "overwrite": overwrite,
+                                 "eval_samples": 4, "eval_every": 1, "output": str(tmp_path / name), "overwrite": overwrite,
                                  "precompute_reference": precompute, "dpo": {"beta": 0.5}})
         directory = run_training(recipe)
         return directory, [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
@@ -63,7 +63,7 @@ def test_precomputed_reference_cache_matches_live_reference(tmp_path):
     stamp = cache_files[0].stat().st_mtime_ns
     assert len(live) == len(cached) == 2
     for a, b in zip(live, cached, strict=True):
-        for key in ("loss", "rewards/margins", "rewards/accuracies", "eval_loss", "eval_rewards/margins"):
+        for key in ("loss", "rewards/margins", "rewards/accuracies", "eval/loss", "eval/rewards/margins"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
     assert live[-1]["rewards/margins"] != 0  # the policy moved away from the reference
     _, again = run("cached", True, overwrite=True)  # the cache is reused, not rewritten

@@ -19,10 +19,11 @@ def main() -> None:
     dist.init_process_group("gloo")
     from transformers import AutoModelForCausalLM
 
+    from toolkit.parallel import ParallelLayout
     from toolkit_megatron.bridge import SafetensorsReader, export_hf_tensors, load_hf_weights
     from toolkit_megatron.checkpoint import load_mcore
     from toolkit_megatron.hf_io import save_hf_checkpoint
-    from toolkit_megatron.model import Layout, build_model, initialize_parallel
+    from toolkit_megatron.model import build_model, initialize_parallel
     from toolkit_megatron.schedule import gather_logits
 
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
@@ -38,7 +39,7 @@ def main() -> None:
     results = {}
     for name in layouts:
         spec = dict(part.split("=") for part in name.split("+"))
-        layout = Layout(tensor=int(spec.get("tp", 1)), pipeline=int(spec.get("pp", 1)), virtual=int(spec.get("vpp", 1)),
+        layout = ParallelLayout(tensor=int(spec.get("tp", 1)), pipeline=int(spec.get("pp", 1)), virtual=int(spec.get("vpp", 1)),
                         context=int(spec.get("cp", 1)), sequence_parallel="sp" in spec, expert=int(spec.get("ep", 1)))
         initialize_parallel(layout)
         models = build_model(hf.config, layout)

@@ -28,10 +28,11 @@ def module_checks() -> dict:
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from toolkit.parallel import ParallelLayout
     from toolkit_megatron import experts as grouped_module
-    from toolkit_megatron.model import Layout, initialize_parallel
+    from toolkit_megatron.model import initialize_parallel
 
-    initialize_parallel(Layout())
+    initialize_parallel(ParallelLayout())
     pgs = ProcessGroupCollection.use_mpu_process_groups()
     provider = LocalSpecProvider()
     submodules = MLPSubmodules(linear_fc1=provider.column_parallel_linear(), linear_fc2=provider.row_parallel_linear())
@@ -84,9 +85,10 @@ def module_checks() -> dict:
 def model_checks(hf_dir: str, layouts: list[str]) -> dict:
     from transformers import AutoModelForCausalLM
 
+    from toolkit.parallel import ParallelLayout
     from toolkit_megatron.bridge import SafetensorsReader, load_hf_weights
     from toolkit_megatron.compat import cpu_compat
-    from toolkit_megatron.model import Layout, build_model, initialize_parallel
+    from toolkit_megatron.model import build_model, initialize_parallel
 
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     torch.manual_seed(0)
@@ -96,7 +98,7 @@ def model_checks(hf_dir: str, layouts: list[str]) -> dict:
     results = {}
     for name in layouts:
         spec = dict(part.split("=") for part in name.split("+"))
-        layout = Layout(tensor=int(spec.get("tp", 1)), sequence_parallel="sp" in spec, expert=int(spec.get("ep", 1)),
+        layout = ParallelLayout(tensor=int(spec.get("tp", 1)), sequence_parallel="sp" in spec, expert=int(spec.get("ep", 1)),
                         expert_tensor=int(spec["etp"]) if "etp" in spec else None)
         initialize_parallel(layout)
         runs = {}

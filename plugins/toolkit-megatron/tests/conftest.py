@@ -63,12 +63,13 @@ def tp1():
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from toolkit_megatron.model import Layout, initialize_parallel
+    from toolkit.parallel import ParallelLayout
+    from toolkit_megatron.model import initialize_parallel
 
     created = not dist.is_initialized()
     if created:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    initialize_parallel(Layout())
+    initialize_parallel(ParallelLayout())
     yield
     parallel_state.destroy_model_parallel()
     if created:

@@ -96,9 +96,10 @@ def test_kernel_rms_norm_is_every_norm_and_logits_equal_hf(tp1, tiny_models):
     goes through the kernel backend's ``rms_norm``, and the logits still equal HF's."""
     from transformers import AutoModelForCausalLM
 
+    from toolkit.parallel import ParallelLayout
     from toolkit.train.kernels.reference import TorchOps
     from toolkit_megatron.bridge import SafetensorsReader, load_hf_weights
-    from toolkit_megatron.model import Layout, build_model
+    from toolkit_megatron.model import build_model
     from toolkit_megatron.schedule import gather_logits
 
     calls = []
@@ -110,7 +111,7 @@ def test_kernel_rms_norm_is_every_norm_and_logits_equal_hf(tp1, tiny_models):
             return TorchOps.rms_norm(x, weight, eps)
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_models["qwen3"], dtype=torch.float32).eval()
-    models = build_model(hf.config, Layout(), kernel_ops=Recording)
+    models = build_model(hf.config, ParallelLayout(), kernel_ops=Recording)
     load_hf_weights(models, hf.config, SafetensorsReader.from_directory(tiny_models["qwen3"]))
     ids = torch.randint(0, hf.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
     logits = gather_logits(models, ids)

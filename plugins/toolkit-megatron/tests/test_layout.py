@@ -7,34 +7,35 @@ import torch
 
 from conftest import tiny_config
 from toolkit.errors import LayoutError, ModelError
-from toolkit_megatron.model import Layout, check_layout, padded_vocab_size
+from toolkit.parallel import ParallelLayout
+from toolkit_megatron.model import padded_vocab_size
 
 
 def test_bad_layouts_show_the_arithmetic():
     config = tiny_config("llama")  # 4 heads, 2 kv heads, 4 layers, ffn 256
     with pytest.raises(LayoutError) as error:
-        check_layout(Layout(tensor=4, pipeline=3), config, world_size=8)
+        ParallelLayout(tensor=4, pipeline=3).check(config, 8)
     text = str(error.value)
     assert "world size 8 is not divisible by tp*pp*cp = 4*3*1 = 12" in text
     assert "key/value heads 2 / tp 4 = 0.50" in text
     assert "num_hidden_layers 4 / (pp 3 * vpp 1) = 1.33" in text
     with pytest.raises(LayoutError, match=r"seq_len 30 % \(2 \* cp 2\) = 2"):
-        check_layout(Layout(context=2), config, world_size=2, seq_len=30)
+        ParallelLayout(context=2).check(config, 2, 30)
     with pytest.raises(LayoutError, match="sequence parallelism needs tp >= 2"):
-        check_layout(Layout(sequence_parallel=True), config, world_size=1)
+        ParallelLayout(sequence_parallel=True).check(config, 1)
     with pytest.raises(LayoutError, match="vpp 2 needs pp >= 2"):
-        check_layout(Layout(virtual=2), config, world_size=1)
-    check_layout(Layout(tensor=2, pipeline=2, virtual=2), config, world_size=4, seq_len=32)
+        ParallelLayout(virtual=2).check(config, 1)
+    ParallelLayout(tensor=2, pipeline=2, virtual=2).check(config, 4, 32)
     with pytest.raises(LayoutError, match="ep 2 needs a mixture-of-experts model"):
-        check_layout(Layout(expert=2), config, world_size=2)
+        ParallelLayout(expert=2).check(config, 2)
     with pytest.raises(LayoutError, match=r"num_experts 4 / ep 3 = 1.33"):
-        check_layout(Layout(expert=3), tiny_config("qwen3_moe"), world_size=3)
+        ParallelLayout(expert=3).check(tiny_config("qwen3_moe"), 3)
     with pytest.raises(LayoutError, match="etp 2 needs a mixture-of-experts model"):
-        check_layout(Layout(expert_tensor=2), config, world_size=2)
+        ParallelLayout(expert_tensor=2).check(config, 2)
     with pytest.raises(LayoutError, match=r"world size 2 is not divisible by ep\*etp\*pp = 2\*2\*1"):
-        check_layout(Layout(expert=2, expert_tensor=2), tiny_config("mixtral"), world_size=2)
+        ParallelLayout(expert=2, expert_tensor=2).check(tiny_config("mixtral"), 2)
     with pytest.raises(LayoutError, match="MoE with tp > 1 needs --sequence-parallel"):
-        check_layout(Layout(tensor=2), tiny_config("mixtral"), world_size=2)
+        ParallelLayout(tensor=2).check(tiny_config("mixtral"), 2)
 
 
 def test_vocab_padding():
@@ -101,7 +102,7 @@ def test_a_parallel_layout_in_one_process_says_how_to_launch_it():
     assert "needs a multiple of 2 processes and this is one process" in problem
     assert "toolkit launch --nproc 2 " in problem and "torchrun --nproc-per-node 2 -m toolkit " in problem
     [problem] = MegatronStrategy().validate(recipe, world_size=3)
-    assert "world size 3 is not divisible by tp*pp*cp = 2*1*1; launch a multiple of 2 processes" in problem
+    assert "world size 3 is not divisible by tp*pp*cp = 2*1*1 = 2; launch a multiple of 2 processes" in problem
 
 
 def test_megatron_fallback_warnings_become_one_line(recwarn):

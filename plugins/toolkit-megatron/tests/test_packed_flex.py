@@ -12,11 +12,12 @@ from toolkit.testing import packed_batch
 def test_flex_packed_attention_equals_the_dense_mask(tp1, tiny_models, heads, groups):
     from transformers import AutoConfig
 
+    from toolkit.parallel import ParallelLayout
     from toolkit_megatron.attention import SDPAAttention, document_mask
-    from toolkit_megatron.model import Layout, transformer_config
+    from toolkit_megatron.model import transformer_config
 
     hf_config = AutoConfig.from_pretrained(tiny_models["llama"])
-    config = transformer_config(hf_config, Layout(), torch.float32)
+    config = transformer_config(hf_config, ParallelLayout(), torch.float32)
     from megatron.core.transformer.enums import AttnMaskType
 
     dense = SDPAAttention(config, 1, AttnMaskType.causal, "self", packed_flex=False)

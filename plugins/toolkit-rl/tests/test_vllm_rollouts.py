@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                                   reason="vLLM is not installed here (the tests-rl nox session has it)")]
+                                                   reason="vLLM is not installed here (the tests-vllm nox session has it)")]
 PROMPTS = ["What is the capital of Lopehes?", "Name a city.", "Say something long."]
 
 

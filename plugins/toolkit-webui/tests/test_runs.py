@@ -13,12 +13,12 @@ from toolkit_webui.runs import Runs, curves, read_metrics
 
 def test_curves_read_complete_lines_and_every_reward(tmp_path):
     rows = [{"step": 1, "loss": 2.0, "lr": 1e-4, "tokens_per_s": 10.0, "reward_answer": 0.5},
-            {"step": 2, "loss": 1.5, "eval_loss": 1.7, "lr": 9e-5, "tokens_per_s": 12.0, "reward_format": 1.0}]
+            {"step": 2, "loss": 1.5, "eval/loss": 1.7, "lr": 9e-5, "tokens_per_s": 12.0, "reward_format": 1.0}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "lo')
     metrics = read_metrics(tmp_path)
     assert [m["step"] for m in metrics] == [1, 2]  # the half-written line is not a point
     plots = curves(metrics)
-    assert plots["loss"].values.tolist() == [[1, 2.0, "loss"], [2, 1.5, "loss"], [2, 1.7, "eval_loss"]]
+    assert plots["loss"].values.tolist() == [[1, 2.0, "loss"], [2, 1.5, "loss"], [2, 1.7, "eval/loss"]]
     assert set(plots["reward"]["series"]) == {"reward_answer", "reward_format"}
     assert str(curves([])["loss"]["step"].dtype) == "int64"  # an empty plot keeps numeric axes
 

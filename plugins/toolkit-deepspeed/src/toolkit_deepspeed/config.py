@@ -154,12 +154,6 @@ def merge_config(recipe: Any, options: DeepSpeedOptions, world_size: int,
 def layout_problems(recipe: Any, options: DeepSpeedOptions, world_size: int) -> list[str]:
     """What the flags alone ask for that this strategy cannot do."""
     problems = []
-    for flag, value in (("--tp", recipe.tensor_parallel), ("--pp", recipe.pipeline_parallel), ("--cp", recipe.context_parallel),
-                        ("--ep", recipe.expert_parallel), ("--etp", recipe.expert_tensor_parallel), ("--vpp", recipe.virtual_pipeline)):
-        if value != 1:
-            problems.append(f"{flag} {value} needs --strategy megatron; --strategy deepspeed is data-parallel (ZeRO) only")
-    if recipe.sequence_parallel:
-        problems.append("--sequence-parallel needs --strategy megatron with --tp > 1")
     if options.offload_param != "none" and recipe.zero != 3:
         problems.append(f"--deepspeed-offload-param {options.offload_param} needs --zero 3 (got --zero {recipe.zero}); "
                         "ZeRO-1/2 keep parameters on the device")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.builtins.strategies import LocalEngine
-from toolkit.contracts import StepContext, StepResult
+from toolkit.contracts import StepContext, StepResult, member
 from toolkit.errors import ToolkitError
 
 CHECKPOINT_TAG = "deepspeed"
@@ -56,7 +56,7 @@ class ZeroEngine(LocalEngine):
         # under parameter offload): ``to(None)`` leaves it there.
         self.load_device = None if self._hf_zero3 is not None else self.device
         self.model = load_hf_model(source, tuner, recipe, self.load_device)
-        self.reference = self._build_reference(loss) if getattr(loss, "needs_reference", False) else None
+        self.reference = self._build_reference(loss) if loss.needs_reference else None
         # DeepSpeed's bf16 mode holds bf16 weights with fp32 masters; no autocast on top of it.
         precision = "fp32" if recipe.precision == "bf16" else recipe.precision
         wrapped = logps.CausalLMLogps(self.model, autocast_dtype(precision))
@@ -73,7 +73,7 @@ class ZeroEngine(LocalEngine):
     def _build_optimizer(self) -> Any:
         from toolkit.train.optim import build_optimizer
 
-        factory = getattr(self.tuner, "optimizer_factory", None)
+        factory = member(self.tuner, "tuner", "optimizer_factory")
         if factory is not None:
             return build_optimizer([(str(i), p) for i, p in enumerate(self.params)], self.recipe, factory)
         offloaded = self.ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "cpu"
@@ -89,7 +89,7 @@ class ZeroEngine(LocalEngine):
         from toolkit.builtins.strategies import load_hf_model
         from toolkit.train.logps import CausalLMLogps
 
-        if hasattr(self.tuner, "disabled_adapters"):
+        if member(self.tuner, "tuner", "disabled_adapters") is not None:
             return None  # the policy with its adapters disabled is the reference
         if self.zero_stage != 3:
             return CausalLMLogps(copy.deepcopy(self.model).eval().requires_grad_(False))

@@ -6,13 +6,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
+from toolkit.contracts import member
 from toolkit.errors import ConfigError
 from toolkit_deepspeed.config import DeepSpeedOptions, layout_problems, merge_config, read_user_config
 
 
 def quantized(tuner: Any) -> bool:
     """A tuner that loads the base model quantized (QLoRA's 4-bit weights) through the Tuner protocol."""
-    if getattr(tuner, "quantized", False) is True:
+    if member(tuner, "tuner", "quantized") is True:
         return True
     try:
         kwargs = tuner.model_load_kwargs()
@@ -27,7 +28,7 @@ def tuner_problems(recipe: Any, tuner: Any) -> list[str]:
         problems.append(f"--zero 3 cannot shard --tuner {recipe.tuner}: its base weights are quantized (bitsandbytes 4-bit/8-bit "
                         "blocks with per-block scales), which ZeRO-3 cannot partition or gather. Use --zero 2 (the frozen "
                         "quantized base stays whole on each rank; adapters and optimizer states are partitioned) or --tuner lora")
-    if recipe.zero == 3 and getattr(tuner, "zero3_compatible", True) is False:
+    if recipe.zero == 3 and member(tuner, "tuner", "zero3_compatible") is False:
         problems.append(f"--tuner {recipe.tuner} declares that it cannot run under ZeRO-3; use --zero 1 or 2")
     return problems
 

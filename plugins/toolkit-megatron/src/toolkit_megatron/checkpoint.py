@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from toolkit.errors import LayoutError, ModelError
+from toolkit.parallel import ParallelLayout
 from toolkit.train.distributed import one_process_group
 from toolkit_megatron.bridge import unwrap
 from toolkit_megatron.compat import cpu_compat
-from toolkit_megatron.model import Layout
 
 MARKER = "toolkit_mcore.json"
 
@@ -42,7 +42,7 @@ def model_sharded_state_dict(models: list[Any]) -> dict[str, Any]:
     return {f"model{i}": unwrap(m).sharded_state_dict() for i, m in enumerate(models)}
 
 
-def save_mcore(models: list[Any], directory: str | Path, hf_config: Any, layout: Layout, *, extra: dict | None = None,
+def save_mcore(models: list[Any], directory: str | Path, hf_config: Any, layout: ParallelLayout, *, extra: dict | None = None,
                tokenizer_source: Path | None = None, optimizer: Any = None, async_save: bool = False) -> Any:
     """Save model chunks (and optionally a Megatron optimizer) collectively; complete or absent.
 
@@ -76,7 +76,7 @@ def save_mcore(models: list[Any], directory: str | Path, hf_config: Any, layout:
 
 
 class _Finalize:
-    def __init__(self, final: Path, tmp: Path, hf_config: Any, layout: Layout, padded_vocab: int, extra: dict,
+    def __init__(self, final: Path, tmp: Path, hf_config: Any, layout: ParallelLayout, padded_vocab: int, extra: dict,
                  tokenizer_source: Path | None):
         self.args = (final, tmp, hf_config, layout, padded_vocab, extra, tokenizer_source)
 
@@ -123,7 +123,7 @@ def stop_checkpoint_workers() -> None:
             child.join(timeout=10)
 
 
-def check_reload_layout(directory: str | Path, layout: Layout) -> int:
+def check_reload_layout(directory: str | Path, layout: ParallelLayout) -> int:
     """The saved padded vocabulary, after checking it splits evenly over ``layout.tensor``."""
     padded = int(read_marker(directory)["padded_vocab_size"])
     if padded % layout.tensor:
@@ -170,7 +170,7 @@ def mcore_to_hf_tensors(directory: str | Path, lora: tuple | None = None) -> Ite
     hf_config = AutoConfig.from_pretrained(directory)
     own_group = one_process_group()  # reads to CPU: gloo
     try:
-        layout = Layout()
+        layout = ParallelLayout()
         padded = check_reload_layout(directory, layout)
         initialize_parallel(layout)
         dtype = getattr(torch, read_marker(directory).get("dtype", "float32"))

@@ -38,13 +38,13 @@ class McoreExporter:
         self.config = config or McoreExportConfig()
 
     def export(self, model: Any, output: Path, options: Any = None) -> Path:
-        from toolkit_megatron.model import Layout, check_layout
+        from toolkit.parallel import ParallelLayout
 
         config = _as_config(options) if options is not None else self.config
-        layout = Layout(tensor=config.tp, pipeline=config.pp, virtual=config.vpp, expert=config.ep,
-                        sequence_parallel=config.tp > 1 and _is_moe(model.source.config))
+        layout = ParallelLayout(tensor=config.tp, pipeline=config.pp, virtual=config.vpp, expert=config.ep,
+                                sequence_parallel=config.tp > 1 and _is_moe(model.source.config))
         world = layout.tensor * layout.pipeline * layout.expert
-        check_layout(layout, model.source.config, world)
+        layout.check(model.source.config, world)
         output = Path(output)
         with tempfile.TemporaryDirectory(prefix="toolkit-mcore-") as staging:
             from toolkit_megatron.hf_io import save_hf_checkpoint

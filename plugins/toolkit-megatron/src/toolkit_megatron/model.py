@@ -1,4 +1,4 @@
-"""Parallel layout, its validation, Megatron process groups and GPTModel construction.
+"""Megatron process groups and GPTModel construction for a :class:`toolkit.parallel.ParallelLayout`.
 
 Everything that builds Megatron-Core model objects goes through :func:`build_model`, so the
 switch from ``GPTModel`` to ``HybridModel`` (megatron-core 0.19+) is one change here.
@@ -6,12 +6,12 @@ switch from ``GPTModel`` to ``HybridModel`` (megatron-core 0.19+) is one change 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
 from toolkit.errors import LayoutError
+from toolkit.parallel import ParallelLayout
 from toolkit_megatron.architectures import architecture_for
 from toolkit_megatron.compat import cpu_compat
 
@@ -19,93 +19,12 @@ AttentionKind = Literal["sdpa", "local"]
 ExpertsKind = Literal["grouped", "sequential"]
 
 
-@dataclass(frozen=True)
-class Layout:
-    """How one model is split: tensor, pipeline (virtual), context parallel, sequence parallel."""
-
-    tensor: int = 1
-    pipeline: int = 1
-    virtual: int = 1
-    context: int = 1
-    sequence_parallel: bool = False
-    expert: int = 1
-    expert_tensor: int | None = None
-    """Expert tensor-parallel size; ``None``: the tensor-parallel size (Megatron's default)."""
-
-    @property
-    def model_parallel(self) -> int:
-        return self.tensor * self.pipeline * self.context
-
-    def megatron_sizes(self) -> dict[str, Any]:
-        """The sizes under Megatron-Core's names, shared by ``initialize_model_parallel`` and ``TransformerConfig``."""
-        return {"tensor_model_parallel_size": self.tensor, "pipeline_model_parallel_size": self.pipeline,
-                "virtual_pipeline_model_parallel_size": self.virtual if self.virtual > 1 else None,
-                "context_parallel_size": self.context, "expert_model_parallel_size": self.expert,
-                "expert_tensor_parallel_size": self.expert_tensor}
-
-    def describe(self) -> str:
-        text = f"tp={self.tensor} pp={self.pipeline}"
-        if self.virtual > 1:
-            text += f" vpp={self.virtual}"
-        if self.context > 1:
-            text += f" cp={self.context}"
-        if self.expert > 1:
-            text += f" ep={self.expert}"
-        if self.expert_tensor is not None and self.expert_tensor != self.tensor:
-            text += f" etp={self.expert_tensor}"
-        return text + (" sp" if self.sequence_parallel else "")
-
-
-def layout_problems(layout: Layout, hf_config: Any, world_size: int, seq_len: int | None = None) -> list[str]:
-    """Every reason ``layout`` cannot hold ``hf_config`` on ``world_size`` processes, with the arithmetic."""
-    tp, pp, vpp, cp = layout.tensor, layout.pipeline, layout.virtual, layout.context
-    problems = []
-    if world_size % layout.model_parallel:
-        problems.append(f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {layout.model_parallel}; "
-                        f"launch a multiple of {layout.model_parallel} processes")
-    heads = hf_config.num_attention_heads
-    groups = getattr(hf_config, "num_key_value_heads", None) or heads
-    for what, count in (("attention heads", heads), ("key/value heads", groups),
-                        ("intermediate_size", hf_config.intermediate_size)):
-        if count % tp:
-            problems.append(f"{what} {count} / tp {tp} = {count / tp:.2f} is not a whole number")
-    layers = hf_config.num_hidden_layers
-    if layers % (pp * vpp):
-        problems.append(f"num_hidden_layers {layers} / (pp {pp} * vpp {vpp}) = {layers / (pp * vpp):.2f} "
-                        "layers per virtual stage is not a whole number")
-    if vpp > 1 and pp < 2:
-        problems.append(f"vpp {vpp} needs pp >= 2 (interleaved pipeline), got pp {pp}")
-    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
-    if layout.expert > 1 and not experts:
-        problems.append(f"ep {layout.expert} needs a mixture-of-experts model ({hf_config.model_type} has no experts)")
-    elif experts and experts % layout.expert:
-        problems.append(f"num_experts {experts} / ep {layout.expert} = {experts / layout.expert:.2f} is not a whole number")
-    etp = layout.expert_tensor or tp
-    if (layout.expert_tensor or 1) > 1 and not experts:
-        problems.append(f"etp {etp} needs a mixture-of-experts model ({hf_config.model_type} has no experts)")
-    if experts and world_size % (layout.expert * etp * pp):
-        problems.append(f"world size {world_size} is not divisible by ep*etp*pp = {layout.expert}*{etp}*{pp}; "
-                        f"launch a multiple of {layout.expert * etp * pp} processes")
-    if experts and tp > 1 and not layout.sequence_parallel:
-        problems.append("MoE with tp > 1 needs --sequence-parallel (Megatron-Core requirement)")
-    if layout.sequence_parallel and tp < 2:
-        problems.append("sequence parallelism needs tp >= 2")
-    if seq_len is not None:
-        if cp > 1 and seq_len % (2 * cp):
-            problems.append(f"seq_len {seq_len} % (2 * cp {cp}) = {seq_len % (2 * cp)}: context parallelism cuts "
-                            f"the sequence into {2 * cp} equal chunks")
-        if layout.sequence_parallel and (seq_len // cp) % tp:
-            problems.append(f"seq_len {seq_len} / cp {cp} / tp {tp} is not a whole number (sequence parallelism)")
-    return problems
-
-
-def check_layout(layout: Layout, hf_config: Any, world_size: int, seq_len: int | None = None) -> None:
-    """Raise :class:`LayoutError` (before anything is allocated) when the layout cannot work."""
-    problems = layout_problems(layout, hf_config, world_size, seq_len)
-    if problems:
-        raise LayoutError(f"layout {layout.describe()} cannot run {hf_config.model_type} "
-                          f"({hf_config.num_hidden_layers} layers) on {world_size} processes:\n"
-                          + "\n".join(f"  - {p}" for p in problems))
+def megatron_sizes(layout: ParallelLayout) -> dict[str, Any]:
+    """The layout's sizes under Megatron-Core's names, shared by ``initialize_model_parallel`` and ``TransformerConfig``."""
+    return {"tensor_model_parallel_size": layout.tensor, "pipeline_model_parallel_size": layout.pipeline,
+            "virtual_pipeline_model_parallel_size": layout.virtual if layout.virtual > 1 else None,
+            "context_parallel_size": layout.context, "expert_model_parallel_size": layout.expert,
+            "expert_tensor_parallel_size": layout.expert_tensor}
 
 
 def padded_vocab_size(vocab_size: int, tensor: int) -> int:
@@ -113,7 +32,7 @@ def padded_vocab_size(vocab_size: int, tensor: int) -> int:
     return -(-vocab_size // tensor) * tensor
 
 
-def initialize_parallel(layout: Layout, seed: int = 42) -> None:
+def initialize_parallel(layout: ParallelLayout, seed: int = 42) -> None:
     """Create Megatron's process groups for ``layout`` (torch.distributed must be initialised)."""
     import torch
     from megatron.core import parallel_state, tensor_parallel
@@ -123,16 +42,16 @@ def initialize_parallel(layout: Layout, seed: int = 42) -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     with cpu_compat():
-        parallel_state.initialize_model_parallel(**layout.megatron_sizes())
+        parallel_state.initialize_model_parallel(**megatron_sizes(layout))
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def transformer_config(hf_config: Any, layout: Layout, dtype: Any, **overrides: Any) -> Any:
+def transformer_config(hf_config: Any, layout: ParallelLayout, dtype: Any, **overrides: Any) -> Any:
     import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     options = architecture_for(hf_config.model_type).transformer_options(hf_config)
-    options.update(layout.megatron_sizes())
+    options.update(megatron_sizes(layout))
     options.update(
         sequence_parallel=layout.sequence_parallel,
         params_dtype=dtype,
@@ -241,7 +160,7 @@ def _replace_experts(spec: Any, old: type, new: type) -> None:
         builder.module = new
 
 
-def build_model(hf_config: Any, layout: Layout, dtype: Any = None, attention: AttentionKind = "sdpa",
+def build_model(hf_config: Any, layout: ParallelLayout, dtype: Any = None, attention: AttentionKind = "sdpa",
                 vocab_size: int | None = None, compiled_rope: bool = False, kernel_ops: Any = None,
                 experts: ExpertsKind = "grouped", packed_flex: bool = False, **config_overrides: Any) -> list[Any]:
     """One ``GPTModel`` per virtual pipeline stage of this rank (process groups must exist).

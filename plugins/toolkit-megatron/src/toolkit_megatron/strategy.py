@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, NamedTuple
 
 from toolkit.config import option
-from toolkit.contracts import StepContext, StepResult
+from toolkit.contracts import EngineBase, StepContext, StepResult
+from toolkit.parallel import AXES, ParallelLayout
 
 
 @dataclass(kw_only=True)
@@ -31,8 +32,8 @@ class MegatronConfig:
     moe_experts: Literal["grouped", "sequential"] = option(
         "grouped", help="MoE experts without Transformer Engine: grouped (all local experts in one torch grouped matmul, "
         "same weights and checkpoint keys) or sequential (Megatron's SequentialMLP, a loop over experts).")
-    moe_aux_loss_coeff: float | None = option(None, help="MoE load-balancing loss coefficient; default: the HF config's router_aux_loss_coef.")
-    moe_z_loss_coeff: float | None = option(None, help="MoE router z-loss coefficient; default: the HF config's router_z_loss_coef, else off.")
+    moe_aux_loss_coef: float | None = option(None, help="MoE load-balancing loss coefficient; default: the HF config's router_aux_loss_coef.")
+    moe_z_loss_coef: float | None = option(None, help="MoE router z-loss coefficient; default: the HF config's router_z_loss_coef, else off.")
     logps_kernel: Literal["auto", "chunked", "compiled", "reference"] = option(
         "auto", help="Label log-probs: chunked (fp32 a chunk of tokens at a time, bf16 logits kept), compiled "
                      "(the same under torch.compile), reference (plain autograd over full fp32 logits), auto "
@@ -104,7 +105,7 @@ def _speed_levers(config: MegatronConfig, device: Any, loss: Any = None) -> Spee
     main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     if fused_loss and not declares_uniform_gradient(loss):
         if config.fused_loss is True and main:
-            name = getattr(loss, "name", type(loss).__name__)
+            name = loss.name
             print(f"toolkit: --megatron-fused-loss is off for the {name} loss: it does not give every token the same "
                   "gradient (the logits path serves it)", file=sys.stderr)
         fused_loss = False
@@ -123,23 +124,13 @@ class MegatronStrategy:
 
     name: ClassVar[str] = "megatron"
     Config: ClassVar[type] = MegatronConfig
+    parallel_axes: ClassVar[frozenset[str]] = frozenset(AXES)
 
     def __init__(self, config: MegatronConfig | None = None):
         self.config = config or MegatronConfig()
 
     def validate(self, recipe: Any, world_size: int) -> list[str]:
-        problems = []
-        layout = _layout(recipe)
-        needed = math.lcm(layout.model_parallel, max(recipe.expert_parallel, 1) * max(recipe.expert_tensor_parallel, 1) * layout.pipeline)
-        if world_size == 1 and needed > 1:
-            from toolkit.commands.launch import launch_advice
-
-            problems.append(f"{layout.describe()} needs a multiple of {needed} processes and this is one process; {launch_advice(needed)}")
-        elif world_size % layout.model_parallel:
-            problems.append(f"world size {world_size} is not divisible by tp*pp*cp = {layout.tensor}*{layout.pipeline}*{layout.context}; "
-                            f"launch a multiple of {layout.model_parallel} processes")
-        if recipe.expert_parallel < 1 or recipe.expert_tensor_parallel < 1:
-            problems.append(f"--ep {recipe.expert_parallel} / --etp {recipe.expert_tensor_parallel}: sizes must be >= 1")
+        problems = ParallelLayout.from_recipe(recipe).world_problems(world_size)
         if recipe.tuner not in ("full", "lora", "dora"):
             problems.append(f"--tuner {recipe.tuner}: the megatron strategy trains with --tuner full, lora or dora")
         if recipe.precision == "fp16":
@@ -170,15 +161,7 @@ class MegatronStrategy:
         yield from mcore_to_hf_tensors(Path(checkpoint) / "mcore", lora=lora)
 
 
-def _layout(recipe: Any) -> Any:
-    from toolkit_megatron.model import Layout
-
-    return Layout(tensor=recipe.tensor_parallel, pipeline=recipe.pipeline_parallel, virtual=recipe.virtual_pipeline,
-                  context=recipe.context_parallel, sequence_parallel=recipe.sequence_parallel,
-                  expert=recipe.expert_parallel, expert_tensor=recipe.expert_tensor_parallel)
-
-
-class MegatronEngine:
+class MegatronEngine(EngineBase):
     """Model chunks of this rank wrapped in Megatron DDP, with Megatron's optimizer."""
 
     skips_nonfinite_updates: ClassVar[bool] = True
@@ -190,7 +173,7 @@ class MegatronEngine:
 
         from toolkit.train.distributed import init_world
         from toolkit_megatron.bridge import SafetensorsReader, load_hf_weights
-        from toolkit_megatron.model import build_model, check_layout, initialize_parallel
+        from toolkit_megatron.model import build_model, initialize_parallel
 
         self.world = init_world()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -198,12 +181,12 @@ class MegatronEngine:
 
         one_process_group(self.device)  # one GPU or CPU without torchrun: NCCL on CUDA, gloo on CPU
         self.recipe, self.source, self.config, self.tuner = recipe, source, config, tuner
-        self.layout = _layout(recipe)
-        check_layout(self.layout, source.config, torch.distributed.get_world_size(), recipe.seq_len)
+        self.layout = ParallelLayout.from_recipe(recipe)
+        self.layout.check(source.config, torch.distributed.get_world_size(), recipe.seq_len)
         from toolkit_megatron.architectures import architecture_for
 
         self.moe = architecture_for(source.config.model_type).moe
-        if getattr(loss, "needs_reference", False) and not recipe.precompute_reference:
+        if loss.needs_reference and not recipe.precompute_reference:
             from toolkit.errors import ConfigError
 
             raise ConfigError(f"--loss {loss.name} needs reference log-probs; under --strategy megatron they are computed "
@@ -214,7 +197,7 @@ class MegatronEngine:
         if self.moe:
             from toolkit_megatron.moe import router_options
 
-            overrides.update(router_options(source.config, config.moe_aux_loss_coeff, config.moe_z_loss_coeff, config.moe_dispatcher))
+            overrides.update(router_options(source.config, config.moe_aux_loss_coef, config.moe_z_loss_coef, config.moe_dispatcher))
         if recipe.gradient_checkpointing:
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         compile_elementwise, self.logps_kernel, kernel_ops, fused_loss = _speed_levers(config, self.device, loss)
@@ -382,7 +365,6 @@ class MegatronEngine:
         """Megatron's ``optimizer.step()`` with a check between the gradient norm and the update:
         a non-finite loss (already reduced over ranks) or norm (reduced over model-parallel ranks)
         leaves weights and optimizer state untouched (``--on-nan skip``)."""
-        import math
 
         import torch
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from toolkit.contracts import Example
+from toolkit.contracts import Example, member
 from toolkit.errors import ConfigError, DataError, ToolkitError
 from toolkit_rl.phase import RolloutBatch, dp_sum
 from toolkit_rl.rollout import RolloutError
@@ -72,6 +72,9 @@ def check_schedule(recipe: Any, config: Any) -> None:
                         "batch (steps_per_rollout x iterations): checkpoints fall between rollout batches")
     if recipe.packing:
         problems.append("--packing does not apply to toolkit grpo (completions are scored one per row)")
+    if recipe.eval_dataset or recipe.eval_split or recipe.eval_samples or recipe.save_best or recipe.early_stopping_patience:
+        problems.append("toolkit grpo does not evaluate during training: leave out --eval-dataset/--eval-split/"
+                        "--eval-samples/--save-best/--early-stopping-patience and score the export with toolkit eval")
     if problems:
         raise ConfigError(problems, source="toolkit grpo")
 
@@ -84,7 +87,7 @@ class GRPORun:
 
         self.recipe, self.run_dir, self.engine, self.loss, self.tuner, self.source = recipe, run_dir, engine, loss, tuner, source
         self.config, self.prompts, self.rewards = loss.config, prompts, rewards
-        device = engine.device if hasattr(engine, "device") else _default_device()
+        device = member(engine, "engine", "device") or _default_device()
         self.rollouts = make_rollouts(source, recipe, self.config, device)
         self.reference = Reference(source, recipe, device) if self.config.beta else None
         self.pad_id = source.tokenizer.pad_token_id if source.tokenizer.pad_token_id is not None else 0
@@ -253,7 +256,7 @@ class GRPORun:
             write_recipe(self.recipe, self.run_dir)
         info = RunInfo(self.recipe, self.run_dir, self.total_steps, step, self.engine.is_main,
                        f"{len(self.prompts)} prompts, {self.config.num_generations} completions each")
-        callbacks = make_callbacks(self.engine.is_main)
+        callbacks = make_callbacks(self.recipe, self.engine.is_main)
         for cb in callbacks:
             cb.on_train_start(info)
         log = RolloutLog(self.run_dir, step, self.engine.is_main)

@@ -12,20 +12,13 @@ import dataclasses
 import importlib
 import importlib.util
 import re
-import string
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 from toolkit.config import option
 from toolkit.errors import ConfigError, ToolkitError
-
-
-def normalise_answer(text: str) -> str:
-    """Lower case, no punctuation, no articles, single spaces (the SQuAD normalisation)."""
-    text = "".join(ch for ch in text.lower() if ch not in string.punctuation)
-    text = re.sub(r"\b(a|an|the)\b", " ", text)
-    return " ".join(text.split())
+from toolkit.scoring import normalise_answer  # the one SQuAD normalisation, shared with toolkit eval
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -15,6 +15,7 @@ import typing
 from typing import Any, Literal, get_args, get_origin
 
 from toolkit.config import coerce, field_types
+from toolkit.contracts import member
 from toolkit.errors import ToolkitError
 from toolkit.recipe import OPTION_KINDS, Recipe
 
@@ -153,8 +154,10 @@ def form_fields(manager: Any) -> list[Field]:
 
 
 def active_sections(values: dict[str, Any], fields: list[Field]) -> set[str]:
-    """The option sections that apply: the chosen strategy, tuner, loss, dataset format; every architecture's."""
+    """The option sections that apply: the chosen strategy, tuner, loss, dataset format, the --report-to trackers;
+    every architecture's."""
     chosen = {values.get(name) for name in ("strategy", "tuner", "loss", "dataset_format")}
+    chosen |= set(values.get("report_to") or [])
     return {f.section for f in fields if f.section is not None and (f.kind == "architecture" or f.section in chosen)}
 
 
@@ -250,7 +253,7 @@ def command_args(fields: list[Field], values: dict[str, Any], manager: Any) -> l
     """
     loss = values.get("loss", "sft")
     loss_cls = manager.registry("loss").get(loss)
-    args = [loss] if getattr(loss_cls, "cli_command", True) else ["train", "--loss", loss]
+    args = [loss] if member(loss_cls, "loss", "cli_command") else ["train", "--loss", loss]
     by_key = {f.key: f for f in fields}
     for key, value in values.items():
         if isinstance(value, dict) and key not in by_key:

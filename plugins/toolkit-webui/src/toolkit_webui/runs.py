@@ -213,7 +213,7 @@ def log_tail(run_dir: Path, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-CURVES = {"loss": ("loss", "eval_loss"), "learning rate": ("lr",), "tokens/s": ("tokens_per_s",)}
+CURVES = {"loss": ("loss", "eval/loss"), "learning rate": ("lr",), "tokens/s": ("tokens_per_s",)}
 
 
 def curves(metrics: list[dict[str, Any]]) -> dict[str, Any]:
