@@ -3,7 +3,7 @@ per-token activation scales) through llm-compressor's ``oneshot``; the output is
 checkpoint, which vLLM serves natively and transformers loads (decompressing where no kernel runs).
 
 llm-compressor 0.14 pins transformers<=5.17, older than the rest of the toolkit's: it is tested in a
-session of its own (``nox -s tests-quantize-llmcompressor``), and ``validate`` names the conflict when
+session of its own (``nox -s tests-quantize``), and ``validate`` names the conflict when
 the installed transformers cannot import it.
 """
 
@@ -21,8 +21,8 @@ IGNORE = ["lm_head"]
 def llmcompressor_problems(name: str) -> list[str]:
     try:
         import llmcompressor  # noqa: F401
-    except ImportError as exc:
-        return [f"--quantize {name} needs llm-compressor, which is not importable ({exc}); install it in an environment "
+    except Exception as exc:  # not installed, or installed beside a transformers it does not accept
+        return [f"--quantize {name} needs llm-compressor, which is not importable ({type(exc).__name__}: {exc}); install it in an environment "
                 f"of its own (it pins transformers<=5.17): {install_hint('toolkit-quantize', 'llmcompressor')}"]
     return []
 
