@@ -72,12 +72,33 @@ def test_core_commands_are_registered_like_plugin_commands(probe_manager, cli_ru
 
 
 def test_each_registered_loss_is_a_training_command_with_its_options(probe_manager, cli_runner):
-    result = cli_runner.invoke("probe", "--help")
+    result = cli_runner.invoke("probe", "--strategy", "probe-strategy", "--tuner", "probe-tuner", "--help")
     assert result.exit_code == 0, result.output
     assert "Train with the probe objective" in result.stdout
     for flag in ("--model", "--dataset", "--tp", "--probe-weight", "--probe-mode [sum|mean]", "--probe-strategy-buckets",
                  "--probe-tuner-layers", "--probe-warm / --no-probe-warm"):
         assert flag in result.stdout, flag
+    assert "Options of the tuner 'probe-tuner':" in result.stdout and "Options of the loss 'probe':" in result.stdout
+
+
+def test_help_shows_the_options_of_the_components_in_use_and_help_all_every_one(probe_manager, cli_runner, tmp_path):
+    plain = cli_runner.invoke("sft", "--help").stdout
+    assert "--model" in plain and "--probe-weight" not in plain and "--probe-tuner-layers" not in plain
+    assert "are not shown: name one (e.g. --tuner lora --help) or use --help-all" in " ".join(plain.split())
+    chosen = cli_runner.invoke("sft", "--tuner", "probe-tuner", "--help").stdout
+    assert "--probe-tuner-layers" in chosen and "--probe-strategy-buckets" not in chosen
+    used = cli_runner.invoke("sft", "--probe-strategy-buckets", "3", "--help").stdout  # a flag in use shows its section
+    assert "--probe-strategy-buckets" in used
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("strategy: probe-strategy\n")
+    assert "--probe-strategy-buckets" in cli_runner.invoke("sft", "--config", str(recipe), "--help").stdout
+    everything = cli_runner.invoke("sft", "--help-all")
+    assert everything.exit_code == 0
+    for flag in ("--probe-weight", "--probe-tuner-layers", "--probe-strategy-buckets"):
+        assert flag in everything.stdout
+    assert len(everything.stdout.splitlines()) > len(plain.splitlines())
+    # hidden flags still parse: help is about showing, not accepting
+    assert cli_runner.invoke("sft", "--probe-strategy-buckets", "x").exit_code == 2
 
 
 def test_unknown_subcommand_is_one_paragraph_with_a_suggestion(probe_manager, cli_runner):
@@ -121,7 +142,7 @@ def test_toolkit_error_is_short_and_debug_shows_the_traceback(tmp_path):
 
 def test_bad_key_value_flag(probe_manager, cli_runner, captured_runs):
     result = cli_runner.invoke("probe", *PROBE_FLAGS[2:], "--columns", "instruction")
-    assert result.exit_code == 2 and "expected KEY=VALUE, got 'instruction'" in result.stderr
+    assert result.exit_code == 2 and "expected KEY=VALUE (for example --columns instruction=question), got 'instruction'" in result.stderr
     assert captured_runs == []
 
 

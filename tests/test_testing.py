@@ -64,7 +64,7 @@ def test_a_failing_script_rank_fails_the_run_without_waiting_for_the_timeout(tmp
 def test_free_port_is_bindable_and_outside_the_ephemeral_range():
     import socket
 
-    from toolkit.testing import _ephemeral_ports, free_port
+    from toolkit.train.distributed import _ephemeral_ports, free_port
 
     for _ in range(20):
         port = free_port()

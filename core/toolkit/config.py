@@ -22,6 +22,19 @@ def option(default: Any = dataclasses.MISSING, *, help: str, flag: str | None = 
     return dataclasses.field(default=default, metadata=metadata, **kw)
 
 
+def parse_pairs(items: Any, example: str = "name=value") -> dict[str, str]:
+    """``KEY=VALUE`` items (flags, or the lines of a form field) as a dict, keys and values stripped.
+    A malformed item raises ``ValueError`` naming it; callers add the flag (one parser for every
+    ``--option``, ``--columns`` and mapping field)."""
+    pairs: dict[str, str] = {}
+    for item in items:
+        key, sep, value = str(item).partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"expected KEY=VALUE (for example {example}), got {item!r}")
+        pairs[key.strip()] = value.strip()
+    return pairs
+
+
 def field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}

@@ -206,14 +206,12 @@ def apply_umask(directory: Path) -> None:
 
 
 def parse_options(cls: type, extra: tuple[str, ...], flag: str = "--option") -> Any:
-    from toolkit.config import build_dataclass
+    from toolkit.config import build_dataclass, parse_pairs
 
-    values = {}
-    for item in extra:
-        if "=" not in item:
-            raise ConfigError(f"{flag} expects KEY=VALUE, got {item!r}")
-        key, value = item.split("=", 1)
-        values[key] = value
+    try:
+        values = parse_pairs(extra)
+    except ValueError as exc:
+        raise ConfigError(f"{flag}: {exc}") from None
     problems: list[str] = []
     config = build_dataclass(cls.Config, values, f"{flag} ({cls.name})", problems)
     if problems:

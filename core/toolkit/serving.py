@@ -215,13 +215,12 @@ def split_extra(config: object, extra: dict[str, str] | Sequence[str] | None) ->
 
 def parse_pairs(pairs: Sequence[str]) -> dict[str, str]:
     """``--option KEY=VALUE`` items as a dict; a malformed item is an error naming it."""
-    items: dict[str, str] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ServeError(f"--option {pair!r} is not KEY=VALUE (for example --option max-model-len=2048)")
-        items[key.strip()] = value.strip()
-    return items
+    from toolkit.config import parse_pairs as pairs_of
+
+    try:
+        return pairs_of(pairs, "--option max-model-len=2048")
+    except ValueError as exc:
+        raise ServeError(f"--option: {exc}") from None
 
 
 def engine_flags(options: dict[str, str]) -> list[str]:

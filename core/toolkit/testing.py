@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from toolkit.train.distributed import free_port
 
 # Marks a rank that finished its work; an abort at interpreter exit after it is harmless.
 _DONE = "done"
@@ -250,41 +251,6 @@ class RankResult:
 
 class DistributedError(AssertionError):
     """A rank failed; the message holds every failing rank's exit code and output tail."""
-
-
-def _ephemeral_ports() -> range:
-    """The kernel's range for outgoing connections' local ports (Linux; the usual default elsewhere)."""
-    try:
-        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    except (OSError, ValueError):
-        low, high = 32768, 60999
-    return range(low, high + 1)
-
-
-def free_port() -> int:
-    """A free TCP port for a rendezvous, chosen at random below the ephemeral range.
-
-    A port the kernel hands out (``bind(("", 0))``) is in the ephemeral range, where any process's
-    next outgoing connection can take it between this call and the rendezvous binding it
-    (EADDRINUSE in CI on a busy machine); a random port outside that range can only be taken by
-    another caller that picks the same one.
-    """
-    import random
-
-    ephemeral = _ephemeral_ports()
-    for _ in range(200):
-        port = random.randrange(20000, 32768)
-        if port in ephemeral:
-            continue
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:

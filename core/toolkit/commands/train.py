@@ -76,13 +76,12 @@ def key_value_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str
     """``--columns instruction=question`` (repeatable) -> ``{"instruction": "question"}``."""
     if not value:
         return None
-    pairs = {}
-    for item in value:
-        key, sep, val = item.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}")
-        pairs[key] = val
-    return pairs
+    from toolkit.config import parse_pairs
+
+    try:
+        return parse_pairs(value, "--columns instruction=question")
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 def collect_values(params: dict[str, Any], sections: dict[str, tuple[str, str]]) -> dict[str, Any]:
@@ -173,8 +172,10 @@ def make_training_command(name: str, loss: str | None, help_text: str, manager: 
 
         run_training(recipe, raise_if_stopped=True)
 
-    return click.Command(name, params=params, callback=callback, help=help_text, short_help=help_text.split("\n")[0],
-                         context_settings={"max_content_width": 110})
+    from toolkit.commands.help import TrainingCommand
+
+    return TrainingCommand(name, params=params, callback=callback, help=help_text, short_help=help_text.split("\n")[0],
+                           context_settings={"max_content_width": 110}, sections=sections, loss=loss)
 
 
 def add_training_commands(cli: click.Group) -> None:

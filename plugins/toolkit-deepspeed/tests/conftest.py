@@ -26,7 +26,7 @@ class ScenarioReport(dict):
 
 
 def torchrun(script: Path, *args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    from toolkit_deepspeed.runtime import free_port
+    from toolkit.train.distributed import free_port
 
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
                str(script), *args]

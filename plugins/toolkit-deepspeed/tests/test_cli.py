@@ -16,7 +16,7 @@ def test_zero3_run_with_user_json_resumes_exports_and_consolidates(tmp_path, cli
     import torch
     from transformers import AutoModelForCausalLM
 
-    from toolkit_deepspeed.runtime import free_port
+    from toolkit.train.distributed import free_port
 
     ds_json = tmp_path / "ds.json"
     ds_json.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,

@@ -19,7 +19,7 @@ FLAGS = ["sft", "--model", "tiny-llama", "--dataset", "demo", "--seq-len", "64",
 
 
 def launch(*args: str) -> subprocess.CompletedProcess:
-    from toolkit_deepspeed.runtime import free_port
+    from toolkit.train.distributed import free_port
 
     command = [sys.executable, "-m", "toolkit", "launch", "--nproc", "2", "--master-port", str(free_port()), *args]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from toolkit.train.distributed import free_port
 
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
@@ -38,12 +39,6 @@ def in_ci() -> bool:
     return any(os.environ.get(name, "").lower() not in ("", "0", "false") for name in ("CI", "TOOLKIT_CI"))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class Server:
     """``toolkit webui`` on a free localhost port, with its runs and data directories."""
 
@@ -52,7 +47,7 @@ class Server:
         self.runs = root / "runs"
         self.data = root / "data"
         self.data.mkdir(parents=True)
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/"
         self.log = root / "webui-server.log"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "GRADIO_ANALYTICS_ENABLED": "False", "OMP_NUM_THREADS": "1",

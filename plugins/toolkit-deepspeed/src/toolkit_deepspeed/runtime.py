@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from toolkit.train.distributed import free_port
+
 
 def import_deepspeed() -> Any:
     """Import DeepSpeed with the CPU accelerator when there is no GPU.
@@ -45,14 +47,6 @@ def init_distributed() -> Any:
             os.environ.setdefault(name, value)
     deepspeed.init_distributed(dist_backend="nccl" if world.device.type == "cuda" else "gloo", verbose=False)
     return world
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def on_cpu() -> bool:

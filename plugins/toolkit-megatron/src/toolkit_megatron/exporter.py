@@ -10,7 +10,6 @@ served by :func:`resolve_mcore_source`, which the plugin returns from
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,16 +74,12 @@ def _as_config(options: Any) -> McoreExportConfig:
     return McoreExportConfig(**{k: getattr(options, k) for k in ("tp", "pp", "vpp", "ep", "dtype") if hasattr(options, k)})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(world: int, target: Any, args: tuple) -> None:
     import torch.multiprocessing as mp
 
-    port = _free_port()
+    from toolkit.train.distributed import free_port
+
+    port = free_port()
     mp.start_processes(_entry, args=(world, port, target, args), nprocs=world, start_method="spawn", join=True)
 
 

@@ -170,14 +170,9 @@ def parse_widget(field: Field, raw: Any) -> Any:
     if shape == "mapping":
         if isinstance(raw, dict):
             return dict(raw)
-        pairs = {}
-        for line in str(raw or "").splitlines():
-            if line.strip():
-                key, sep, value = line.partition("=")
-                if not sep or not key.strip():
-                    raise ValueError(f"expected KEY=VALUE lines, got {line!r}")
-                pairs[key.strip()] = value.strip()
-        return pairs
+        from toolkit.config import parse_pairs
+
+        return parse_pairs(line for line in str(raw or "").splitlines() if line.strip())
     if raw is None or (isinstance(raw, str) and raw.strip() == ""):
         if type(None) in get_args(field.type):
             return None

@@ -13,7 +13,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -42,17 +41,12 @@ class RunStatus:
         return [self.name, self.state, steps, "" if self.loss is None else f"{self.loss:.4f}"]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def process_command(args: list[str], nproc: int) -> list[str]:
     """``python -m toolkit ARGS`` or, on several processes, the torchrun line ``toolkit launch`` would run."""
     if nproc <= 1:
         return [sys.executable, "-m", "toolkit", *args]
     from toolkit.commands.launch import torchrun_command
+    from toolkit.train.distributed import free_port
 
     return torchrun_command(tuple(args), nproc, master_port=free_port())
 
