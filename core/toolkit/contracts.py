@@ -189,7 +189,12 @@ class Tuner(Registered, Protocol):
     ``disabled_adapters(model)`` (a context manager in which the model is its base: the reference of
     preference losses without a second copy), ``optimizer_factory`` (``(params, recipe) -> optimizer``
     in place of AdamW, e.g. LoRA+), ``quantized`` (True: the base weights are quantized, which
-    sharding strategies refuse) and ``zero3_compatible`` (False: not under ZeRO-3).
+    sharding strategies refuse), ``zero3_compatible`` (False: not under ZeRO-3) and
+    ``before_step(model, optimizer, optimized, step)``, called by the ``local`` engine at the start of
+    every optimizer step (0-based ``step``) with ``optimized`` mapping parameter names to the tensors
+    the optimizer holds: a tuner whose trainable set changes during the run (toolkit-optim's ``lisa``)
+    switches ``requires_grad`` there and drops the optimizer state it no longer needs; strategies that
+    do not call it must be refused by the tuner's ``validate``.
     """
 
     def validate(self, recipe: Recipe, source: ModelSource) -> list[str]: ...
@@ -203,6 +208,21 @@ class Tuner(Registered, Protocol):
     def load_checkpoint_state(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None: ...
 
     def export_tensors(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+class Optimizer(Registered, Protocol):
+    """How the trainable tensors are updated (``--optimizer``): a factory of ``torch.optim.Optimizer``.
+
+    ``named_params`` are the tensors the engine optimises, with their HF parameter names (fp32 master
+    copies under ``--precision bf16``); the optimizer reads the recipe's ``lr``, ``weight_decay``, betas
+    and its own ``Config``. Engines set the learning-rate schedule on the returned optimizer's
+    ``param_groups`` and save its ``state_dict()`` in checkpoints (tensors only: checkpoints load with
+    ``weights_only``).
+    """
+
+    def validate(self, recipe: Recipe) -> list[str]: ...
+
+    def build(self, named_params: list[tuple[str, torch.Tensor]], recipe: Recipe) -> Any: ...
 
 
 class Loss(Registered, Protocol):
@@ -297,6 +317,21 @@ class Exporter(Registered, Protocol):
     def export(self, model: ExportModel, output: Path, options: Any) -> Path: ...
 
 
+class Quantizer(Registered, Protocol):
+    """Post-training quantization of an HF directory (``toolkit export --quantize NAME``).
+
+    ``needs_calibration``: the method reads ``--calibration-dataset`` (GPTQ, AWQ); ``calibration`` is then a
+    list of token-id lists, else ``None``. ``quantize`` writes config (with its ``quantization_config``),
+    weights and tokenizer into ``output``; it never writes elsewhere.
+    """
+
+    needs_calibration: ClassVar[bool]
+
+    def validate(self) -> list[str]: ...
+
+    def quantize(self, model_dir: Path, output: Path, calibration: list[list[int]] | None) -> None: ...
+
+
 class InferenceBackend(Registered, Protocol):
     def generate(self, model_dir: Path, prompts: list[str], options: Any) -> list[str]: ...
 
@@ -345,7 +380,8 @@ class Callback(Registered, Protocol):
 PROTOCOLS: dict[str, type] = {
     "model_loader": ModelLoader, "architecture": Architecture, "strategy": Strategy, "tuner": Tuner, "loss": Loss,
     "dataset_format": DatasetFormat, "exporter": Exporter, "inference_backend": InferenceBackend,
-    "callback": Callback, "reward": Reward, "metric": Metric, "engine": Engine,
+    "callback": Callback, "reward": Reward, "metric": Metric, "engine": Engine, "optimizer": Optimizer,
+    "quantizer": Quantizer,
 }
 """The protocol of each registry kind (and of the engines strategies build)."""
 
@@ -363,7 +399,7 @@ OPTIONAL: dict[str, dict[str, Any]] = {
                "supports_rollback": True, "skip_nonfinite": False},
     "strategy": {"parallel_axes": frozenset()},
     "tuner": {"adapter_export": None, "adapter_from_checkpoint": None, "disabled_adapters": None, "optimizer_factory": None,
-              "quantized": False, "zero3_compatible": True},
+              "quantized": False, "zero3_compatible": True, "before_step": None},
     "loss": {"train_on": "assistant", "uniform_token_gradient": False, "cli_command": True},
     "dataset_format": {"bundled_datasets": {}},
     "exporter": {"export_adapter": None},

@@ -75,6 +75,18 @@ def toolkit_register_tuners(register: Register) -> None:
 
 
 @hookspec
+def toolkit_register_optimizers(register: Register) -> None:
+    """Register optimizers (``adamw``, ``adafactor``; toolkit-optim: ``adamw-8bit``, ``galore``).
+
+    ``register(cls)`` takes a class following :class:`toolkit.contracts.Optimizer`: ``validate(recipe)``
+    names what the optimizer cannot do (a strategy it does not run under) before the model loads, and
+    ``build(named_params, recipe)`` returns a ``torch.optim.Optimizer`` over the trainable
+    ``(name, tensor)`` pairs. ``--optimizer NAME`` picks one; its ``Config`` fields become
+    ``--NAME-FIELD`` flags and a YAML section. Called the first time a run resolves ``--optimizer``.
+    """
+
+
+@hookspec
 def toolkit_register_losses(register: Register) -> None:
     """Register training objectives (``pt``, ``sft``, ``dpo``, ...).
 
@@ -102,6 +114,19 @@ def toolkit_register_exporters(register: Register) -> None:
     ``register(cls)`` takes a class following :class:`toolkit.contracts.Exporter`:
     ``export(model, output, options)`` writes an artefact another tool loads from an
     :class:`~toolkit.contracts.ExportModel` (HF-named tensors plus config and tokenizer).
+    """
+
+
+@hookspec
+def toolkit_register_quantizers(register: Register) -> None:
+    """Register post-training quantizers for ``toolkit export --to hf --quantize NAME`` (``bnb4``, ``gptq``, ...).
+
+    ``register(cls)`` takes a class following :class:`toolkit.contracts.Quantizer`: ``validate()`` names what
+    keeps it from running on this machine (a missing library, no GPU) before any model loads;
+    ``quantize(model_dir, output, calibration)`` reads the unquantized HF directory the core exported
+    and writes a quantized HF directory that ``transformers`` loads, calibrating on ``calibration``
+    (token-id lists from ``--calibration-dataset``) when ``needs_calibration`` is true. The core then
+    writes the size and perplexity report beside it. Called when ``toolkit export`` gets ``--quantize``.
     """
 
 

@@ -246,13 +246,15 @@ def load_hf_model(source: Any, tuner: Any, recipe: Any, device: Any) -> Any:
 
     torch.manual_seed(recipe.seed)
     kwargs = {"dtype": torch.float32, **tuner.model_load_kwargs()}
+    placed_by_loader = "quantization_config" in kwargs  # bitsandbytes quantises onto its device while loading
+    kwargs.update(decompress_kwargs(source, kwargs))
     if wants_scores(recipe):
         pad = source.tokenizer.pad_token_id if source.tokenizer.pad_token_id is not None else source.tokenizer.eos_token_id
         model = AutoModelForSequenceClassification.from_pretrained(
             source.directory, trust_remote_code=source.trust_remote_code, num_labels=1, pad_token_id=pad, **kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(source.directory, trust_remote_code=source.trust_remote_code, **kwargs)
-    if "quantization_config" not in kwargs:
+    if not placed_by_loader:
         model.to(device)
     if recipe.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -262,6 +264,19 @@ def load_hf_model(source: Any, tuner: Any, recipe: Any, device: Any) -> Any:
     get_plugin_manager().patch_model(model, source, recipe)
     torch.manual_seed(recipe.seed)
     return tuner.apply(model, source)
+
+
+def decompress_kwargs(source: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A compressed-tensors base (a GPTQ, AWQ or FP8 export) loads decompressed into plain float weights,
+    so any tuner trains on it and the result exports (and quantizes) again; its packed Linear modules
+    have no ``weight`` to train or wrap."""
+    quantization = getattr(source.config, "quantization_config", None)
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization, "quant_method", None)
+    if str(method) != "compressed-tensors" or "quantization_config" in kwargs:
+        return {}
+    from transformers import CompressedTensorsConfig
+
+    return {"quantization_config": CompressedTensorsConfig(run_compressed=False)}
 
 
 def autocast_dtype(precision: str) -> Any:

@@ -13,7 +13,7 @@ from toolkit.errors import ConfigError
 # Kinds whose registered things expose their Config as CLI flags (``--lora-rank``) and as
 # YAML sections (``lora: {rank: 16}``); an architecture with Config fields (toolkit-moe's
 # ``moe``) gets a section too, and so do a reward (toolkit-rl's ``answer``) and a tracker (``wandb``).
-OPTION_KINDS = ("strategy", "tuner", "loss", "dataset_format", "architecture", "reward", "callback")
+OPTION_KINDS = ("strategy", "tuner", "optimizer", "loss", "dataset_format", "architecture", "reward", "callback")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -47,7 +47,9 @@ class Recipe:
     min_lr_ratio: float = option(0.1, help="Final learning rate as a fraction of --lr.")
     warmup_steps: int = option(0, help="Linear warmup steps.")
     schedule: Literal["cosine", "linear", "constant"] = option("cosine", help="Learning-rate decay after warmup.")
-    weight_decay: float = option(0.0, help="AdamW weight decay.")
+    optimizer: str = option("adamw", help="How the weights are updated: adamw, adafactor, or a plugin's (adamw-8bit, "
+                                          "galore: pip install toolkit-optim); its options are --NAME-FIELD flags.")
+    weight_decay: float = option(0.0, help="Decoupled weight decay (matrices only; every optimizer).")
     adam_beta1: float = option(0.9, help="AdamW beta1.")
     adam_beta2: float = option(0.999, help="AdamW beta2.")
     adam_eps: float = option(1e-8, help="AdamW epsilon.")
@@ -251,7 +253,8 @@ def resolve_recipe(values: dict[str, Any], source: str = "recipe", manager: Any 
         else:
             problems.append(_unknown_key(key, sorted(recipe_fields - {"options"}) + _option_names(manager)))
     recipe = build_dataclass(Recipe, top, source, problems)
-    for kind, attr in (("strategy", "strategy"), ("tuner", "tuner"), ("loss", "loss"), ("exporter", "export")):
+    for kind, attr in (("strategy", "strategy"), ("tuner", "tuner"), ("optimizer", "optimizer"), ("loss", "loss"),
+                       ("exporter", "export")):
         name = getattr(recipe, attr)
         if (kind == "strategy" and name == "auto") or name is None:
             continue

@@ -64,8 +64,19 @@ def write_safetensors_shards(tensors: Any, directory: Path, max_shard_bytes: int
     return final
 
 
-def write_model_metadata(model: ExportModel, directory: Path, dtype: str = "auto") -> None:
-    """config.json, tokenizer files (with a chat template) and generation_config.json."""
+def is_quantized_tensor(tensor: Any) -> bool:
+    """Packed or low-bit storage (bitsandbytes uint8/int8, GPTQ int32, fp8): not a plain weight."""
+    return not tensor.is_floating_point() or tensor.dtype.itemsize == 1
+
+
+def write_model_metadata(model: ExportModel, directory: Path, dtype: str = "auto", quantized: bool = True) -> None:
+    """config.json, tokenizer files (with a chat template) and generation_config.json.
+
+    ``quantized=False``: the tensors written are plain floats, so a ``quantization_config`` the source
+    carried (training on a quantized export: QLoRA merged by dequantising) is left out of config.json;
+    transformers would otherwise read the float weights as packed ones."""
+    import copy
+
     from transformers import GenerationConfig
 
     from toolkit.data.template import CHATML
@@ -73,6 +84,9 @@ def write_model_metadata(model: ExportModel, directory: Path, dtype: str = "auto
     config = model.source.config
     if dtype != "auto":
         config.dtype = dtype
+    if not quantized and getattr(config, "quantization_config", None) is not None:
+        config = copy.deepcopy(config)
+        del config.quantization_config
     config.save_pretrained(directory)
     tokenizer = model.source.tokenizer
     if not getattr(tokenizer, "chat_template", None):
@@ -101,10 +115,13 @@ class HFExporter:
 
     def export(self, model: ExportModel, output: Path, options: HFExportConfig) -> Path:
         names: set[str] = set()
+        quantized = []
 
         def tensors() -> Iterator[tuple[str, Any]]:
             for name, tensor in model.tensors():
                 names.add(name)
+                if is_quantized_tensor(tensor):
+                    quantized.append(name)
                 yield name, tensor
 
         write_safetensors_shards(tensors(), output, options.max_shard_size_mb * 2**20, options.dtype,
@@ -115,7 +132,7 @@ class HFExporter:
 
             raise ToolkitError(f"{model.description} is a reward model (a value head, no LM head): export it with "
                                f"--to hf-rm ({install_hint('toolkit-dpo')}), which writes a sequence-classification model")
-        write_model_metadata(model, output, options.dtype)
+        write_model_metadata(model, output, options.dtype, quantized=bool(quantized))
         return output
 
     def export_adapter(self, model: ExportModel, output: Path, options: HFExportConfig) -> Path:

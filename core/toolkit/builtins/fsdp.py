@@ -64,8 +64,9 @@ class FSDPEngine(LocalEngine):
         self.reference = self._build_reference(loss) if loss.needs_reference else None
         compute_autocast = None if self.use_policy else autocast_dtype(recipe.precision)
         self.module = self._shard(logps.CausalLMLogps(self.model, compute_autocast, self.packed_attention))
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.params, recipe, member(tuner, "tuner", "optimizer_factory"))
+        self.optimized = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        self.params = list(self.optimized.values())
+        self.optimizer = build_optimizer(list(self.optimized.items()), recipe, member(tuner, "tuner", "optimizer_factory"))
         self.scheduler = None
 
     def _shard(self, module: Any) -> Any:

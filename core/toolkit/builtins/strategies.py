@@ -127,10 +127,12 @@ class LocalEngine(EngineBase):
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.module = torch.nn.parallel.DistributedDataParallel(
                 self.module, device_ids=ids, find_unused_parameters=config.find_unused_parameters)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        trained = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in trained]
         optimized = self.master.master if self.master else self.params
+        self.optimized = {name: tensor for (name, _), tensor in zip(trained, optimized)}
         self.shards = {id(t): shard_of(p) for t, p in zip(optimized, self.params) if shard_of(p) is not None}
-        self.optimizer = build_optimizer(optimized, recipe, member(tuner, "tuner", "optimizer_factory"))
+        self.optimizer = build_optimizer(list(self.optimized.items()), recipe, member(tuner, "tuner", "optimizer_factory"))
         self.scheduler = None
         self.reference = self._build_reference(loss) if loss.needs_reference else None
 
@@ -238,6 +240,8 @@ class LocalEngine(EngineBase):
     def _train_step(self, micro_batches: list[dict], loss: Any, ctx: StepContext) -> StepResult:
         """One optimizer step. Losses and metrics stay on the device; they are read once, after the
         optimizer step is queued, so the GPU never waits for the host inside the step."""
+        if member(self.tuner, "tuner", "before_step") is not None:  # a trainable set that changes during the run
+            self.tuner.before_step(self.model, self.optimizer, self.optimized, ctx.step)
         self.module.train()
         total: Any = 0.0
         metrics: dict[str, Any] = {}

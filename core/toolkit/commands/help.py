@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-CHOOSERS = {"strategy": "--strategy", "tuner": "--tuner", "loss": "--loss", "dataset_format": "--dataset-format"}
+CHOOSERS = {"strategy": "--strategy", "tuner": "--tuner", "optimizer": "--optimizer", "loss": "--loss", "dataset_format": "--dataset-format"}
 OWNER = re.compile(r"^opt\d+_(?P<kind>[a-z_]+?)__")
 
 

@@ -1,4 +1,4 @@
-"""Optimizer and learning-rate schedule from the recipe (AdamW, warmup + cosine/linear/constant)."""
+"""Optimizer (the registered ``--optimizer``) and learning-rate schedule (warmup + cosine/linear/constant)."""
 
 from __future__ import annotations
 
@@ -20,17 +20,16 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: floa
     return min_ratio + (1.0 - min_ratio) * decay
 
 
-def build_optimizer(params: list[Any], recipe: Any, factory: Any = None) -> Any:
-    import torch
+def build_optimizer(named_params: list[tuple[str, Any]], recipe: Any, factory: Any = None) -> Any:
+    """The recipe's ``--optimizer`` over ``(name, tensor)`` pairs. ``factory(params, recipe)`` is a
+    tuner's own choice (toolkit-peft's ``--lora-optimizer``), used while ``--optimizer`` is the default."""
+    from toolkit.plugins import get_plugin_manager
+    from toolkit.recipe import thing_options
 
-    if factory is not None:
-        return factory(params, recipe)
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = all(p.is_cuda for p in params)  # one kernel over all tensors on GPU: the step is memory-bound
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=recipe.lr, betas=(recipe.adam_beta1, recipe.adam_beta2),
-                             eps=recipe.adam_eps, fused=fused or None)
+    if factory is not None and recipe.optimizer == "adamw":
+        return factory([p for _, p in named_params], recipe)
+    cls = get_plugin_manager().get("optimizer", recipe.optimizer)
+    return cls(thing_options(recipe, cls)).build(named_params, recipe)
 
 
 def build_scheduler(optimizer: Any, recipe: Any, total_steps: int) -> Any:

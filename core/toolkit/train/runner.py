@@ -101,13 +101,15 @@ def resolve_components(recipe: Recipe, world_size: int) -> tuple[Any, Any, Any, 
     strategy_cls = manager.get("strategy", recipe.strategy)
     tuner_cls = manager.get("tuner", recipe.tuner)
     loss_cls = manager.get("loss", recipe.loss)
-    for kind, cls in (("strategy", strategy_cls), ("tuner", tuner_cls), ("loss", loss_cls)):
+    optimizer_cls = manager.get("optimizer", recipe.optimizer)
+    for kind, cls in (("strategy", strategy_cls), ("tuner", tuner_cls), ("loss", loss_cls), ("optimizer", optimizer_cls)):
         missing = missing_members(kind, cls)
         if missing:
             raise PluginLoadError(f"{kind} {cls.name!r} (plugin {manager.registry(kind).owner(cls.name)!r}) lacks "
                                   f"{', '.join(missing)}, which contracts.{PROTOCOLS[kind].__name__} requires (docs/hooks.md)")
     strategy, tuner, loss = (cls(thing_options(recipe, cls)) for cls in (strategy_cls, tuner_cls, loss_cls))
     problems = unsupported_axes(recipe, strategy_cls, manager) or strategy.validate(recipe, world_size)
+    problems += optimizer_cls(thing_options(recipe, optimizer_cls)).validate(recipe)
     if problems:
         raise LayoutError(f"--strategy {recipe.strategy} cannot run this layout:\n" + "\n".join(f"  - {p}" for p in problems))
     return strategy, tuner, loss, recipe
@@ -168,7 +170,7 @@ def check_resume_changes(recipe: Recipe, is_main: bool) -> None:
     except (OSError, yaml.YAMLError):
         return  # written by an older or broken run: the checkpoint checks still apply
     current = recipe.to_yaml_dict()
-    sections = {recipe.tuner, recipe.loss, recipe.dataset_format}
+    sections = {recipe.tuner, recipe.optimizer, recipe.loss, recipe.dataset_format}
     keys = [k for k in dict.fromkeys([*saved, *current]) if k not in RESUME_MAY_CHANGE
             and (k in {f.name for f in dataclasses.fields(Recipe)} or k in sections)]
     # a field the saved recipe lacks was added by a newer toolkit: at its default it trains as before

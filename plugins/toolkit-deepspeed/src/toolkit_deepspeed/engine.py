@@ -75,7 +75,7 @@ class ZeroEngine(LocalEngine):
 
         factory = member(self.tuner, "tuner", "optimizer_factory")
         if factory is not None:
-            return build_optimizer(self.params, self.recipe, factory)
+            return build_optimizer([(str(i), p) for i, p in enumerate(self.params)], self.recipe, factory)
         offloaded = self.ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "cpu"
         # torch AdamW on offloaded fp32 states is several times slower than DeepSpeed's CPU Adam.
         return adamw(self.params, self.recipe, cpu_adam=offloaded and self.device.type != "cpu")

@@ -142,6 +142,9 @@ class LoRATuner:
         problems = [f"{self.name}: {p}" for p in self.config.check()]
         if self.config.optimizer != "adamw" or self.quantized:
             problems += [f"{self.name}: {p}" for p in bitsandbytes_problems(self.name)]
+        if self.config.optimizer != "adamw" and getattr(recipe, "optimizer", "adamw") != "adamw":
+            problems.append(f"--{self.name}-optimizer {self.config.optimizer} and --optimizer {recipe.optimizer} both choose "
+                            f"the optimizer; give one (--optimizer adamw-8bit is --{self.name}-optimizer adamw8bit)")
         strategy = getattr(recipe, "strategy", "local")
         if self.quantized and strategy in ("megatron", "fsdp"):
             problems.append(f"qlora: --strategy {strategy} cannot shard 4-bit bitsandbytes weights; use --strategy local "

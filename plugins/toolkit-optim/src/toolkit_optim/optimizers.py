@@ -1,0 +1,159 @@
+"""``--optimizer adamw-8bit`` (bitsandbytes' block-wise 8-bit AdamW) and ``--optimizer galore``
+(galore-torch's GaLoreAdamW: AdamW on a low-rank projection of each matrix's gradient).
+
+Both are the libraries' own optimizers; what lives here is the recipe -> constructor mapping, the
+choice of which matrices GaLore projects, and a tensor-only form of GaLore's projector state so a
+checkpoint loads with ``weights_only`` (galore-torch keeps a Python object in the state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, ClassVar, Literal
+
+from toolkit.builtins.optimizers import decay_groups, strategy_problems
+from toolkit.config import option
+from toolkit.errors import ToolkitError
+from toolkit.plugins import install_hint
+
+
+def require(module: str, package: str, extra: str, what: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ToolkitError(f"{what} needs {package}, which is not importable ({exc}); install it with: "
+                           f"{install_hint('toolkit-optim', extra)}") from None
+
+
+def missing(module: str, package: str, extra: str, what: str) -> list[str]:
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        return [f"{what} needs {package}, which is not installed: {install_hint('toolkit-optim', extra)}"]
+    return []
+
+
+@dataclasses.dataclass(kw_only=True)
+class AdamW8bitConfig:
+    min_8bit_size: int = option(4096, help="Tensors with fewer elements keep 32-bit states (bitsandbytes' default).")
+
+    def check(self) -> list[str]:
+        return [] if self.min_8bit_size >= 0 else [f"adamw-8bit min_8bit_size must be 0 or more, got {self.min_8bit_size}"]
+
+
+class AdamW8bit:
+    """bitsandbytes.optim.AdamW8bit: both moments stored in 8 bits (block-wise quantised), 2 bytes per
+    parameter instead of 8. Runs on CUDA and, with bitsandbytes >= 0.45, on CPU."""
+
+    name: ClassVar[str] = "adamw-8bit"
+    Config: ClassVar[type] = AdamW8bitConfig
+    # FSDP2 hands the optimizer DTensor shards, which bitsandbytes' kernels do not take.
+    strategies: ClassVar[tuple[str, ...]] = ("local",)
+
+    def __init__(self, config: Any = None):
+        self.config = config or self.Config()
+
+    def validate(self, recipe: Any) -> list[str]:
+        return (strategy_problems(self.name, recipe, self.strategies)
+                + missing("bitsandbytes", "bitsandbytes", "bnb", f"--optimizer {self.name}"))
+
+    def build(self, named_params: list[tuple[str, Any]], recipe: Any) -> Any:
+        bnb = require("bitsandbytes", "bitsandbytes", "bnb", f"--optimizer {self.name}")
+        return bnb.optim.AdamW8bit(decay_groups(named_params, recipe.weight_decay), lr=recipe.lr,
+                                   betas=(recipe.adam_beta1, recipe.adam_beta2), eps=recipe.adam_eps,
+                                   min_8bit_size=self.config.min_8bit_size)
+
+
+@dataclasses.dataclass(kw_only=True)
+class GaLoreConfig:
+    rank: int = option(128, help="Rank of the gradient projection (the paper: 128 for 60M-350M models, 512 for 1B, 1024 for 7B).")
+    update_proj_gap: int = option(200, help="Steps between recomputing each projection (an SVD of the gradient).")
+    scale: float = option(0.25, help="Scale of the projected-back update (the paper's alpha).")
+    proj_type: Literal["std", "reverse_std", "right", "left", "full"] = option(
+        "std", help="Which side is projected: std projects the shorter side (galore-torch's choice).")
+    targets: str = option(r"\.(self_attn|mlp)\.", help="Regex of parameter names whose matrices are projected; the "
+                                                       "rest (embeddings, head, norms) train with plain AdamW.")
+
+    def check(self) -> list[str]:
+        problems = [f"galore {name} must be at least 1, got {getattr(self, name)}"
+                    for name in ("rank", "update_proj_gap") if getattr(self, name) < 1]
+        try:
+            re.compile(self.targets)
+        except re.error as exc:
+            problems.append(f"--galore-targets {self.targets!r} is not a valid regex: {exc}")
+        return problems
+
+
+class GaLore:
+    """galore_torch.GaLoreAdamW: matrices matching ``--galore-targets`` keep AdamW moments of their
+    ``rank``-dimensional projected gradient; everything else is plain AdamW."""
+
+    name: ClassVar[str] = "galore"
+    Config: ClassVar[type] = GaLoreConfig
+    # Each rank must see the whole gradient matrix for its SVD: no FSDP2 shards.
+    strategies: ClassVar[tuple[str, ...]] = ("local",)
+
+    def __init__(self, config: Any = None):
+        self.config = config or self.Config()
+
+    def validate(self, recipe: Any) -> list[str]:
+        return (strategy_problems(self.name, recipe, self.strategies)
+                + missing("galore_torch", "galore-torch", "galore", f"--optimizer {self.name}"))
+
+    def param_groups(self, named_params: list[tuple[str, Any]], weight_decay: float) -> list[dict[str, Any]]:
+        pattern = re.compile(self.config.targets)
+        projected = [(n, p) for n, p in named_params if p.ndim == 2 and pattern.search(n)]
+        if not projected:
+            raise ToolkitError(f"--optimizer galore: no trained matrix matches --galore-targets {self.config.targets!r} "
+                               f"(first trained names: {', '.join(n for n, _ in named_params[:3])}); nothing would be projected")
+        ids = {id(p) for _, p in projected}
+        groups = decay_groups([(n, p) for n, p in named_params if id(p) not in ids], weight_decay)
+        c = self.config
+        groups.append({"params": [p for _, p in projected], "weight_decay": weight_decay, "rank": c.rank,
+                       "update_proj_gap": c.update_proj_gap, "scale": c.scale, "proj_type": c.proj_type})
+        return groups
+
+    def build(self, named_params: list[tuple[str, Any]], recipe: Any) -> Any:
+        galore_torch = require("galore_torch", "galore-torch", "galore", f"--optimizer {self.name}")
+        optimizer = galore_torch.GaLoreAdamW(self.param_groups(named_params, recipe.weight_decay), lr=recipe.lr,
+                                             betas=(recipe.adam_beta1, recipe.adam_beta2), eps=recipe.adam_eps,
+                                             no_deprecation_warning=True)
+        optimizer.register_state_dict_post_hook(projectors_as_tensors)
+        optimizer.register_load_state_dict_post_hook(projectors_from_tensors)
+        return optimizer
+
+
+PROJECTION = "galore_projection"
+
+
+def projectors_as_tensors(optimizer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Replace each GaLoreProjector object by its projection matrix (or the pair, for ``full``): the
+    rest of the projector (rank, gap, scale, type) is in the parameter group."""
+    state = {}
+    for index, entry in state_dict["state"].items():
+        entry = dict(entry)
+        projector = entry.pop("projector", None)
+        if projector is not None:
+            matrix = projector.ortho_matrix
+            entry[PROJECTION] = list(matrix) if isinstance(matrix, (list, tuple)) else matrix
+        state[index] = entry
+    return {**state_dict, "state": state}
+
+
+def projectors_from_tensors(optimizer: Any) -> None:
+    from galore_torch.galore_projector import GaLoreProjector
+
+    for group in optimizer.param_groups:
+        if "rank" not in group:
+            continue
+        for param in group["params"]:
+            entry = optimizer.state.get(param)
+            if not entry or PROJECTION not in entry:
+                continue
+            projector = GaLoreProjector(group["rank"], update_proj_gap=group["update_proj_gap"], scale=group["scale"],
+                                        proj_type=group["proj_type"])
+            projector.ortho_matrix = entry.pop(PROJECTION)
+            entry["projector"] = projector
