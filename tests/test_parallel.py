@@ -115,3 +115,36 @@ def test_the_planner_counts_global_batch_zero_as_training_does():
     batches = Batches(examples, seed=0, seq_len=16, packing=False, micro_batch_size=2, global_batch_size=0, dp_rank=0,
                       dp_world_size=best.layout.dp, pad_id=0)
     assert batches.global_batch_size == result.global_rows and batches.accumulation == 1
+
+
+def test_export_layout_flags_reach_a_layout_exporter_and_are_refused_elsewhere(toolkit_manager):
+    import dataclasses
+    from typing import ClassVar
+
+    from toolkit import hookimpl
+    from toolkit.commands.export import layout_options
+    from toolkit.config import option
+    from toolkit.errors import ConfigError
+
+    @dataclasses.dataclass(kw_only=True)
+    class Sizes:
+        tp: int = option(1, help="tp")
+        pp: int = option(1, help="pp")
+
+    class Sharded:
+        name: ClassVar[str] = "sharded"
+        Config: ClassVar[type] = Sizes
+
+    class plugin:  # noqa: N801
+        @staticmethod
+        @hookimpl
+        def toolkit_register_exporters(register):
+            register(Sharded)
+
+    toolkit_manager(("sharded-plugin", plugin), installed=False)
+    assert layout_options("sharded", {"tp": 2, "pp": 4, "vpp": None, "ep": None}) == ["tp=2", "pp=4"]
+    assert layout_options("hf", {"tp": None, "pp": None, "vpp": None, "ep": None}) == []
+    with pytest.raises(ConfigError, match="--tp set the parallel layout an exporter writes .*--to hf writes none"):
+        layout_options("hf", {"tp": 2, "pp": None, "vpp": None, "ep": None})
+    with pytest.raises(ConfigError, match="--vpp"):
+        layout_options("sharded", {"tp": None, "pp": None, "vpp": 2, "ep": None})
