@@ -202,3 +202,100 @@ def test_an_engine_without_required_members_is_named_with_its_strategy(toolkit_m
     message = str(error.value)
     assert "strategy 'forgetful' built an engine" in message and "set_total_steps" in message and "current_lr" in message
     assert "train_step" in message  # every missing member, not only the first
+
+
+OUTSIDE_PLUGIN = '''
+"""A third party's plugin, written to docs/hooks.md and contracts.py alone: no toolkit base class, every
+optional member left out, installed as a distribution with an entry point (not part of this repository)."""
+import dataclasses
+import json
+import os
+
+from toolkit import hookimpl
+from toolkit.config import option
+from toolkit.contracts import LossOutput
+
+
+@dataclasses.dataclass(kw_only=True)
+class ScaledConfig:
+    scale: float = option(1.0, help="Multiplies the token-averaged cross-entropy.")
+
+
+class ScaledCrossEntropy:
+    name = "scaled-ce"
+    Config = ScaledConfig
+    consumes = "logps"
+    needs_reference = False
+    example_kinds = ("lm",)
+
+    def __init__(self, config):
+        self.config = config
+
+    def __call__(self, out, ctx):
+        loss = -(out.logps * out.mask).sum() / max(ctx.label_tokens, 1) * self.config.scale
+        return LossOutput(loss=loss)
+
+
+@dataclasses.dataclass(kw_only=True)
+class NoOptions:
+    pass
+
+
+class StepFile:
+    name = "step-file"
+    Config = NoOptions
+
+    def __init__(self, config):
+        self.config = config
+
+    def on_step_end(self, step, metrics):
+        with open(os.environ["OUTSIDE_STEPS"], "a") as handle:
+            handle.write(json.dumps({"step": step, "loss": metrics["loss"]}) + "\\n")
+
+
+@hookimpl
+def toolkit_register_losses(register):
+    register(ScaledCrossEntropy)
+
+
+@hookimpl
+def toolkit_register_callbacks(register):
+    register(StepFile)
+'''
+
+
+@pytest.mark.slow
+def test_a_plugin_outside_the_repository_written_to_the_contract_trains(tmp_path):
+    """Installed like any distribution (a dist-info with a ``toolkit`` entry point on the path), its loss trains
+    with its option (scale 2 doubles every step's loss against the core's sft on the same run) and its
+    callback, with only on_step_end, hears every step."""
+    import os
+    import subprocess
+    import sys
+
+    site = tmp_path / "site"
+    (site / "outside_plugin-0.1.dist-info").mkdir(parents=True)
+    (site / "outside_plugin.py").write_text(OUTSIDE_PLUGIN)
+    (site / "outside_plugin-0.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: outside-plugin\nVersion: 0.1\n")
+    (site / "outside_plugin-0.1.dist-info" / "entry_points.txt").write_text("[toolkit]\noutside = outside_plugin\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+           "OUTSIDE_STEPS": str(tmp_path / "steps.jsonl"), "HF_HUB_OFFLINE": "1"}
+    common = ["--model", "tiny-llama", "--dataset", "demo", "--seq-len", "64", "--max-steps", "3", "--log-every", "1",
+              "--lr", "1e-3"]
+
+    def run(*args):
+        result = subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, env=env, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result
+
+    listing = json.loads(run("plugins", "--json").stdout)
+    outside = next(row for row in listing if row["name"] == "outside")
+    assert outside["error"] is None and outside["registers"] == {"loss": ["scaled-ce"], "callback": ["step-file"]}
+    run("train", "--loss", "scaled-ce", "--scaled-ce-scale", "2", *common, "--output", str(tmp_path / "scaled"))
+    run("sft", *common, "--output", str(tmp_path / "sft"))
+    scaled, sft = ([json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+                   for name in ("scaled", "sft"))
+    assert scaled[0] == pytest.approx(2 * sft[0], rel=1e-6)
+    heard = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in heard] == [1, 2, 3, 1, 2, 3]  # both runs, every step
+    assert [h["loss"] for h in heard[:3]] == pytest.approx(scaled)
