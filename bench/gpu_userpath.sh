@@ -7,6 +7,8 @@
 #   bash bench/gpu_userpath.sh 3    # fsdp, deepspeed, rm, MoE local + the megatron tests
 #   bash bench/gpu_userpath.sh 4    # export + infer, QLoRA, DoRA, isolated PT
 #   bash bench/gpu_userpath.sh 5    # megatron under torchrun, megatron MoE, unpacked SFT without length grouping
+#   bash bench/gpu_userpath.sh 6    # one call of ~8 minutes: every toolkit case on tiny models on CUDA (5 at once: does
+#                                   # each run), then at scale dpo-pure, MoE (megatron, toolkit-moe), fsdp, deepspeed
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:?usage: bash bench/gpu_userpath.sh 1|2|3|4|5|final}
@@ -44,6 +46,21 @@ case "$part" in
     ;;
   4)
     timeout 560 python3 bench/userpath.py --case-timeout 135 --cases export-infer,sft-qlora,sft-dora,pt-isolated
+    ;;
+  6)
+    (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 timeout 420 python3 -m pytest -q -p no:cacheprovider -n 8 plugins/toolkit-megatron/tests \
+      > "$OUT/megatron-tests.log" 2>&1; echo "megatron tests: rc $?" >> "$OUT/megatron-tests.log") &
+    tests=$!
+    (timeout 200 python3 bench/userpath.py --prepare-only > "$OUT/prepare.log" 2>&1) &
+    prep=$!
+    tiny=pt,pt-isolated,sft-pack,sft-nopack,sft-nopack-ungrouped,sft-lora,sft-dora,sft-qlora,sft-fsdp,sft-deepspeed
+    tiny=$tiny,sft-megatron,sft-megatron-torchrun,dpo,dpo-pure,rm,moe-sft,moe-megatron,export-infer
+    timeout 140 python3 bench/userpath.py --tiny --jobs 5 --case-timeout 120 --work /tmp/up-tiny --cases "$tiny"
+    wait $prep; tail -2 "$OUT/prepare.log"
+    timeout "${SCALE_LIMIT:-290}" python3 bench/userpath.py --steps 8 --case-timeout 105 \
+      --cases dpo-pure,moe-megatron,moe-sft,sft-fsdp,sft-deepspeed,trl-dpo
+    wait $tests
+    tail -5 "$OUT/megatron-tests.log"
     ;;
   5)
     timeout 560 python3 bench/userpath.py --case-timeout 170 --cases sft-megatron-torchrun,moe-megatron,sft-nopack-ungrouped

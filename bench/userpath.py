@@ -5,6 +5,7 @@ limit, beside HF transformers and TRL (SFTTrainer, DPOTrainer) on the same data,
     python bench/userpath.py --cases sft-pack,trl-sft-bfd --steps 12 --case-timeout 150
     python bench/userpath.py --tiny                  # the same code path on a CPU with tiny models (nox -s bench)
     python bench/userpath.py --list                  # the cases and their commands
+    python bench/userpath.py --tiny --jobs 4         # every case at once on tiny models (does each run? not timings)
 
 Data comes from bench/userdata.py (long-tailed chats, long documents, preference pairs). Models: a 1.24B
 Llama and a 2-layer Qwen3-MoE with the 30B-A3B layer shape, random bf16 weights written once to --work.
@@ -19,6 +20,7 @@ $OUT/userpath-<gpu>-<date>.json (a ``results`` list, one object per case) when O
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import json
 import os
@@ -68,6 +70,8 @@ def cases(args: argparse.Namespace) -> dict[str, dict]:
         "sft-megatron": {"cmd": [*sft, "--packing", "--strategy", "megatron"], "needs": "megatron.core"},
         "sft-megatron-torchrun": {"cmd": [*sft, "--packing", "--strategy", "megatron"], "torchrun": 1, "needs": "megatron.core"},
         "dpo": {"cmd": ["dpo", *pref]},
+        # bf16 weights, gradients and AdamW states: the precision and optimizer of TRL's DPOTrainer (trl-dpo)
+        "dpo-pure": {"cmd": ["dpo", *pref, "--local-bf16-mode", "pure"]},
         "rm": {"cmd": ["rm", *pref]},
         "moe-sft": {"cmd": [*sft, "--packing"], "model": "moe"},
         "moe-megatron": {"cmd": [*sft, "--packing", "--strategy", "megatron"], "model": "moe", "needs": "megatron.core"},
@@ -210,14 +214,19 @@ def print_table(results: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="tiny models and data on the CPU")
+    parser.add_argument("--tiny", action="store_true",
+                        help="tiny models and data: the CPU path of nox -s bench; on a GPU, every case's CUDA path in seconds")
     parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     parser.add_argument("--list", action="store_true")
+    parser.add_argument("--prepare-only", action="store_true", help="write the models and data to --work, run nothing")
     parser.add_argument("--steps", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--seq-len", type=int, default=0)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--case-timeout", type=float, default=240)
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="cases run at once; above 1 they share the GPU, so the figures say whether each case "
+                        "runs, not how fast (each result is marked 'concurrent')")
     parser.add_argument("--work", type=Path, default=Path("/tmp/userpath"))
     parser.add_argument("--baseline", default="", help=argparse.SUPPRESS)
     parser.add_argument("--baseline-out", type=Path, default=None, help=argparse.SUPPRESS)
@@ -241,12 +250,20 @@ def main() -> None:
             print(f"{name:24s} {' '.join(table[name].get('cmd', [table[name].get('baseline', '')]))}")
         return
     paths = prepare(args)
+    if args.prepare_only:
+        return
     results: list[dict] = []
-    for name in chosen:
+
+    def one(name: str) -> dict:
         print(f"userpath: {name} ({datetime.datetime.now(datetime.UTC):%H:%M:%S})", file=sys.stderr, flush=True)
-        results.append(run_case(table[name], paths, args))
-        print_table(results[-1:])
-        save(results, args)  # after every case: a run cut short keeps what it measured
+        result = run_case(table[name], paths, args)
+        return {**result, "concurrent": args.jobs} if args.jobs > 1 else result
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        for result in pool.map(one, chosen):  # in the order asked, each as soon as it and those before it end
+            results.append(result)
+            print_table(results[-1:])
+            save(results, args)  # after every case: a run cut short keeps what it measured
     print_table(results)
 
 
@@ -260,7 +277,8 @@ def save(results: list[dict], args: argparse.Namespace) -> None:
     date = datetime.date.today().isoformat()
     meta = {"date": date, "gpu": name, "command": shlex.join([sys.executable, *sys.argv]), "steps": args.steps,
             "warmup": args.warmup, "seq_len": args.seq_len, "micro_batch": args.micro_batch}
-    path = Path(os.environ["OUT"], f"userpath-{name.split()[-1].lower()}-{date}.json")
+    stem = "userpath-tiny" if args.tiny else "userpath"
+    path = Path(os.environ["OUT"], f"{stem}-{name.split()[-1].lower()}-{date}.json")
     path.write_text(json.dumps({**meta, "results": results}, indent=2))
 
 

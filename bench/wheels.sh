@@ -12,7 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-GPU_PLATFORM=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64)
+GPU_PLATFORM=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_24_x86_64)
 mkdir -p .whl/deps
 if ! ls .whl/megatron_core-*.whl >/dev/null 2>&1; then
   "$PY" -m pip download -q --no-deps "${GPU_PLATFORM[@]}" -d .whl 'megatron-core==0.19.2'
