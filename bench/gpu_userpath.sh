@@ -7,6 +7,7 @@
 #   bash bench/gpu_userpath.sh 3    # fsdp, deepspeed, rm, MoE local + the megatron tests
 #   bash bench/gpu_userpath.sh 4    # export + infer, QLoRA, DoRA, isolated PT
 #   bash bench/gpu_userpath.sh 5    # megatron under torchrun, megatron MoE, unpacked SFT without length grouping
+#   bash bench/gpu_userpath.sh 7    # ~3 minutes: every toolkit case on tiny models on CUDA (6 at once) + the megatron tests
 #   bash bench/gpu_userpath.sh 6    # one call of ~8 minutes: every toolkit case on tiny models on CUDA (5 at once: does
 #                                   # each run), then at scale dpo-pure, MoE (megatron, toolkit-moe), fsdp, deepspeed
 set -uo pipefail
@@ -46,6 +47,16 @@ case "$part" in
     ;;
   4)
     timeout 560 python3 bench/userpath.py --case-timeout 135 --cases export-infer,sft-qlora,sft-dora,pt-isolated
+    ;;
+  7)
+    (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 timeout 170 python3 -m pytest -q -p no:cacheprovider -n 8 plugins/toolkit-megatron/tests \
+      > "$OUT/megatron-tests.log" 2>&1; echo "megatron tests: rc $?" >> "$OUT/megatron-tests.log") &
+    tests=$!
+    tiny=sft-qlora,moe-megatron,sft-megatron-torchrun,sft-deepspeed,sft-fsdp,export-infer,moe-sft,sft-dora,rm,dpo-pure
+    tiny=$tiny,pt-isolated,sft-megatron,sft-lora,dpo,pt,sft-pack,sft-nopack,sft-nopack-ungrouped
+    timeout 160 python3 bench/userpath.py --tiny --jobs 6 --case-timeout 140 --work /tmp/up-tiny --cases "$tiny"
+    wait $tests
+    tail -5 "$OUT/megatron-tests.log"
     ;;
   6)
     (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 timeout 420 python3 -m pytest -q -p no:cacheprovider -n 8 plugins/toolkit-megatron/tests \
