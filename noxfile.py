@@ -26,7 +26,8 @@ A plugin takes part without being listed here. Its ``pyproject.toml`` may carry 
 Every install uses ``-c constraints.txt`` (it pins torch). The test sessions build the wheels of
 the core and the plugins into dist/ and install those (not editable), resolved once per venv, and
 the shared session smoke-tests that install (scripts/smoke_wheels.py) before the suites.
-``TOOLKIT_TEST_FAST=1`` deselects tests marked ``slow``; ``TOOLKIT_TEST_WORKERS=4`` runs each suite on 4 pytest-xdist workers; tests marked
+``TOOLKIT_TEST_FAST=1`` deselects tests marked ``slow``; ``TOOLKIT_TEST_WORKERS=4`` runs each suite on 4 pytest-xdist workers
+(``--dist loadscope``: a module's tests share a worker, so its module-scoped fixtures run once); tests marked
 ``gpu`` never run here.
 """
 
@@ -108,7 +109,10 @@ BY_NAME = {p.name: p for p in PLUGINS}
 def pytest_args(session: nox.Session) -> list[str]:
     markers = "not gpu and not slow" if os.environ.get("TOOLKIT_TEST_FAST") else "not gpu"
     workers = os.environ.get("TOOLKIT_TEST_WORKERS")  # pytest-xdist processes per suite, for machines with cores to spare
-    return ["-m", markers, "--durations=10", *(["-n", workers] if workers else []), *session.posargs]
+    # --dist loadscope: a module's tests stay on one worker, so a module- or class-scoped fixture (a torchrun
+    # job whose report several tests read, a reference run) runs once, not once per worker
+    distributed = ["-n", workers, "--dist", "loadscope"] if workers else []
+    return ["-m", markers, "--durations=10", *distributed, *session.posargs]
 
 
 def run_suites(session: nox.Session, suites: list[tuple[str, Path, list[str], dict[str, str]]]) -> None:

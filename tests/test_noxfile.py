@@ -76,3 +76,34 @@ def test_the_vllm_engine_is_installed_once_for_its_plugins():
         pytest.skip("nox is not installed")
     assert "tests-vllm [tests] -> toolkit-rl, toolkit-vllm in their own venv" in result.stdout
     assert "tests-rl" not in result.stdout
+
+
+def test_a_module_fixture_runs_once_on_the_workers_the_test_sessions_use(noxfile, pytester, monkeypatch):
+    """TOOLKIT_TEST_WORKERS spreads a suite over pytest-xdist workers; a module's expensive fixture (a torchrun
+    job several tests read) must still run once, not once per worker that got one of its tests."""
+    pytest.importorskip("xdist")
+    monkeypatch.setenv("TOOLKIT_TEST_WORKERS", "2")
+    monkeypatch.delenv("TOOLKIT_TEST_FAST", raising=False)
+    builds = pytester.path / "builds.txt"
+    pytester.makepyfile(test_shared=f"""
+        import time
+        import pytest
+
+        @pytest.fixture(scope="module")
+        def job():
+            with open({str(builds)!r}, "a") as f:
+                f.write("built\\n")
+
+        @pytest.mark.parametrize("i", range(8))
+        def test_reads_the_job(job, i):
+            time.sleep(0.1)
+
+        @pytest.mark.parametrize("i", range(8))
+        def test_other(i):
+            time.sleep(0.1)
+    """)
+    args = noxfile.pytest_args(type("Session", (), {"posargs": []})())
+    assert args[args.index("-n") + 1] == "2"
+    result = pytester.runpytest_subprocess(*args, "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=16)
+    assert builds.read_text().count("built") == 1

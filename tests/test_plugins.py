@@ -250,3 +250,30 @@ def test_entry_points_of_another_metadata_library_still_load(monkeypatch):
     monkeypatch.setattr(plugins, "_entry_points", lambda: [ForeignEntryPoint(ep) for ep in stdlib])
     manager = plugins.build_plugin_manager()
     assert "local" in manager.registry("strategy") and "sft" in manager.registry("loss")
+
+
+def _string_parts(path):
+    """(line, text) of every string literal in ``path``, f-strings' constant parts joined with their fields as {}."""
+    import ast
+
+    parts = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.JoinedStr):
+            parts.append((node.lineno, "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            parts.append((node.lineno, node.value))
+    return parts
+
+
+def test_every_install_hint_of_a_first_party_plugin_also_works_from_a_clone():
+    """`pip install toolkit-<x>` answers "No matching distribution" until the plugins are published: a message
+    that names it gives the command that works from a clone too (install_hint), or none of either."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sources = [*sorted((root / "core" / "toolkit").rglob("*.py")), *sorted(root.glob("plugins/*/src/**/*.py"))]
+    assert len(sources) > 50
+    bare = [f"{path.relative_to(root)}:{line}: {text.strip()[:120]}"
+            for path in sources for line, text in _string_parts(path)
+            if ("pip install toolkit-" in text or "pip install 'toolkit-" in text) and "from a clone" not in text]
+    assert not bare, "install hints without the command that works from a clone (use toolkit.plugins.install_hint):\n" + "\n".join(bare)

@@ -48,7 +48,7 @@ class Recipe:
     warmup_steps: int = option(0, help="Linear warmup steps.")
     schedule: Literal["cosine", "linear", "constant"] = option("cosine", help="Learning-rate decay after warmup.")
     optimizer: str = option("adamw", help="How the weights are updated: adamw, adafactor, or a plugin's (adamw-8bit, "
-                                          "galore: pip install toolkit-optim); its options are --NAME-FIELD flags.")
+                                          "galore: the toolkit-optim plugin, docs/installing.md); its options are --NAME-FIELD flags.")
     weight_decay: float = option(0.0, help="Decoupled weight decay (matrices only; every optimizer).")
     adam_beta1: float = option(0.9, help="AdamW beta1.")
     adam_beta2: float = option(0.999, help="AdamW beta2.")

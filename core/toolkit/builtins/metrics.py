@@ -111,7 +111,7 @@ class Rouge(_Metric):
             from rouge_score import rouge_scorer
         except ImportError:
             raise ToolkitError("--metric rouge needs the rouge-score package: pip install rouge-score "
-                               "(or pip install 'toolkit-core[eval]')") from None
+                               "(or the core's eval extra; from a clone: pip install -c constraints.txt -e '.[eval]')") from None
         self.scorer = rouge_scorer.RougeScorer([self.config.type], use_stemmer=self.config.stemmer)
 
     def one(self, prediction: str, reference: str) -> float:

