@@ -127,3 +127,19 @@ def test_stream_rows_name_where_each_row_begins():
     docs = [Example([Sequence([1, 2, 3], [2, 3, IGNORE_INDEX])], source=f"d.jsonl, line {k + 1}") for k in range(4)]
     rows = stream_rows(docs, seq_len=5, isolate_documents=True)
     assert [r.source.split(" and ")[0] for r in rows] == ["d.jsonl, line 1", "d.jsonl, line 2", "d.jsonl, line 4"]
+
+
+@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("pad_multiple", [1, 64])
+def test_the_reported_fill_is_what_the_collated_micro_batches_hold(packing, pad_multiple):
+    """The start-up summary's fill (epoch_fill) against the tensors the engine gets: real tokens over their width."""
+    examples = make_examples(long_tailed_lengths(300, seed=7))
+    batches = Batches(examples, seed=2, seq_len=4096, packing=packing, micro_batch_size=2, global_batch_size=8, dp_rank=0,
+                      dp_world_size=1, pad_id=0, pad_multiple=pad_multiple)
+    real = capacity = rows = 0
+    for step in range(batches.steps_per_epoch):
+        for batch in batches.micro_batches(step):
+            real += int((batch["sequence_ids"] >= 0).sum())
+            capacity += batch["sequence_ids"].numel()
+            rows += batch["sequence_ids"].shape[0]
+    assert batches.epoch_fill(0) == (rows, pytest.approx(real / capacity, abs=1e-12))

@@ -256,15 +256,25 @@ def row_lengths(examples: list[Example], rows: list[list[tuple[int, int]]]) -> l
     return [sum(len(examples[i].sequences[j].input_ids) for i, j in row) for row in rows]
 
 
+def padded_width(lengths: list[int], pad_multiple: int = 1, max_width: int = 0) -> int:
+    """The width a micro-batch's rows are padded to: the longest row, rounded up to ``pad_multiple`` (at most
+    ``max_width``, never below the longest row)."""
+    width = max(lengths)
+    if pad_multiple > 1:
+        rounded = -(-width // pad_multiple) * pad_multiple
+        width = max(width, min(rounded, max_width or rounded))
+    return width
+
+
 def row_fill(examples: list[Example], steps: list[list[list[int]]], micro_batch_size: int, packing: bool,
-             seq_len: int) -> tuple[int, float]:
-    """Rows of the steps' micro-batches and the share of their capacity real tokens fill: packed rows against
-    ``seq_len``, padded micro-batches against their padded width."""
+             seq_len: int, pad_multiple: int = 1) -> tuple[int, float]:
+    """Rows of the steps' micro-batches and the share of their capacity real tokens fill, the capacity being the
+    width :func:`collate` pads them to (what the engine computes over, as ``row_fill`` in metrics.jsonl counts it)."""
     rows = capacity = real = 0
     for units in steps:
         for k in range(0, len(units), micro_batch_size):
             lengths = row_lengths(examples, batch_rows(examples, units[k:k + micro_batch_size], packing))
-            width = seq_len if packing else max(lengths)
+            width = padded_width(lengths, pad_multiple, seq_len)
             rows, capacity, real = rows + len(lengths), capacity + width * len(lengths), real + sum(lengths)
     return rows, (real / capacity if capacity else 0.0)
 
@@ -287,10 +297,7 @@ def collate(examples: list[Example], units: list[list[int]], pad_id: int, packin
     import torch
 
     rows = batch_rows(examples, units, packing)
-    width = max(row_lengths(examples, rows))
-    if pad_multiple > 1:
-        rounded = -(-width // pad_multiple) * pad_multiple
-        width = max(width, min(rounded, max_width or rounded))
+    width = padded_width(row_lengths(examples, rows), pad_multiple, max_width)
     shape = (len(rows), width)
     input_ids = torch.full(shape, pad_id, dtype=torch.long)
     labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
@@ -386,8 +393,7 @@ class Batches:
         """The order is a pure function of the seed and epoch: nothing to restore."""
 
     def epoch_fill(self, epoch: int = 0) -> tuple[int, float]:
-        """Rows of the epoch's steps and the share of their capacity that real tokens fill: packed rows
-        against ``seq_len``, padded micro-batches against their padded width."""
+        """Rows of the epoch's steps and the share of their padded width (:func:`row_fill`) that real tokens fill."""
         steps = range(epoch * self.steps_per_epoch, (epoch + 1) * self.steps_per_epoch)
         return row_fill(self.examples, [self.step_units(step) for step in steps], self.micro_batch_size, self.packing,
-                        self.seq_len)
+                        self.seq_len, self.pad_multiple)
