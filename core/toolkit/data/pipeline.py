@@ -33,16 +33,23 @@ class DataStats:
     row_fill: float = 0.0
     left_over_per_epoch: int = 0
     """Examples of each epoch after its last full global batch (set by the runner; different ones each epoch)."""
+    stream_window: int = 0
+    """``--streaming``: records per window; the other figures are then those of the windows read so far (the
+    first one at start-up), as a stream is not read ahead."""
     per_file: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> str:
+        once = "each trained once per pass" if self.stream_window else "each trained once per epoch"
         if self.documents:
-            text = (f"{self.examples} rows of --seq-len cut from {self.documents} documents ({self.tokens} tokens, each "
-                    f"trained once per epoch) from {self.records} records")
+            text = (f"{self.examples} rows of --seq-len cut from {self.documents} documents ({self.tokens} tokens, {once}) "
+                    f"from {self.records} records")
         else:
             text = f"{self.examples} examples from {self.records} records"
+        if self.stream_window:
+            text = f"streaming in windows of {self.stream_window} records; the first window: {text}"
         if self.rows:
-            text += f"; {self.rows} rows per epoch, {self.row_fill:.1%} filled with real tokens, {self.trained_tokens} trained tokens"
+            text += (f"; {self.rows} rows {'in it' if self.stream_window else 'per epoch'}, {self.row_fill:.1%} filled "
+                     f"with real tokens, {self.trained_tokens} trained tokens")
         if self.truncated:
             text += f"; {self.truncated} sequences truncated to --seq-len"
         if self.dropped_no_labels:
@@ -208,6 +215,8 @@ def stream_encoder(tokenizer: Any, *, dataset_format: str, columns: dict[str, st
         stats.records += len(window)
         rows = pt_rows(fit(examples, train_on, seq_len, stats, packing), train_on, seq_len, isolate_documents, stats)
         stats.examples += len(rows)
+        stats.tokens += sum(len(s.input_ids) for e in rows for s in e.sequences)
+        stats.trained_tokens += sum(1 for e in rows for s in e.sequences for label in s.labels if label != IGNORE_INDEX)
         return rows
 
     return encode

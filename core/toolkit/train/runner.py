@@ -283,6 +283,7 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
                                 example_kinds=loss.example_kinds, options=recipe.options, packing=recipe.packing,
                                 isolate_documents=recipe.isolate_documents, stats=stats)
         batches: Any = StreamBatches(recipe.dataset, encode, max_steps=recipe.max_steps, **shared)
+        stats.stream_window = batches.window
     else:
         batches = Batches(examples, **shared)
     stats.left_over_per_epoch = batches.left_over_examples(0)
