@@ -143,3 +143,41 @@ def test_the_reported_fill_is_what_the_collated_micro_batches_hold(packing, pad_
             capacity += batch["sequence_ids"].numel()
             rows += batch["sequence_ids"].shape[0]
     assert batches.epoch_fill(0) == (rows, pytest.approx(real / capacity, abs=1e-12))
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_metrics_count_real_tokens_fill_and_trained_tokens_across_a_resume(tmp_path, packing):
+    """metrics.jsonl against the micro-batches rebuilt outside the runner: tokens/s counts real tokens only (its
+    ratio to trained tokens/s is the step's real/trained ratio), row_fill is real over padded width, and
+    trained_tokens adds up every label trained so far, also after a resume."""
+    import json
+
+    from toolkit.models import resolve_model
+    from toolkit.recipe import resolve_recipe
+    from toolkit.train.runner import run_training
+
+    def train(**values):
+        recipe = resolve_recipe({"model": "tiny-llama", "dataset": ["demo"], "output": str(tmp_path / "run"), "seq_len": 128,
+                                 "micro_batch_size": 2, "global_batch_size": 4, "max_steps": 6, "log_every": 1,
+                                 "packing": packing, **values})
+        run_dir = run_training(recipe)
+        return recipe, [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    train(stop_after=3)
+    recipe, metrics = train(resume="auto")
+    assert [m["step"] for m in metrics] == list(range(1, 7))
+    tokenizer = resolve_model("tiny-llama").tokenizer
+    examples, _ = load_examples(["demo"], tokenizer, seq_len=128, packing=packing)
+    batches = Batches(examples, seed=recipe.seed, seq_len=128, packing=packing, micro_batch_size=2, global_batch_size=4,
+                      dp_rank=0, dp_world_size=1, pad_id=tokenizer.pad_token_id, group_by_length=recipe.group_by_length)
+    trained_so_far = 0
+    for step, line in enumerate(metrics):
+        micro = batches.micro_batches(step)
+        real = sum(int((mb["sequence_ids"] >= 0).sum()) for mb in micro)
+        width = sum(mb["sequence_ids"].numel() for mb in micro)
+        trained = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro)
+        trained_so_far += trained
+        assert line["row_fill"] == pytest.approx(real / width)
+        assert line["tokens_per_s"] / line["trained_tokens_per_s"] == pytest.approx(real / trained, rel=1e-6)
+        assert line["trained_tokens"] == trained_so_far
+    assert any(line["row_fill"] < 1 for line in metrics) or packing  # padding exists and is not counted as real
