@@ -111,3 +111,15 @@ def test_the_start_up_summary_gives_the_first_windows_tokens(tmp_path, data, mon
     assert "from 16 records" in err and f"{first.trained_tokens} trained tokens" in err and first.trained_tokens > 0
     if train_on == "all":
         assert f"({first.tokens} tokens, each trained once per pass)" in err
+
+
+def test_a_csv_stream_keeps_every_cell_the_text_it_holds(tmp_path):
+    from toolkit.data.reading import read_records, stream_records
+
+    path = tmp_path / "t.csv"
+    path.write_text('instruction,input,output\n"two\nlines",,0.10\nNA,x,null\nsay,1e3,007\n')
+    streamed = [record for _, record in stream_records([str(path)])]
+    whole = [{k: v for k, v in r.items() if k != "__line__"} for r in read_records(str(path))[1]]
+    assert streamed == whole == [{"instruction": "two\nlines", "input": "", "output": "0.10"},
+                                 {"instruction": "NA", "input": "x", "output": "null"},
+                                 {"instruction": "say", "input": "1e3", "output": "007"}]
