@@ -181,3 +181,16 @@ def test_metrics_count_real_tokens_fill_and_trained_tokens_across_a_resume(tmp_p
         assert line["tokens_per_s"] / line["trained_tokens_per_s"] == pytest.approx(real / trained, rel=1e-6)
         assert line["trained_tokens"] == trained_so_far
     assert any(line["row_fill"] < 1 for line in metrics) or packing  # padding exists and is not counted as real
+
+
+@pytest.mark.parametrize(("command", "config", "says"), [
+    ("sft", "data-mix-packing.yaml", "filled with real tokens"),
+    ("pt", "pt-long-documents.yaml", "rows of --seq-len cut from 48 documents"),
+])
+def test_the_data_path_examples_run(cli_runner, tmp_path, command, config, says):
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / config
+    result = cli_runner.invoke(command, "--config", str(example), "--max-steps", "2", "--output", str(tmp_path / "run"))
+    assert result.exit_code == 0, result.output
+    assert says in result.stderr and "truncated" not in result.stderr

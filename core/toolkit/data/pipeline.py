@@ -40,6 +40,8 @@ class DataStats:
 
     def summary(self) -> str:
         once = "each trained once per pass" if self.stream_window else "each trained once per epoch"
+        if self.left_over_per_epoch:
+            once += " but those of the rows left over"
         if self.documents:
             text = (f"{self.examples} rows of --seq-len cut from {self.documents} documents ({self.tokens} tokens, {once}) "
                     f"from {self.records} records")
@@ -55,8 +57,8 @@ class DataStats:
         if self.dropped_no_labels:
             text += f"; {self.dropped_no_labels} examples dropped (no trainable tokens left)"
         if self.left_over_per_epoch:
-            text += (f"; {self.left_over_per_epoch} examples per epoch left over after the last full global batch "
-                     "(other ones each epoch)")
+            text += (f"; {self.left_over_per_epoch} {'rows' if self.documents else 'examples'} per epoch left over after "
+                     "the last full global batch (other ones each epoch)")
         return text
 
 
