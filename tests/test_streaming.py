@@ -74,14 +74,14 @@ def test_streaming_needs_max_steps():
         resolve_recipe({"dataset": ["demo"], "streaming": True})
 
 
-@pytest.mark.parametrize("packing", [False, True])
-def test_a_streamed_run_resumed_mid_pass_ends_bit_identical(tmp_path, data, monkeypatch, packing):
+@pytest.mark.parametrize("mode", [{"packing": False}, {"packing": True}, {"loss": "pt", "isolate_documents": True, "seq_len": 32}],
+                         ids=["padded", "packed", "pt-rows"])
+def test_a_streamed_run_resumed_mid_pass_ends_bit_identical(tmp_path, data, monkeypatch, mode):
     monkeypatch.setattr("toolkit.data.streaming.STREAM_WINDOW", 16)
 
     def train(name, **values):
         recipe = resolve_recipe({"model": "tiny-llama", "dataset": [data], "output": str(tmp_path / name), "lr": 1e-3,
-                                 "seq_len": 64, "streaming": True, "max_steps": 10, "micro_batch_size": 2,
-                                 "packing": packing, **values})
+                                 "seq_len": 64, "streaming": True, "max_steps": 10, "micro_batch_size": 2, **mode, **values})
         return run_training(recipe)
 
     def weights(run_dir):
