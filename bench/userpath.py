@@ -62,6 +62,9 @@ def cases(args: argparse.Namespace) -> dict[str, dict]:
         "sft-pack": {"cmd": [*sft, "--packing"]},
         "sft-nopack": {"cmd": sft},
         "sft-nopack-ungrouped": {"cmd": [*sft, "--no-group-by-length"]},
+        # the same padded micro-batches, 4 per optimizer step: how much of sft-nopack's gap to sft-pack is the
+        # per-step cost (optimizer, clipping) over few tokens, not the micro-batches themselves
+        "sft-nopack-gb16": {"cmd": [*sft, "--global-batch-size", str(4 * mb)]},
         "sft-lora": {"cmd": [*sft, "--packing", "--tuner", "lora", "--lr", "1e-4"]},
         "sft-dora": {"cmd": [*sft, "--packing", "--tuner", "dora", "--lr", "1e-4"]},
         "sft-qlora": {"cmd": [*sft, "--packing", "--tuner", "qlora", "--lr", "1e-4"], "needs": "bitsandbytes"},

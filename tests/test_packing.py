@@ -127,3 +127,70 @@ def test_stream_rows_name_where_each_row_begins():
     docs = [Example([Sequence([1, 2, 3], [2, 3, IGNORE_INDEX])], source=f"d.jsonl, line {k + 1}") for k in range(4)]
     rows = stream_rows(docs, seq_len=5, isolate_documents=True)
     assert [r.source.split(" and ")[0] for r in rows] == ["d.jsonl, line 1", "d.jsonl, line 2", "d.jsonl, line 4"]
+
+
+@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("pad_multiple", [1, 64])
+def test_the_reported_fill_is_what_the_collated_micro_batches_hold(packing, pad_multiple):
+    """The start-up summary's fill (epoch_fill) against the tensors the engine gets: real tokens over their width."""
+    examples = make_examples(long_tailed_lengths(300, seed=7))
+    batches = Batches(examples, seed=2, seq_len=4096, packing=packing, micro_batch_size=2, global_batch_size=8, dp_rank=0,
+                      dp_world_size=1, pad_id=0, pad_multiple=pad_multiple)
+    real = capacity = rows = 0
+    for step in range(batches.steps_per_epoch):
+        for batch in batches.micro_batches(step):
+            real += int((batch["sequence_ids"] >= 0).sum())
+            capacity += batch["sequence_ids"].numel()
+            rows += batch["sequence_ids"].shape[0]
+    assert batches.epoch_fill(0) == (rows, pytest.approx(real / capacity, abs=1e-12))
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_metrics_count_real_tokens_fill_and_trained_tokens_across_a_resume(tmp_path, packing):
+    """metrics.jsonl against the micro-batches rebuilt outside the runner: tokens/s counts real tokens only (its
+    ratio to trained tokens/s is the step's real/trained ratio), row_fill is real over padded width, and
+    trained_tokens adds up every label trained so far, also after a resume."""
+    import json
+
+    from toolkit.models import resolve_model
+    from toolkit.recipe import resolve_recipe
+    from toolkit.train.runner import run_training
+
+    def train(**values):
+        recipe = resolve_recipe({"model": "tiny-llama", "dataset": ["demo"], "output": str(tmp_path / "run"), "seq_len": 128,
+                                 "micro_batch_size": 2, "global_batch_size": 4, "max_steps": 6, "log_every": 1,
+                                 "packing": packing, **values})
+        run_dir = run_training(recipe)
+        return recipe, [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    train(stop_after=3)
+    recipe, metrics = train(resume="auto")
+    assert [m["step"] for m in metrics] == list(range(1, 7))
+    tokenizer = resolve_model("tiny-llama").tokenizer
+    examples, _ = load_examples(["demo"], tokenizer, seq_len=128, packing=packing)
+    batches = Batches(examples, seed=recipe.seed, seq_len=128, packing=packing, micro_batch_size=2, global_batch_size=4,
+                      dp_rank=0, dp_world_size=1, pad_id=tokenizer.pad_token_id, group_by_length=recipe.group_by_length)
+    trained_so_far = 0
+    for step, line in enumerate(metrics):
+        micro = batches.micro_batches(step)
+        real = sum(int((mb["sequence_ids"] >= 0).sum()) for mb in micro)
+        width = sum(mb["sequence_ids"].numel() for mb in micro)
+        trained = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro)
+        trained_so_far += trained
+        assert line["row_fill"] == pytest.approx(real / width)
+        assert line["tokens_per_s"] / line["trained_tokens_per_s"] == pytest.approx(real / trained, rel=1e-6)
+        assert line["trained_tokens"] == trained_so_far
+    assert any(line["row_fill"] < 1 for line in metrics) or packing  # padding exists and is not counted as real
+
+
+@pytest.mark.parametrize(("command", "config", "says"), [
+    ("sft", "data-mix-packing.yaml", "filled with real tokens"),
+    ("pt", "pt-long-documents.yaml", "rows of --seq-len cut from 48 documents"),
+])
+def test_the_data_path_examples_run(cli_runner, tmp_path, command, config, says):
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / config
+    result = cli_runner.invoke(command, "--config", str(example), "--max-steps", "2", "--output", str(tmp_path / "run"))
+    assert result.exit_code == 0, result.output
+    assert says in result.stderr and "truncated" not in result.stderr

@@ -57,9 +57,9 @@ def test_line_numbers_survive_blank_lines_and_csv_cells_stay_text(tmp_path):
     path.write_text('{"text": "a"}\n\n{"text": "b"}\n')
     assert [r["__line__"] for r in read_records(str(path))[1]] == [1, 3]
     csv = tmp_path / "t.csv"
-    csv.write_text('instruction,output\n"two\nlines",0.10\nNA,null\n')
+    csv.write_text('instruction,output\n"two\nlines",0.10\n\nNA,null\n')
     rows = read_records(str(csv))[1]
-    assert [(r["instruction"], r["output"], r["__line__"]) for r in rows] == [("two\nlines", "0.10", 3), ("NA", "null", 4)]
+    assert [(r["instruction"], r["output"], r["__line__"]) for r in rows] == [("two\nlines", "0.10", 3), ("NA", "null", 5)]
 
 
 def test_the_tokenized_cache_serves_the_second_run(tokenizer, tmp_path, own_cache, monkeypatch):
@@ -118,3 +118,26 @@ def test_cache_keys_follow_the_tokenizer(tokenizer, tmp_path):
     encoding = {"dataset_format": "auto"}
     assert cache.entry_key(path, encoding, tokenizer) != cache.entry_key(path, encoding, other)
     assert cache.entry_key(path, encoding, tokenizer) == cache.entry_key(path, dict(encoding), copy.deepcopy(tokenizer))
+
+
+def test_json_parquet_and_csv_files_read_through_datasets_like_their_jsonl(tokenizer, tmp_path, monkeypatch):
+    import json
+
+    import datasets
+
+    alpaca = [{"instruction": f"say {i}", "input": "" if i % 2 else f"x{i}", "output": f"said {i} " * (i % 3 + 1)}
+              for i in range(9)]
+    files = {"chats": write_jsonl(tmp_path / "chats.jsonl", CHATS), "alpaca": write_jsonl(tmp_path / "alpaca.jsonl", alpaca)}
+    (tmp_path / "chats.json").write_text(json.dumps(CHATS))
+    datasets.Dataset.from_list(CHATS).to_parquet(str(tmp_path / "chats.parquet"))
+    datasets.Dataset.from_list(alpaca).to_csv(str(tmp_path / "alpaca.csv"), index=False)
+    expected = {kind: token_ids(load_examples([path], tokenizer)[0]) for kind, path in files.items()}
+
+    def no_hand_reading(*args, **kwargs):
+        raise AssertionError("read by the line readers, not datasets")
+
+    monkeypatch.setattr("toolkit.data.reading._read_by_hand", no_hand_reading)
+    for name, kind in (("chats.json", "chats"), ("chats.parquet", "chats"), ("alpaca.csv", "alpaca")):
+        examples, stats = load_examples([str(tmp_path / name)], tokenizer)
+        assert token_ids(examples) == expected[kind] and stats.records == len(expected[kind]), name
+    assert [r["__line__"] for r in read_records(str(tmp_path / "alpaca.csv"))[1]][:3] == [2, 3, 4]  # the header is line 1

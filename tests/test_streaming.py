@@ -56,11 +56,12 @@ def test_packed_stream_rows_hold_each_record_once_per_pass(data):
     assert all(sum(len(s.input_ids) for e in row for s in e.sequences) <= 64 for row in rows)
 
 
-def test_a_restored_stream_continues_at_the_same_rows(data):
-    straight = make(data)
+@pytest.mark.parametrize("packing", [False, True])
+def test_a_restored_stream_continues_at_the_same_rows(data, packing):
+    straight = make(data, packing=packing)
     expected = [straight.micro_batches(step) for step in range(20)]
     state = json.loads(json.dumps(straight.state()))  # through a checkpoint's JSON
-    resumed = make(data)
+    resumed = make(data, packing=packing)
     resumed.restore(state)
     for step in (13, 14, 19):
         for a, b in zip(expected[step], resumed.micro_batches(step)):
@@ -73,12 +74,14 @@ def test_streaming_needs_max_steps():
         resolve_recipe({"dataset": ["demo"], "streaming": True})
 
 
-def test_a_streamed_run_resumed_mid_pass_ends_bit_identical(tmp_path, data, monkeypatch):
+@pytest.mark.parametrize("mode", [{"packing": False}, {"packing": True}, {"loss": "pt", "isolate_documents": True, "seq_len": 32}],
+                         ids=["padded", "packed", "pt-rows"])
+def test_a_streamed_run_resumed_mid_pass_ends_bit_identical(tmp_path, data, monkeypatch, mode):
     monkeypatch.setattr("toolkit.data.streaming.STREAM_WINDOW", 16)
 
     def train(name, **values):
         recipe = resolve_recipe({"model": "tiny-llama", "dataset": [data], "output": str(tmp_path / name), "lr": 1e-3,
-                                 "seq_len": 64, "streaming": True, "max_steps": 10, "micro_batch_size": 2, **values})
+                                 "seq_len": 64, "streaming": True, "max_steps": 10, "micro_batch_size": 2, **mode, **values})
         return run_training(recipe)
 
     def weights(run_dir):
@@ -90,3 +93,33 @@ def test_a_streamed_run_resumed_mid_pass_ends_bit_identical(tmp_path, data, monk
     resumed = train("resumed", resume="auto")
     a, b = weights(straight), weights(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("train_on", ["assistant", "all"])
+def test_the_start_up_summary_gives_the_first_windows_tokens(tmp_path, data, monkeypatch, capsys, train_on):
+    from toolkit.data.pipeline import load_examples
+
+    monkeypatch.setattr("toolkit.data.streaming.STREAM_WINDOW", 16)
+    recipe = resolve_recipe({"model": "tiny-llama", "dataset": [data], "output": str(tmp_path / "run"), "seq_len": 64,
+                             "streaming": True, "max_steps": 1, "micro_batch_size": 2,
+                             "loss": {"assistant": "sft", "all": "pt"}[train_on]})
+    run_training(recipe)
+    err = capsys.readouterr().err
+    # the same 16 records read whole, without --streaming: the figures the summary must give for the first window
+    _, first = load_examples([data], resolve_model("tiny-llama").tokenizer, seq_len=64, max_samples=16, train_on=train_on)
+    assert "streaming in windows of 16 records; the first window: " in err
+    assert "from 16 records" in err and f"{first.trained_tokens} trained tokens" in err and first.trained_tokens > 0
+    if train_on == "all":
+        assert f"({first.tokens} tokens, each trained once per pass)" in err
+
+
+def test_a_csv_stream_keeps_every_cell_the_text_it_holds(tmp_path):
+    from toolkit.data.reading import read_records, stream_records
+
+    path = tmp_path / "t.csv"
+    path.write_text('instruction,input,output\n"two\nlines",,0.10\nNA,x,null\nsay,1e3,007\n')
+    streamed = [record for _, record in stream_records([str(path)])]
+    whole = [{k: v for k, v in r.items() if k != "__line__"} for r in read_records(str(path))[1]]
+    assert streamed == whole == [{"instruction": "two\nlines", "input": "", "output": "0.10"},
+                                 {"instruction": "NA", "input": "x", "output": "null"},
+                                 {"instruction": "say", "input": "1e3", "output": "007"}]

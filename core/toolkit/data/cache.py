@@ -75,9 +75,12 @@ def load(key: str | None) -> tuple[list[Example], int] | None:
         meta = json.loads((directory / "toolkit.json").read_text())
         with quiet_datasets():
             table = datasets.load_from_disk(str(directory / "examples"))
+        # whole columns out of Arrow at once: about twice as fast as iterating the rows
+        columns = {name: table.data.column(name).to_pylist() for name in ("input_ids", "labels", "roles", "meta", "kind", "source")}
         examples = [Example([Sequence(ids, labels, role, seq_meta) for ids, labels, role, seq_meta in
-                             zip(row["input_ids"], row["labels"], row["roles"], json.loads(row["meta"]))],
-                            kind=row["kind"], source=row["source"]) for row in table]
+                             zip(row_ids, row_labels, row_roles, json.loads(meta))], kind=kind, source=source)
+                    for row_ids, row_labels, row_roles, meta, kind, source in
+                    zip(*(columns[n] for n in ("input_ids", "labels", "roles", "meta", "kind", "source")))]
         return examples, int(meta["records"])
     except Exception as exc:  # noqa: BLE001 - a damaged entry costs a re-tokenization, never the run
         print(f"toolkit: ignoring the damaged tokenized cache entry {directory} ({type(exc).__name__}: {exc})", file=sys.stderr)

@@ -33,23 +33,32 @@ class DataStats:
     row_fill: float = 0.0
     left_over_per_epoch: int = 0
     """Examples of each epoch after its last full global batch (set by the runner; different ones each epoch)."""
+    stream_window: int = 0
+    """``--streaming``: records per window; the other figures are then those of the windows read so far (the
+    first one at start-up), as a stream is not read ahead."""
     per_file: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> str:
+        once = "each trained once per pass" if self.stream_window else "each trained once per epoch"
+        if self.left_over_per_epoch:
+            once += " but those of the rows left over"
         if self.documents:
-            text = (f"{self.examples} rows of --seq-len cut from {self.documents} documents ({self.tokens} tokens, each "
-                    f"trained once per epoch) from {self.records} records")
+            text = (f"{self.examples} rows of --seq-len cut from {self.documents} documents ({self.tokens} tokens, {once}) "
+                    f"from {self.records} records")
         else:
             text = f"{self.examples} examples from {self.records} records"
+        if self.stream_window:
+            text = f"streaming in windows of {self.stream_window} records; the first window: {text}"
         if self.rows:
-            text += f"; {self.rows} rows per epoch, {self.row_fill:.1%} filled with real tokens, {self.trained_tokens} trained tokens"
+            text += (f"; {self.rows} rows {'in it' if self.stream_window else 'per epoch'}, {self.row_fill:.1%} filled "
+                     f"with real tokens, {self.trained_tokens} trained tokens")
         if self.truncated:
             text += f"; {self.truncated} sequences truncated to --seq-len"
         if self.dropped_no_labels:
             text += f"; {self.dropped_no_labels} examples dropped (no trainable tokens left)"
         if self.left_over_per_epoch:
-            text += (f"; {self.left_over_per_epoch} examples per epoch left over after the last full global batch "
-                     "(other ones each epoch)")
+            text += (f"; {self.left_over_per_epoch} {'rows' if self.documents else 'examples'} per epoch left over after "
+                     "the last full global batch (other ones each epoch)")
         return text
 
 
@@ -208,6 +217,8 @@ def stream_encoder(tokenizer: Any, *, dataset_format: str, columns: dict[str, st
         stats.records += len(window)
         rows = pt_rows(fit(examples, train_on, seq_len, stats, packing), train_on, seq_len, isolate_documents, stats)
         stats.examples += len(rows)
+        stats.tokens += sum(len(s.input_ids) for e in rows for s in e.sequences)
+        stats.trained_tokens += sum(1 for e in rows for s in e.sequences for label in s.labels if label != IGNORE_INDEX)
         return rows
 
     return encode
@@ -256,15 +267,25 @@ def row_lengths(examples: list[Example], rows: list[list[tuple[int, int]]]) -> l
     return [sum(len(examples[i].sequences[j].input_ids) for i, j in row) for row in rows]
 
 
+def padded_width(lengths: list[int], pad_multiple: int = 1, max_width: int = 0) -> int:
+    """The width a micro-batch's rows are padded to: the longest row, rounded up to ``pad_multiple`` (at most
+    ``max_width``, never below the longest row)."""
+    width = max(lengths)
+    if pad_multiple > 1:
+        rounded = -(-width // pad_multiple) * pad_multiple
+        width = max(width, min(rounded, max_width or rounded))
+    return width
+
+
 def row_fill(examples: list[Example], steps: list[list[list[int]]], micro_batch_size: int, packing: bool,
-             seq_len: int) -> tuple[int, float]:
-    """Rows of the steps' micro-batches and the share of their capacity real tokens fill: packed rows against
-    ``seq_len``, padded micro-batches against their padded width."""
+             seq_len: int, pad_multiple: int = 1) -> tuple[int, float]:
+    """Rows of the steps' micro-batches and the share of their capacity real tokens fill, the capacity being the
+    width :func:`collate` pads them to (what the engine computes over, as ``row_fill`` in metrics.jsonl counts it)."""
     rows = capacity = real = 0
     for units in steps:
         for k in range(0, len(units), micro_batch_size):
             lengths = row_lengths(examples, batch_rows(examples, units[k:k + micro_batch_size], packing))
-            width = seq_len if packing else max(lengths)
+            width = padded_width(lengths, pad_multiple, seq_len)
             rows, capacity, real = rows + len(lengths), capacity + width * len(lengths), real + sum(lengths)
     return rows, (real / capacity if capacity else 0.0)
 
@@ -287,10 +308,7 @@ def collate(examples: list[Example], units: list[list[int]], pad_id: int, packin
     import torch
 
     rows = batch_rows(examples, units, packing)
-    width = max(row_lengths(examples, rows))
-    if pad_multiple > 1:
-        rounded = -(-width // pad_multiple) * pad_multiple
-        width = max(width, min(rounded, max_width or rounded))
+    width = padded_width(row_lengths(examples, rows), pad_multiple, max_width)
     shape = (len(rows), width)
     input_ids = torch.full(shape, pad_id, dtype=torch.long)
     labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
@@ -386,8 +404,7 @@ class Batches:
         """The order is a pure function of the seed and epoch: nothing to restore."""
 
     def epoch_fill(self, epoch: int = 0) -> tuple[int, float]:
-        """Rows of the epoch's steps and the share of their capacity that real tokens fill: packed rows
-        against ``seq_len``, padded micro-batches against their padded width."""
+        """Rows of the epoch's steps and the share of their padded width (:func:`row_fill`) that real tokens fill."""
         steps = range(epoch * self.steps_per_epoch, (epoch + 1) * self.steps_per_epoch)
         return row_fill(self.examples, [self.step_units(step) for step in steps], self.micro_batch_size, self.packing,
-                        self.seq_len)
+                        self.seq_len, self.pad_multiple)

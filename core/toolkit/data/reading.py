@@ -76,10 +76,8 @@ def _load_file(path: Path, suffix: str) -> Any:
     refused by them with its line."""
     import datasets
 
-    options: dict[str, Any] = {}
-    if suffix == ".csv":  # every cell as the text it holds: no type guessing, "NA" and "null" stay text
-        options = {"dtype": str, "keep_default_na": False, "na_filter": False}
     try:
+        options = csv_options([path]) if suffix == ".csv" else {}
         with quiet_datasets():
             return datasets.load_dataset(BUILDERS[suffix], data_files=str(path), split="train", **options)
     except Exception as exc:  # noqa: BLE001 - datasets raises many kinds; the line readers say which line is wrong
@@ -119,7 +117,7 @@ def stream_records(references: list[str], skip: int = 0) -> Any:
         raise DataError(f"--streaming reads .jsonl/.json, .csv or .parquet files of one kind; got {', '.join(map(str, paths))}. "
                         "Convert a save_to_disk directory with Dataset.to_json, or drop --streaming")
     builder = kinds.pop()
-    options: dict[str, Any] = {"dtype": str, "keep_default_na": False, "na_filter": False} if builder == "csv" else {}
+    options = csv_options(paths) if builder == "csv" else {}
     label = str(paths[0]) if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1} more files)"
     with quiet_datasets():
         stream = datasets.load_dataset(builder, data_files=[str(p) for p in paths], split="train", streaming=True, **options)
@@ -133,6 +131,23 @@ def stream_records(references: list[str], skip: int = 0) -> Any:
     except Exception as exc:  # noqa: BLE001 - datasets' many error kinds; the record number is what helps
         raise DataError(f"{label}: cannot read record {index + 1} of the stream ({type(exc).__name__}: {exc}); "
                         "run without --streaming to have the line named") from None
+
+
+def csv_options(paths: list[Path]) -> dict[str, Any]:
+    """``load_dataset("csv")`` options that keep every cell the text it holds: each header column typed as a
+    string (no type guessing: "0.10" stays "0.10"), "NA" and "null" text, an empty cell an empty string. The
+    header is the first file's; a file whose header differs fails in ``datasets`` and the line readers name it."""
+    import csv
+
+    import datasets
+
+    try:
+        with paths[0].open(encoding="utf-8-sig", newline="") as handle:
+            header = next(csv.reader(handle), [])
+    except (UnicodeDecodeError, csv.Error) as exc:
+        raise DataError(f"{paths[0]}, line 1: cannot read the CSV header ({exc}); save the file as UTF-8 CSV") from None
+    features = datasets.Features({name: datasets.Value("string") for name in header})
+    return {"features": features, "keep_default_na": False, "na_filter": False}
 
 
 def drop_nulls(value: Any) -> Any:
@@ -158,7 +173,9 @@ def _line_numbers(path: Path, suffix: str, count: int) -> list[int]:
             reader = csv.reader(handle)
             next(reader, None)
             numbers = []
-            for _ in reader:
+            for row in reader:
+                if not row:  # a blank line is no record (datasets and DictReader skip it too)
+                    continue
                 numbers.append(reader.line_num)
                 if len(numbers) == count:
                     break
@@ -168,7 +185,7 @@ def _line_numbers(path: Path, suffix: str, count: int) -> list[int]:
 
 
 class quiet_datasets:
-    """datasets' progress bars and info logs off while it reads (the toolkit prints its own summary)."""
+    """datasets' progress bars and logs off while it reads (the toolkit prints its own summary and errors)."""
 
     def __enter__(self) -> None:
         import datasets
@@ -176,7 +193,7 @@ class quiet_datasets:
         self.bars = datasets.utils.logging.is_progress_bar_enabled()
         self.level = datasets.utils.logging.get_verbosity()
         datasets.utils.logging.disable_progress_bar()
-        datasets.utils.logging.set_verbosity_error()
+        datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)  # its own error lines too: ours name the line
 
     def __exit__(self, *exc: Any) -> None:
         import datasets

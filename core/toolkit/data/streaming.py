@@ -143,7 +143,7 @@ class StreamBatches:
         from toolkit.data.pipeline import row_fill
 
         examples, units = self._window(0)
-        return row_fill(examples, [units], self.micro_batch_size, self.packing, self.seq_len)
+        return row_fill(examples, [units], self.micro_batch_size, self.packing, self.seq_len, self.pad_multiple)
 
     def state(self) -> dict[str, Any]:
         return {"stream_window_units": list(self.window_units), "stream_windows_per_pass": self.windows_per_pass}

@@ -283,6 +283,7 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
                                 example_kinds=loss.example_kinds, options=recipe.options, packing=recipe.packing,
                                 isolate_documents=recipe.isolate_documents, stats=stats)
         batches: Any = StreamBatches(recipe.dataset, encode, max_steps=recipe.max_steps, **shared)
+        stats.stream_window = batches.window
     else:
         batches = Batches(examples, **shared)
     stats.left_over_per_epoch = batches.left_over_examples(0)
@@ -310,6 +311,8 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
         guard.restore(read_state(checkpoint))
         evaluation.restore(read_state(checkpoint))
     log = _StepLog(recipe, engine, callbacks, total_steps, batches.steps_per_epoch, start_step)
+    if checkpoint is not None:
+        log.trained_total = log.trained_before = int(read_state(checkpoint).get("trained_tokens", 0))
     step, result, stopped = start_step, None, None
     with StopFlag() as stop:
         while step < total_steps:
@@ -337,7 +340,8 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
             early_stop = evaluation.stop_message(done)
             if ((recipe.save_every and done % recipe.save_every == 0) or done == total_steps or stopping
                     or early_stop or evaluation.wants_checkpoint(done)):
-                state = {**_trainer_state(recipe, engine, batches, done, result, total_steps, tuner, guard), **evaluation.state()}
+                state = {**_trainer_state(recipe, engine, batches, done, result, total_steps, tuner, guard),
+                         "trained_tokens": log.trained_total, **evaluation.state()}
                 path = save_checkpoint(run_dir, done, engine, state, recipe.keep_last, keep=evaluation.best_step())
                 evaluation.saved(done, path)
             if early_stop:
@@ -363,13 +367,15 @@ def pad_multiple(device: Any) -> int:
 
 
 class _StepLog:
-    """Metrics of each trained step to the callbacks; tokens/s over the steps since the last log line."""
+    """Metrics of each trained step to the callbacks; tokens/s over the steps since the last log line, and the
+    tokens with a label trained so far (``trained_tokens``, over all ranks, kept in checkpoints)."""
 
     def __init__(self, recipe: Recipe, engine: Any, callbacks: list, total_steps: int, steps_per_epoch: int,
                  start_step: int):
         self.recipe, self.engine, self.callbacks = recipe, engine, callbacks
         self.total_steps, self.steps_per_epoch, self.logged = total_steps, steps_per_epoch, start_step
         self.window_tokens, self.window_trained, self.window_start = 0, 0, time.perf_counter()
+        self.trained_before = self.trained_total = 0  # before this log window; up to the last recorded step
         self.peak_memory = None
         import torch
 
@@ -386,9 +392,11 @@ class _StepLog:
         self.window_trained += trained
         elapsed = time.perf_counter() - self.window_start
         tokens, trained_tokens = engine.all_reduce_sum([self.window_tokens, self.window_trained])
+        self.trained_total = self.trained_before + int(trained_tokens)
         metrics = {"step": done, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
                    "tokens_per_s": tokens / max(elapsed, 1e-9), "trained_tokens_per_s": trained_tokens / max(elapsed, 1e-9),
-                   "row_fill": real / max(capacity, 1), "epoch": step / self.steps_per_epoch, **result.metrics}
+                   "row_fill": real / max(capacity, 1), "trained_tokens": self.trained_total,
+                   "epoch": step / self.steps_per_epoch, **result.metrics}
         if self.peak_memory is not None:  # on a GPU: the allocator's high-water mark so far (no synchronisation)
             metrics["peak_gib"] = self.peak_memory() / 2**30
         notify(self.callbacks, "on_step_end", done, metrics)
@@ -396,6 +404,7 @@ class _StepLog:
             metrics.update(evaluated)
             notify(self.callbacks, "on_log", done, metrics)
             self.window_tokens, self.window_trained, self.window_start = 0, 0, time.perf_counter()
+            self.trained_before = self.trained_total
         self.logged = done
 
 

@@ -28,6 +28,9 @@ class DeepSpeedOptions:
     offload_param: Literal["none", "cpu"] = option("none", help="ZeRO-3 only: keep parameters on the CPU between uses.")
     zero_init: bool = option(True, help="ZeRO-3: build the model already partitioned (deepspeed.zero.Init), never whole on one rank.")
     logps_chunk_tokens: int = option(2048, help="Tokens per chunk when computing label log-probs (bounds logits memory).")
+    packed_attention: Literal["auto", "flex", "sdpa-mask"] = option(
+        "auto", help="Rows holding several samples: flex (FlexAttention, block-causal BlockMask), sdpa-mask (dense mask "
+        "for HF's sdpa attention) or auto (flex on a CUDA device when it can run, else sdpa-mask); as --local-packed-attention.")
 
     def check(self) -> list[str]:
         problems = []

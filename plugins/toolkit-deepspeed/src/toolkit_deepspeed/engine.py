@@ -33,7 +33,7 @@ class ZeroEngine(LocalEngine):
         import torch
 
         from toolkit.models import autocast_dtype, load_hf_model
-        from toolkit.train import logps
+        from toolkit.train import attention, logps
         from toolkit_deepspeed.runtime import init_distributed
 
         self.world = init_distributed()
@@ -56,10 +56,13 @@ class ZeroEngine(LocalEngine):
         # under parameter offload): ``to(None)`` leaves it there.
         self.load_device = None if self._hf_zero3 is not None else self.device
         self.model = load_hf_model(source, tuner, recipe, self.load_device)
+        # before the reference is copied or built, so it runs the same attention
+        self.packed_attention = attention.apply_packed_attention(options.packed_attention, self.model, self.device,
+                                                                 "--deepspeed-packed-attention")
         self.reference = self._build_reference(loss) if loss.needs_reference else None
         # DeepSpeed's bf16 mode holds bf16 weights with fp32 masters; no autocast on top of it.
         precision = "fp32" if recipe.precision == "bf16" else recipe.precision
-        wrapped = logps.CausalLMLogps(self.model, autocast_dtype(precision))
+        wrapped = logps.CausalLMLogps(self.model, autocast_dtype(precision), self.packed_attention)
         self.params = [p for p in wrapped.parameters() if p.requires_grad]
         if not self.params:
             raise ToolkitError(f"--tuner {tuner.name} left no trainable parameter; DeepSpeed has nothing to optimise")
@@ -92,11 +95,15 @@ class ZeroEngine(LocalEngine):
         if member(self.tuner, "tuner", "disabled_adapters") is not None:
             return None  # the policy with its adapters disabled is the reference
         if self.zero_stage != 3:
-            return CausalLMLogps(copy.deepcopy(self.model).eval().requires_grad_(False))
+            return CausalLMLogps(copy.deepcopy(self.model).eval().requires_grad_(False), packed_attention=self.packed_attention)
         frozen = load_hf_model(self.source, _FrozenTuner(), self.recipe, self.load_device).eval().requires_grad_(False)
+        if self.packed_attention == "flex":
+            from toolkit.train.attention import use_flex
+
+            use_flex(frozen)
         config = {key: value for key, value in self.ds_config.items() if key not in ("gradient_clipping",)}
         config["zero_optimization"] = {k: v for k, v in self.ds_config["zero_optimization"].items() if k != "offload_optimizer"}
-        engine, *_ = deepspeed.initialize(model=CausalLMLogps(frozen), config=config)
+        engine, *_ = deepspeed.initialize(model=CausalLMLogps(frozen, packed_attention=self.packed_attention), config=config)
         engine.eval()
         return engine
 
