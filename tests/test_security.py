@@ -13,33 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.train import checkpoint as ckpt
+from toolkit.testing import CodePayload as Payload
+from toolkit.testing import point_dcp_entry_at
+from toolkit.testing import reseal_checkpoint as reseal
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 TRAIN = ["sft", "--dataset", "demo", "--seq-len", "64", "--micro-batch-size", "2", "--max-steps", "2", "--save-every", "1"]
-
-
-class Payload:
-    """Unpickling this writes the marker file: proof that code from the file ran."""
-
-    def __init__(self, marker: Path):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (exec, (f"open({self.marker!r}, 'w').write('ran')",))
 
 
 def one_line_refusal(result, expected: str) -> None:
     assert result.exit_code == 1, result.output
     assert result.exception is None and "Traceback" not in result.output, result.output
     assert expected in result.stderr, result.stderr
-
-
-def reseal(checkpoint: Path) -> None:
-    """Whoever ships a checkpoint writes its manifest too: it is no defence."""
-    (checkpoint / "manifest.json").unlink()
-    ckpt.write_manifest(checkpoint)
-    assert ckpt.checkpoint_problem(checkpoint, "sha256") is None
 
 
 # ----------------------------------------------------------------------------------------------- pickles
@@ -73,6 +58,29 @@ def test_a_crafted_dcp_metadata_is_refused_before_torch_unpickles_it(fsdp_run, t
                                    "--resume", "auto", "--output", run)
     one_line_refusal(result, f"{step / 'dcp' / '.metadata'} is not torch.distributed.checkpoint metadata: loading it "
                              "would call builtins.exec")
+    assert not marker.exists()
+
+
+# a real entry (optimizer hyper-parameters are stored pickled) for resume; a weight declared pickled for export
+@pytest.mark.parametrize("command,key", [("resume", "optimizer.param_groups.0.lr"),
+                                         ("export", "model.model.embed_tokens.weight")])
+def test_a_pickled_entry_of_a_distributed_checkpoint_is_read_weights_only(fsdp_run, tmp_path, cli_runner, command, key):
+    run = tmp_path / "run"
+    shutil.copytree(fsdp_run, run)
+    marker = tmp_path / "ran"
+    step = run / "checkpoints" / "step-2"
+    point_dcp_entry_at(step / "dcp", key, Payload(marker))
+    reseal(step)
+    from toolkit.train.safe_load import check_dcp_metadata
+
+    check_dcp_metadata(step / "dcp")  # only torch's classes: the .metadata check alone lets it through
+    if command == "export":
+        result = cli_runner.invoke("export", run, "--output", tmp_path / "out")
+    else:
+        result = cli_runner.invoke(*TRAIN[:-4], "--max-steps", "3", "--model", "tiny-llama", "--strategy", "fsdp",
+                                   "--resume", "auto", "--output", run)
+    one_line_refusal(result, f"{step / 'dcp'}: entry {key!r} holds objects a weights-only load refuses")
+    assert "GLOBAL exec" in result.stderr
     assert not marker.exists()
 
 
