@@ -196,7 +196,7 @@ def mcore_to_hf_tensors(directory: str | Path, lora: tuple | None = None) -> Ite
     from toolkit_megatron.bridge import export_hf_tensors
     from toolkit_megatron.model import build_model, initialize_parallel
 
-    hf_config = AutoConfig.from_pretrained(directory)
+    hf_config = AutoConfig.from_pretrained(directory, trust_remote_code=False)
     own_group = one_process_group()  # reads to CPU: gloo
     try:
         layout = ParallelLayout()
