@@ -44,7 +44,7 @@ def refused(done: subprocess.CompletedProcess, expected: str) -> None:
     assert "Traceback" not in done.stderr and expected in done.stderr, done.stderr[-3000:]
 
 
-@pytest.mark.parametrize("crafted", ["metadata", "entry"])
+@pytest.mark.parametrize("crafted", ["metadata", "entry", "common.pt"])
 @pytest.mark.parametrize("command", ["resume", "export"])
 def test_a_crafted_megatron_checkpoint_is_refused_in_one_line(megatron_run, tmp_path, crafted, command):
     run = tmp_path / "run"
@@ -55,6 +55,11 @@ def test_a_crafted_megatron_checkpoint_is_refused_in_one_line(megatron_run, tmp_
     if crafted == "metadata":
         (mcore / ".metadata").write_bytes(pickle.dumps(CodePayload(marker)))
         expected = f"{mcore / '.metadata'} is not torch.distributed.checkpoint metadata: loading it would call builtins.exec"
+    elif crafted == "common.pt":  # read by megatron-core's own torch.load (weights-only by default)
+        import torch
+
+        torch.save({"x": CodePayload(marker)}, mcore / "common.pt")
+        expected = f"{mcore}: a file holds objects a weights-only load refuses"
     else:
         key = pickled_entry(mcore)
         point_dcp_entry_at(mcore, key, CodePayload(marker))
