@@ -101,7 +101,8 @@ def test_a_crafted_optimizer_pt_is_a_one_line_refusal(tmp_path, cli_runner):
 # ----------------------------------------------------------------------------------------------- remote code
 @pytest.fixture
 def remote_code_model(tmp_path):
-    """tiny-llama whose config names its own code (auto_map); importing that code writes the marker."""
+    """tiny-llama whose config names its own code (auto_map) for a model type transformers does not have, so
+    transformers asks whether to run it; importing that code writes the marker."""
     from toolkit.models import materialize_preset
 
     model = tmp_path / "model"
@@ -109,9 +110,10 @@ def remote_code_model(tmp_path):
     marker = tmp_path / "ran"
     (model / "configuration_evil.py").write_text(
         f"open({str(marker)!r}, 'w').write('ran')\nfrom transformers import LlamaConfig\n\n"
-        "class EvilConfig(LlamaConfig):\n    model_type = 'llama'\n")
+        "class EvilConfig(LlamaConfig):\n    model_type = 'evil-llama'\n")
     config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoConfig": "configuration_evil.EvilConfig"}}))
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "evil-llama",
+                                                   "auto_map": {"AutoConfig": "configuration_evil.EvilConfig"}}))
     return model, marker
 
 
@@ -126,8 +128,8 @@ def test_export_of_a_run_ignores_trust_remote_code_in_its_recipe(remote_code_mod
     model, marker = remote_code_model
     plain = tmp_path / "plain"
     shutil.copytree(model, plain)
-    (plain / "config.json").write_text(json.dumps({k: v for k, v in json.loads((model / "config.json").read_text()).items()
-                                                   if k != "auto_map"}))
+    config = {k: v for k, v in json.loads((model / "config.json").read_text()).items() if k != "auto_map"}
+    (plain / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
     run = tmp_path / "run"
     assert cli_runner.invoke(*TRAIN, "--model", plain, "--output", run).exit_code == 0
     recipe = (run / "recipe.yaml").read_text().replace(f"model: {plain}", f"model: {model}")
