@@ -242,3 +242,12 @@ def test_infer_with_a_chat_template_that_escapes_the_sandbox_is_one_line(tmp_pat
         (model / name).unlink(missing_ok=True)
     result = cli_runner.invoke("infer", model, "--prompt", "hi")
     one_line_refusal(result, "chat template tried something jinja's sandbox forbids")
+
+
+def test_data_inspect_refuses_model_code_and_has_the_flag_its_refusal_names(remote_code_model, cli_runner):
+    model, marker = remote_code_model
+    refused = cli_runner.invoke("data", "inspect", "demo", "--model", model, input="y\n")
+    one_line_refusal(refused, f"{model / 'config.json'} asks to run the model's own Python code (configuration_evil)")
+    assert "--trust-remote-code" in refused.stderr and not marker.exists()
+    cli_runner.invoke("data", "inspect", "demo", "--model", model, "--trust-remote-code")
+    assert marker.exists(), "asked for on the command line, the model's code runs"
