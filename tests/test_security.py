@@ -13,33 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.train import checkpoint as ckpt
+from toolkit.testing import CodePayload as Payload
+from toolkit.testing import point_dcp_entry_at
+from toolkit.testing import reseal_checkpoint as reseal
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 TRAIN = ["sft", "--dataset", "demo", "--seq-len", "64", "--micro-batch-size", "2", "--max-steps", "2", "--save-every", "1"]
-
-
-class Payload:
-    """Unpickling this writes the marker file: proof that code from the file ran."""
-
-    def __init__(self, marker: Path):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (exec, (f"open({self.marker!r}, 'w').write('ran')",))
 
 
 def one_line_refusal(result, expected: str) -> None:
     assert result.exit_code == 1, result.output
     assert result.exception is None and "Traceback" not in result.output, result.output
     assert expected in result.stderr, result.stderr
-
-
-def reseal(checkpoint: Path) -> None:
-    """Whoever ships a checkpoint writes its manifest too: it is no defence."""
-    (checkpoint / "manifest.json").unlink()
-    ckpt.write_manifest(checkpoint)
-    assert ckpt.checkpoint_problem(checkpoint, "sha256") is None
 
 
 # ----------------------------------------------------------------------------------------------- pickles
@@ -76,6 +61,29 @@ def test_a_crafted_dcp_metadata_is_refused_before_torch_unpickles_it(fsdp_run, t
     assert not marker.exists()
 
 
+# a real entry (optimizer hyper-parameters are stored pickled) for resume; a weight declared pickled for export
+@pytest.mark.parametrize("command,key", [("resume", "optimizer.param_groups.0.lr"),
+                                         ("export", "model.model.embed_tokens.weight")])
+def test_a_pickled_entry_of_a_distributed_checkpoint_is_read_weights_only(fsdp_run, tmp_path, cli_runner, command, key):
+    run = tmp_path / "run"
+    shutil.copytree(fsdp_run, run)
+    marker = tmp_path / "ran"
+    step = run / "checkpoints" / "step-2"
+    point_dcp_entry_at(step / "dcp", key, Payload(marker))
+    reseal(step)
+    from toolkit.train.safe_load import check_dcp_metadata
+
+    check_dcp_metadata(step / "dcp")  # only torch's classes: the .metadata check alone lets it through
+    if command == "export":
+        result = cli_runner.invoke("export", run, "--output", tmp_path / "out")
+    else:
+        result = cli_runner.invoke(*TRAIN[:-4], "--max-steps", "3", "--model", "tiny-llama", "--strategy", "fsdp",
+                                   "--resume", "auto", "--output", run)
+    one_line_refusal(result, f"{step / 'dcp'}: entry {key!r} holds objects a weights-only load refuses")
+    assert "GLOBAL exec" in result.stderr
+    assert not marker.exists()
+
+
 def test_a_crafted_optimizer_pt_is_a_one_line_refusal(tmp_path, cli_runner):
     import torch
 
@@ -93,7 +101,8 @@ def test_a_crafted_optimizer_pt_is_a_one_line_refusal(tmp_path, cli_runner):
 # ----------------------------------------------------------------------------------------------- remote code
 @pytest.fixture
 def remote_code_model(tmp_path):
-    """tiny-llama whose config names its own code (auto_map); importing that code writes the marker."""
+    """tiny-llama whose config names its own code (auto_map) for a model type transformers does not have, so
+    transformers asks whether to run it; importing that code writes the marker."""
     from toolkit.models import materialize_preset
 
     model = tmp_path / "model"
@@ -101,9 +110,10 @@ def remote_code_model(tmp_path):
     marker = tmp_path / "ran"
     (model / "configuration_evil.py").write_text(
         f"open({str(marker)!r}, 'w').write('ran')\nfrom transformers import LlamaConfig\n\n"
-        "class EvilConfig(LlamaConfig):\n    model_type = 'llama'\n")
+        "class EvilConfig(LlamaConfig):\n    model_type = 'evil-llama'\n")
     config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoConfig": "configuration_evil.EvilConfig"}}))
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "evil-llama",
+                                                   "auto_map": {"AutoConfig": "configuration_evil.EvilConfig"}}))
     return model, marker
 
 
@@ -118,8 +128,8 @@ def test_export_of_a_run_ignores_trust_remote_code_in_its_recipe(remote_code_mod
     model, marker = remote_code_model
     plain = tmp_path / "plain"
     shutil.copytree(model, plain)
-    (plain / "config.json").write_text(json.dumps({k: v for k, v in json.loads((model / "config.json").read_text()).items()
-                                                   if k != "auto_map"}))
+    config = {k: v for k, v in json.loads((model / "config.json").read_text()).items() if k != "auto_map"}
+    (plain / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
     run = tmp_path / "run"
     assert cli_runner.invoke(*TRAIN, "--model", plain, "--output", run).exit_code == 0
     recipe = (run / "recipe.yaml").read_text().replace(f"model: {plain}", f"model: {model}")
@@ -232,3 +242,12 @@ def test_infer_with_a_chat_template_that_escapes_the_sandbox_is_one_line(tmp_pat
         (model / name).unlink(missing_ok=True)
     result = cli_runner.invoke("infer", model, "--prompt", "hi")
     one_line_refusal(result, "chat template tried something jinja's sandbox forbids")
+
+
+def test_data_inspect_refuses_model_code_and_has_the_flag_its_refusal_names(remote_code_model, cli_runner):
+    model, marker = remote_code_model
+    refused = cli_runner.invoke("data", "inspect", "demo", "--model", model, input="y\n")
+    one_line_refusal(refused, f"{model / 'config.json'} asks to run the model's own Python code (configuration_evil)")
+    assert "--trust-remote-code" in refused.stderr and not marker.exists()
+    cli_runner.invoke("data", "inspect", "demo", "--model", model, "--trust-remote-code")
+    assert marker.exists(), "asked for on the command line, the model's code runs"

@@ -137,10 +137,13 @@ def _checked_preset(target: Path, encoded: str) -> Path:
     return target
 
 
-def check_remote_code(directory: Path, trust_remote_code: bool) -> None:
+REMOTE_CODE_FLAG = "Remote code runs only when --trust-remote-code is given on this command line"
+
+
+def check_remote_code(directory: Path, trust_remote_code: bool, remedy: str = REMOTE_CODE_FLAG) -> None:
     """Refuse a model whose config or tokenizer names its own Python code (``auto_map``) unless this command was
     given ``--trust-remote-code``: transformers would otherwise ask on a terminal (one "y" runs it) or fail
-    with an EOFError without one."""
+    with an EOFError without one. ``remedy`` ends the message (where no flag can allow it, what to do instead)."""
     if trust_remote_code:
         return
     for name in ("config.json", "tokenizer_config.json"):
@@ -155,7 +158,7 @@ def check_remote_code(directory: Path, trust_remote_code: bool) -> None:
             names = [n for v in values for n in (v if isinstance(v, list) else [v]) if isinstance(n, str)]
             shown = ", ".join(sorted({name.split("--")[-1].split(".")[0] for name in names}))
             raise ModelError(f"{path} asks to run the model's own Python code ({shown or 'auto_map'}); it was not run. "
-                             "Remote code runs only when --trust-remote-code is given on this command line")
+                             f"{remedy}")
 
 
 def _wait_for_preset(target: Path, encoded: str, rank: int) -> Path:

@@ -10,7 +10,8 @@ Installed with ``toolkit``, so every test session in that environment gets these
   ``flex_calls``: the attention calls that ran through FlexAttention
 
 and helpers usable outside fixtures: :func:`run_distributed`, :func:`write_plugin_distribution`,
-:func:`packed_batch`.
+:func:`packed_batch`; for checkpoints someone crafted: :class:`CodePayload`, :func:`reseal_checkpoint`,
+:func:`point_dcp_entry_at`.
 Importing this module is cheap (no torch), because pytest loads it in every session.
 """
 
@@ -436,3 +437,51 @@ def write_plugin_distribution(site: Path, name: str, source: str, *, version: st
     (dist_info / "entry_points.txt").write_text(f"[toolkit]\n{entry_point or name.removeprefix('toolkit-')} = {module}\n")
     (dist_info / "RECORD").write_text("")
     return module_file
+
+
+# ----------------------------------------------------------------------------- crafted checkpoints
+
+
+class CodePayload:
+    """A pickle whose unpickling writes ``marker``: if the file exists afterwards, code from the pickle ran."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (exec, (f"open({self.marker!r}, 'w').write('ran')",))
+
+
+def reseal_checkpoint(checkpoint: Path) -> None:
+    """Rewrite ``checkpoint``'s manifest.json after a test changed its files: whoever ships a checkpoint writes
+    its manifest too, so the manifest is no defence against a crafted file."""
+    from toolkit.train import checkpoint as ckpt
+
+    (Path(checkpoint) / "manifest.json").unlink()
+    ckpt.write_manifest(Path(checkpoint))
+    assert ckpt.checkpoint_problem(Path(checkpoint), "sha256") is None
+
+
+def point_dcp_entry_at(directory: Path, key: str, payload: Any) -> None:
+    """Make ``key`` of the torch.distributed.checkpoint in ``directory`` a pickled (non-tensor) entry holding
+    ``payload``. The ``.metadata`` keeps only torch's own classes; torch's DefaultLoadPlanner reads such entries
+    with ``torch.load(weights_only=False)``."""
+    import io
+
+    import torch
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    directory = Path(directory)
+    metadata = pickle.loads((directory / ".metadata").read_bytes())
+    data = io.BytesIO()
+    torch.save(payload, data)
+    shard = sorted(directory.glob("*.distcp"))[0]
+    offset = shard.stat().st_size
+    with shard.open("ab") as handle:
+        handle.write(data.getvalue())
+    storage_info = type(next(iter(metadata.storage_data.values())))
+    for index in [index for index in metadata.storage_data if index.fqn == key]:
+        del metadata.storage_data[index]
+    metadata.state_dict_metadata[key] = BytesStorageMetadata()
+    metadata.storage_data[MetadataIndex(key)] = storage_info(shard.name, offset, len(data.getvalue()))
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))

@@ -139,13 +139,14 @@ class FSDPEngine(LocalEngine):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-        from toolkit.train.safe_load import check_dcp_metadata, load_tensors_file
+        from toolkit.train.safe_load import check_dcp_metadata, load_tensors_file, named_refusal, weights_only_planner
 
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         trainable = self._trainable_names()
         state = {"model": {k: v for k, v in model_state.items() if k in trainable}, "optimizer": optim_state}
         check_dcp_metadata(directory / "dcp")  # its .metadata is a pickle: refuse one that would run code
-        dcp.load(state, checkpoint_id=str(directory / "dcp"))
+        with named_refusal(directory / "dcp"):  # its non-tensor entries are pickles too: read weights-only
+            dcp.load(state, checkpoint_id=str(directory / "dcp"), planner=weights_only_planner()())
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        options=StateDictOptions(strict=False))
         if self.scheduler is not None:

@@ -30,16 +30,17 @@ def _inspect_command(manager: Any) -> click.Command:
         click.Option(["--loss"], default="sft", show_default=True, help="Objective (decides which tokens train)."),
         click.Option(["--num", "-n"], default=3, show_default=True, type=int, help="Samples to show."),
         click.Option(["--seq-len"], default=512, show_default=True, type=int),
+        click.Option(["--trust-remote-code"], is_flag=True, help="Run the model directory's own Python code (auto_map)."),
     ]
     sections = add_registered_options(params, manager, ("dataset_format",))
 
     def callback(dataset: str, model: str, dataset_format: str, columns: dict[str, str] | None, loss: str, num: int,
-                 seq_len: int, **format_options: Any) -> None:
+                 seq_len: int, trust_remote_code: bool, **format_options: Any) -> None:
         from toolkit.data.inspect import inspect_dataset
 
         options = collect_values(format_options, sections)
         inspect_dataset(dataset, model=model, dataset_format=dataset_format, loss=loss, num=num, seq_len=seq_len,
-                        columns=columns or {}, options=options)
+                        columns=columns or {}, options=options, trust_remote_code=trust_remote_code)
 
     return click.Command("inspect", params=params, callback=callback,
                          help="Show the first samples of DATASET with trained tokens in [[brackets]].")

@@ -33,7 +33,8 @@ def render_sample(tokenizer, input_ids: list[int], labels: list[int]) -> str:
 
 
 def inspect_samples(dataset: str, *, model: str, dataset_format: str, loss: str, num: int, seq_len: int,
-                    columns: dict[str, str] | None = None, options: dict[str, dict[str, Any]] | None = None) -> tuple[str, Any, list]:
+                    columns: dict[str, str] | None = None, options: dict[str, dict[str, Any]] | None = None,
+                    trust_remote_code: bool = False) -> tuple[str, Any, list]:
     """The data summary, the tokenizer and the first ``num`` examples of ``dataset``, read exactly as
     training reads it (format, columns, format options from the ``--<format>-<field>`` flags)."""
     from toolkit.data.pipeline import load_examples
@@ -41,7 +42,7 @@ def inspect_samples(dataset: str, *, model: str, dataset_format: str, loss: str,
     from toolkit.plugins import get_plugin_manager
 
     loss_cls = get_plugin_manager().get("loss", loss)
-    source = resolve_model(model)
+    source = resolve_model(model, trust_remote_code)
     examples, stats = load_examples([dataset], source.tokenizer, dataset_format=dataset_format, columns=columns,
                                     options=options, train_on=member(loss_cls, "loss", "train_on"), seq_len=seq_len,
                                     example_kinds=loss_cls.example_kinds)
@@ -55,10 +56,12 @@ def sample_title(index: int, seq) -> str:
 
 
 def inspect_dataset(dataset: str, *, model: str, dataset_format: str, loss: str, num: int, seq_len: int,
-                    columns: dict[str, str] | None = None, options: dict[str, dict[str, Any]] | None = None) -> None:
+                    columns: dict[str, str] | None = None, options: dict[str, dict[str, Any]] | None = None,
+                    trust_remote_code: bool = False) -> None:
     """Print ``num`` samples of ``dataset`` as :func:`inspect_samples` reads them, trained tokens in [[brackets]]."""
     summary, tokenizer, examples = inspect_samples(dataset, model=model, dataset_format=dataset_format, loss=loss, num=num,
-                                                   seq_len=seq_len, columns=columns, options=options)
+                                                   seq_len=seq_len, columns=columns, options=options,
+                                                   trust_remote_code=trust_remote_code)
     click.echo(f"{summary}; trained tokens are shown in [[brackets]]")
     for index, example in enumerate(examples):
         for seq in example.sequences:

@@ -398,11 +398,12 @@ def read_model_state(checkpoint: Path, templates: dict[str, Any]) -> dict[str, A
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from toolkit.train.safe_load import check_dcp_metadata
+    from toolkit.train.safe_load import check_dcp_metadata, named_refusal, weights_only_planner
 
     check_dcp_metadata(checkpoint / "dcp")  # torch unpickles .metadata: refuse one that would run code
     state = {name: torch.empty(tensor.shape, dtype=tensor.dtype) for name, tensor in templates.items()}
-    dcp.load({"model": state}, checkpoint_id=str(checkpoint / "dcp"), no_dist=True)
+    with named_refusal(checkpoint / "dcp"):  # a crafted .metadata may declare a weight as a pickled entry
+        dcp.load({"model": state}, checkpoint_id=str(checkpoint / "dcp"), no_dist=True, planner=weights_only_planner()())
     return state
 
 

@@ -5,14 +5,20 @@ torch.distributed.checkpoint (FSDP's ``dcp/``, Megatron-Core's ``torch_dist`` fo
 file runs code. A manifest does not help (whoever ships the checkpoint writes it too). So every
 ``.metadata`` is read first by :class:`MetadataUnpickler`, which admits only the classes torch's
 checkpoint metadata is made of; anything else is refused before torch reads the file.
+The checkpoint's non-tensor entries (optimizer hyper-parameters, Megatron-Core's extra states and
+sharded objects) are pickles too, which torch's DefaultLoadPlanner reads with
+``torch.load(weights_only=False)``: :func:`weights_only_planner` reads them weights-only instead.
 Every ``torch.load`` here is ``weights_only=True``; its refusal becomes one line naming the file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
+import io
 import pickle
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,8 +84,53 @@ def load_tensors_file(path: Path, **kwargs: Any) -> Any:
     try:
         return torch.load(path, weights_only=True, **kwargs)
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()
-        detail = next((line for line in first if "GLOBAL" in line or "Unsupported" in line), first[0] if first else "")
-        raise UnsafeCheckpointError(f"{path} holds objects a weights-only load refuses ({detail.strip()[:200]}); it was "
-                                    "not loaded. Files toolkit writes hold only tensors and plain values: this one was "
-                                    "altered or written by another tool") from None
+        raise UnsafeCheckpointError(f"{path} {_refused(exc)}") from None
+
+
+def weights_only_planner(base: type | None = None) -> type:
+    """A torch.distributed.checkpoint load planner class (``base``, default ``DefaultLoadPlanner``) that reads
+    the checkpoint's non-tensor entries weights-only: torch's own reads them with ``weights_only=False``, so
+    a crafted entry (its ``.metadata`` may declare any key as bytes) would run code."""
+    if base is None:
+        from torch.distributed.checkpoint import DefaultLoadPlanner as base
+
+    class WeightsOnlyLoadPlanner(base):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            import torch
+
+            try:
+                loaded = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as exc:
+                raise UnsafeCheckpointError(f"entry {read_item.dest_index.fqn!r} {_refused(exc)}") from None
+            # hand the base planner a pickle of what was admitted: it unpickles with weights_only=False
+            clean = io.BytesIO()
+            torch.save(loaded, clean)
+            clean.seek(0)
+            super().load_bytes(read_item, clean)
+
+    WeightsOnlyLoadPlanner.__qualname__ = WeightsOnlyLoadPlanner.__name__ = f"WeightsOnly{base.__name__}"
+    return WeightsOnlyLoadPlanner
+
+
+@contextlib.contextmanager
+def named_refusal(directory: Path) -> Iterator[None]:
+    """Turn an entry refused by :func:`weights_only_planner` into one line naming the checkpoint: torch wraps
+    every rank's exception in a ``CheckpointException`` (a ``BaseException``) with its traceback."""
+    from torch.distributed.checkpoint import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as exc:
+        for error, _trace in exc.failures.values():
+            if isinstance(error, UnsafeCheckpointError):
+                raise UnsafeCheckpointError(f"{directory}: {error}") from None
+        raise
+    except UnsafeCheckpointError as exc:
+        raise UnsafeCheckpointError(f"{directory}: {exc}") from None
+
+
+def _refused(exc: pickle.UnpicklingError) -> str:
+    first = str(exc).strip().splitlines()
+    detail = next((line for line in first if "GLOBAL" in line or "Unsupported" in line), first[0] if first else "")
+    return (f"holds objects a weights-only load refuses ({detail.strip()[:200]}); it was not loaded. Files toolkit "
+            "writes hold only tensors and plain values: this one was altered or written by another tool")

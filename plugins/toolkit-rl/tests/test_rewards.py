@@ -128,3 +128,28 @@ def test_reward_model_scores_like_the_classifier(tmp_path):
             assert score == pytest.approx(float(model(input_ids=ids).logits[0, 0]), rel=1e-4, abs=1e-5)
     with pytest.raises(ConfigError, match="no config.json"):
         rewards.RewardModelReward(rewards.RewardModelConfig(path=str(tmp_path)))
+
+
+def test_a_reward_model_with_its_own_code_is_refused_even_when_someone_answers_yes(tmp_path, monkeypatch):
+    """--reward DIR whose config names its own code (auto_map): transformers would ask on the terminal."""
+    import json
+
+    from transformers import LlamaConfig
+
+    from toolkit.errors import ModelError
+
+    directory = tmp_path / "rm"
+    LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                num_labels=1).save_pretrained(directory)
+    marker = tmp_path / "ran"
+    (directory / "configuration_evil.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\nfrom transformers import LlamaConfig\n\n"
+        "class EvilConfig(LlamaConfig):\n    model_type = 'evil-rm'\n")
+    config = json.loads((directory / "config.json").read_text())
+    config.update(model_type="evil-rm", auto_map={"AutoConfig": "configuration_evil.EvilConfig"})
+    (directory / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr("builtins.input", lambda *args: "y")
+    with pytest.raises(ModelError, match="asks to run the model's own Python code .configuration_evil.; it was not run"):
+        built = rewards.build_rewards([str(directory)], recipe(), get_plugin_manager())
+        built[0].reward(["Q: a? "], ["yes"], None, [{}])
+    assert not marker.exists()

@@ -45,11 +45,12 @@ def preference_accuracy(model_dir: str | Path, dataset: str, reference_dir: str 
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    # never the model's own code, never pickled weights
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=False, use_safetensors=True)
     chosen, rejected = pair_logps(model, tokenizer, dataset, **kwargs)
     if reference_dir is not None:
-        reference = AutoModelForCausalLM.from_pretrained(reference_dir)
+        reference = AutoModelForCausalLM.from_pretrained(reference_dir, trust_remote_code=False, use_safetensors=True)
         ref_chosen, ref_rejected = pair_logps(reference, tokenizer, dataset, **kwargs)
         chosen, rejected = chosen - ref_chosen, rejected - ref_rejected
     return float((chosen > rejected).float().mean())

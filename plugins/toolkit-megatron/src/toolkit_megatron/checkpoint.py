@@ -8,6 +8,7 @@ HF ``config.json`` plus tokenizer files, so it can be converted back to HF witho
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -143,7 +144,7 @@ def load_mcore(models: list[Any], directory: str | Path, optimizer: Any = None) 
     from toolkit.train.safe_load import check_dcp_metadata
 
     check_dcp_metadata(Path(directory))  # torch_dist's .metadata is a pickle: refuse one that would run code
-    with cpu_compat(), torch.no_grad():
+    with cpu_compat(), torch.no_grad(), weights_only_entries(Path(directory)):
         loaded = dist_checkpointing.load(state, str(directory))
         for i, model in enumerate(models):
             missing, _ = unwrap(model).load_state_dict(loaded[f"model{i}"], strict=False)
@@ -153,6 +154,34 @@ def load_mcore(models: list[Any], directory: str | Path, optimizer: Any = None) 
         if optimizer is not None:
             optimizer.load_state_dict(loaded["optimizer"])
     return read_marker(directory)
+
+
+@contextlib.contextmanager
+def weights_only_entries(directory: Path) -> Iterator[None]:
+    """Read the checkpoint's non-tensor entries (extra states, sharded objects) weights-only while it loads.
+
+    Megatron-Core's torch_dist strategy loads through its ``MCoreLoadPlanner``, a torch DefaultLoadPlanner
+    that unpickles them with ``weights_only=False``; it names the class at call time, so it is swapped for
+    its weights-only form here. ``common.pt`` is read by ``torch.load`` (weights-only by default): its
+    refusal becomes one line too.
+    """
+    import pickle
+
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+
+    from toolkit.train.safe_load import UnsafeCheckpointError, named_refusal, weights_only_planner
+
+    planner = torch_strategy.MCoreLoadPlanner
+    torch_strategy.MCoreLoadPlanner = weights_only_planner(planner)
+    try:
+        with named_refusal(directory):
+            yield
+    except pickle.UnpicklingError as exc:
+        detail = next((line for line in str(exc).splitlines() if "GLOBAL" in line), str(exc).splitlines()[0])
+        raise UnsafeCheckpointError(f"{directory}: a file holds objects a weights-only load refuses ({detail.strip()[:200]}); "
+                                    "it was not loaded. Use a checkpoint you or toolkit wrote") from None
+    finally:
+        torch_strategy.MCoreLoadPlanner = planner
 
 
 def mcore_to_hf_tensors(directory: str | Path, lora: tuple | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -167,7 +196,7 @@ def mcore_to_hf_tensors(directory: str | Path, lora: tuple | None = None) -> Ite
     from toolkit_megatron.bridge import export_hf_tensors
     from toolkit_megatron.model import build_model, initialize_parallel
 
-    hf_config = AutoConfig.from_pretrained(directory)
+    hf_config = AutoConfig.from_pretrained(directory, trust_remote_code=False)
     own_group = one_process_group()  # reads to CPU: gloo
     try:
         layout = ParallelLayout()

@@ -103,7 +103,7 @@ def _export_worker(hf_dir: str, output: str, layout: Any, dtype: str, tokenizer_
     from toolkit_megatron.checkpoint import save_mcore, stop_checkpoint_workers
     from toolkit_megatron.model import build_model, initialize_parallel
 
-    hf_config = AutoConfig.from_pretrained(hf_dir)
+    hf_config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=False)
     initialize_parallel(layout)
     models = build_model(hf_config, layout, dtype=getattr(torch, dtype))
     load_hf_weights(models, hf_config, SafetensorsReader.from_directory(Path(hf_dir)))
@@ -120,13 +120,18 @@ def resolve_mcore_source(path: str) -> Any:
         return None
     from transformers import AutoConfig
 
+    from toolkit.models import check_remote_code
+
     directory = Path(path)
-    config = AutoConfig.from_pretrained(directory)
+    # transformers would ask on a terminal (one "y" runs the code); the bridge builds only the architectures it knows
+    check_remote_code(directory, False, "A Megatron-Core checkpoint is read through toolkit's bridge, which runs no "
+                                        "model code: convert a model of a supported architecture")
+    config = AutoConfig.from_pretrained(directory, trust_remote_code=False)
     tokenizer = None
     if any(directory.glob("tokenizer*")):
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(directory)
+        tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
     source = ModelSource(reference=str(path), directory=directory, config=config, tokenizer=tokenizer, weight_files=[])
     return ExportModel(source=source, tensors=lambda: mcore_to_hf_tensors(directory),
                        description=f"Megatron-Core checkpoint {directory}")

@@ -154,14 +154,20 @@ class RewardModelReward:
         if not (path / "config.json").is_file():
             raise ConfigError(f"reward model directory {path} has no config.json; pass a directory written by "
                               "`toolkit export RUN --to hf-rm --output DIR` (or --reward DIR)", source="--reward")
+        from toolkit.models import check_remote_code
+
+        # transformers would ask on a terminal when the model names its own code: one "y" would run it
+        check_remote_code(path, False, "A reward model's own code is never run: use a directory written by "
+                                       "`toolkit export RUN --to hf-rm` or a model of an architecture transformers has")
         self.model = self.tokenizer = None
 
     def _load(self) -> None:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         # safetensors only: never unpickle weights from a directory
-        self.model = AutoModelForSequenceClassification.from_pretrained(self.config.path, use_safetensors=True).eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(self.config.path)
+        self.model = AutoModelForSequenceClassification.from_pretrained(self.config.path, use_safetensors=True,
+                                                                        trust_remote_code=False).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.config.path, trust_remote_code=False)
 
     def __call__(self, prompts, completions, completion_ids, records) -> list[float | None]:
         import torch
