@@ -194,7 +194,10 @@ class Tuner(Registered, Protocol):
     every optimizer step (0-based ``step``) with ``optimized`` mapping parameter names to the tensors
     the optimizer holds: a tuner whose trainable set changes during the run (toolkit-optim's ``lisa``)
     switches ``requires_grad`` there and drops the optimizer state it no longer needs; strategies that
-    do not call it must be refused by the tuner's ``validate``.
+    do not call it must be refused by the tuner's ``validate``. ``initial_adapters(source, recipe)``:
+    the trainable tensors ``checkpoint_state`` would give right after ``apply`` on the loaded model (same
+    seed, same names), built without loading the base weights; strategies with modules of their own
+    (Megatron-Core LoRA) split them over ranks instead of loading the HF model on every rank.
     """
 
     def validate(self, recipe: Recipe, source: ModelSource) -> list[str]: ...
@@ -399,7 +402,7 @@ OPTIONAL: dict[str, dict[str, Any]] = {
                "supports_rollback": True, "skip_nonfinite": False},
     "strategy": {"parallel_axes": frozenset()},
     "tuner": {"adapter_export": None, "adapter_from_checkpoint": None, "disabled_adapters": None, "optimizer_factory": None,
-              "quantized": False, "zero3_compatible": True, "before_step": None},
+              "quantized": False, "zero3_compatible": True, "before_step": None, "initial_adapters": None},
     "loss": {"train_on": "assistant", "uniform_token_gradient": False, "cli_command": True},
     "dataset_format": {"bundled_datasets": {}},
     "exporter": {"export_adapter": None},

@@ -228,3 +228,53 @@ def test_fast_forward_on_a_4bit_base_equals_peft(tiny_dir, source, batch):
     torch.testing.assert_close(fast_logits, peft_logits, atol=1e-5, rtol=1e-5)
     for name, grad in peft_grads.items():
         torch.testing.assert_close(fast_grads[name], grad, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("tuner_cls", "options", "precision"), [
+    (LoRATuner, {"rank": 4}, "fp32"),
+    (LoRATuner, {"rank": 4, "init": "gaussian", "rslora": True}, "bf16"),
+    (LoRATuner, {"rank": 2, "init": "orthogonal", "target_modules": ["q_proj,down_proj"]}, "fp32"),
+    (DoRATuner, {"rank": 4}, "fp32"),
+    (DoRATuner, {"rank": 4}, "bf16"),
+    (DoRATuner, {"rank": 4, "init": "random"}, "fp32"),
+], ids=["lora", "lora-gaussian-bf16", "lora-orthogonal-some", "dora", "dora-bf16", "dora-random"])
+def test_initial_adapters_equal_those_of_the_loaded_model(source, tuner_cls, options, precision, tmp_path):
+    """``initial_adapters`` (what Megatron-Core LoRA starts from) is ``checkpoint_state`` of load_hf_model's model,
+    bit for bit, and LoRA's needs no weight file at all (the base weights are never read)."""
+    import shutil
+    import types
+
+    from toolkit.models import load_hf_model
+
+    recipe = types.SimpleNamespace(seed=7, gradient_checkpointing=False, loss="sft", precision=precision, strategy="megatron",
+                                   optimizer="adamw", section=lambda name: {})
+    tuner = tuner_cls(tuner_cls.Config(**options))
+    assert tuner.validate(recipe, source) == []
+    expected = tuner.checkpoint_state(load_hf_model(source, tuner, recipe, torch.device("cpu")))
+    fresh = tuner_cls(tuner_cls.Config(**options))
+    fresh.validate(recipe, source)  # records --precision: the base dtype the adapters are rounded through
+    if tuner.use_dora:
+        got = fresh.initial_adapters(source, recipe)
+    else:
+        bare = tmp_path / "config-only"
+        bare.mkdir()
+        shutil.copy(source.directory / "config.json", bare / "config.json")
+        got = fresh.initial_adapters(type(source)(reference=str(bare), directory=bare, config=source.config,
+                                                  tokenizer=None, weight_files=[]), recipe)
+    assert sorted(got) == sorted(expected) and got
+    for name, tensor in expected.items():
+        assert got[name].dtype == tensor.dtype, name
+        assert torch.equal(got[name], tensor), name
+    if tuner.use_dora:
+        assert all(got[name].abs().sum() > 0 for name in got if "magnitude" in name)
+
+
+def test_initial_adapters_refuse_inits_that_read_the_base(source):
+    import types
+
+    recipe = types.SimpleNamespace(seed=0, precision="fp32")
+    with pytest.raises(ConfigError, match="--lora-init pissa"):
+        LoRATuner(LoRAConfig(init="pissa")).initial_adapters(source, recipe)
+    megatron = types.SimpleNamespace(precision="fp32", strategy="megatron", optimizer="adamw")
+    assert any("--lora-init olora" in p for p in LoRATuner(LoRAConfig(init="olora")).validate(megatron, source))
+    assert LoRATuner(LoRAConfig(init="gaussian")).validate(megatron, source) == []

@@ -1,7 +1,8 @@
 """LoRA on Megatron's tensor-parallel linears, initialised from the registered ``lora`` tuner.
 
 The adapters are created by the tuner the user chose (toolkit-peft's ``lora``, through the
-registry) on the HF model, with the same seed as every other strategy, then split like the
+registry, its ``initial_adapters``: on a skeleton of the HF model, no base weights loaded), with
+the same seed as every other strategy, then split like the
 base weights: for a column-parallel layer ``A`` is replicated and ``B`` is split by output rows
 (query groups for the fused QKV, gate/up halves for ``linear_fc1``); for a row-parallel layer
 ``A`` is split by input columns (its partial product is all-reduced over TP) and ``B`` is
@@ -24,15 +25,21 @@ _NAME = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_(A|B|magnitud
 
 
 def hf_adapters(source: Any, tuner: Any, recipe: Any) -> tuple[dict, float]:
-    """``{(layer, hf_proj): {"A": tensor, "B": tensor}}`` as the tuner initialises them, and the scale."""
-    from toolkit.models import load_hf_model
+    """``{(layer, hf_proj): {"A": tensor, "B": tensor}}`` as the tuner initialises them, and the scale.
+
+    Asked of the tuner's ``initial_adapters(source, recipe)`` (``contracts.OPTIONAL["tuner"]``), which builds
+    them without the base weights: no rank holds a copy of the HF model for this."""
+    from toolkit.contracts import member
 
     config = getattr(tuner, "config", None)
     if config is None or not hasattr(config, "rank"):
         raise ConfigError(f"--tuner {tuner.name}: the megatron strategy needs a LoRA tuner with rank/alpha options")
-    model = load_hf_model(source, tuner, recipe, torch.device("cpu"))
+    initial_adapters = member(tuner, "tuner", "initial_adapters")
+    if initial_adapters is None:
+        raise ConfigError(f"--tuner {tuner.name} has no initial_adapters(source, recipe) method, which the megatron "
+                          "strategy builds its adapters from (docs/hooks.md)")
     adapters: dict = {}
-    for name, tensor in tuner.checkpoint_state(model).items():
+    for name, tensor in initial_adapters(source, recipe).items():
         match = _NAME.search(name)
         if match is None:
             if "lora" in name:
@@ -42,7 +49,6 @@ def hf_adapters(source: Any, tuner: Any, recipe: Any) -> tuple[dict, float]:
         if proj not in _HF_TO_PARTS:
             raise ConfigError(f"--tuner {tuner.name}: LoRA on {proj} is not supported by the megatron strategy")
         adapters.setdefault((layer, proj), {})["M" if which == "magnitude_vector" else which] = tensor.detach().float().clone()
-    del model
     scale = config.alpha / (config.rank ** 0.5 if getattr(config, "rslora", False) else config.rank)
     return adapters, scale
 

@@ -149,6 +149,9 @@ class LoRATuner:
         if self.quantized and strategy in ("megatron", "fsdp"):
             problems.append(f"qlora: --strategy {strategy} cannot shard 4-bit bitsandbytes weights; use --strategy local "
                             "(DDP under torchrun) or --tuner lora")
+        if strategy == "megatron" and self.config.init.startswith(("pissa", "olora")):
+            problems.append(f"--{self.name}-init {self.config.init} derives the adapters from the base weights and changes "
+                            "those weights, which the megatron strategy loads itself; use default, gaussian, orthogonal or random")
         if not problems:
             problems += [f"{self.name}: {p}" for p in target_problems(self.config, source)]
         return problems
@@ -201,6 +204,14 @@ class LoRATuner:
 
         config, tensors = adapter_from_checkpoint(self, Path(checkpoint), source)
         return config, list(tensors.items())
+
+    def initial_adapters(self, source: ModelSource, recipe: Recipe) -> dict[str, torch.Tensor]:
+        """What :meth:`checkpoint_state` gives on ``load_hf_model``'s model, bit for bit, without loading the
+        base weights (the HF modules are built on ``meta``; DoRA reads its layers' weights one at a time).
+        For strategies that build their own modules (Megatron-Core) and split the adapters themselves."""
+        from toolkit_peft.skeleton import initial_adapters
+
+        return initial_adapters(self, source, recipe)
 
     def save_adapter(self, model: torch.nn.Module, output: str | Path) -> Path:
         """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (PEFT/vLLM layout) to ``output``."""
