@@ -80,13 +80,28 @@ class App:
         return f"run-{index}"
 
     def checked(self, values: dict[str, Any]) -> dict[str, Any]:
-        """Path-valued fields as absolute paths inside the roots (presets and bundled names as they are)."""
+        """Path-valued fields as absolute paths inside the roots (presets and bundled names as they are);
+        any other value that names a file outside them (a plugin's reward file.py, a DeepSpeed JSON) refused."""
         values = dict(values)
         values["model"] = tools.model_reference(self.roots, values.get("model", "tiny-llama"))
         values["dataset"] = [tools.dataset_reference(self.roots, d) for d in values.get("dataset", [])]
+        if values.get("eval_dataset"):
+            values["eval_dataset"] = [tools.dataset_reference(self.roots, d, "--eval-dataset") for d in values["eval_dataset"]]
         values["output"] = str(self.roots.writable_path(values.get("output") or self.next_run_name(), "output"))
         if values.get("resume") not in (None, "auto"):
             values["resume"] = str(self.roots.readable_path(values["resume"], "resume"))
+        by_key = {f.key: f for f in self.fields}
+        for key, value in values.items():
+            if key in forms.PATH_FIELDS:
+                continue
+            if key in by_key:
+                self.roots.check_mentions(value, by_key[key].flag or key)
+            elif isinstance(value, dict):  # an option section: each field under its own flag
+                for name, item in value.items():
+                    field = by_key.get(f"{key}.{name}")
+                    self.roots.check_mentions(item, (field.flag if field else None) or f"{key}.{name}")
+            else:
+                self.roots.check_mentions(value, key)
         return values
 
     def compose(self, raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -147,6 +162,17 @@ class App:
     # -- runs -------------------------------------------------------------------------------
     def run_path(self, value: str) -> Path:
         return self.roots.writable_path(value, "run")
+
+    def resume(self, run_dir: Path) -> Any:
+        """Resume a run; one started outside the page (no launch of ours, only its recipe.yaml) has that
+        recipe's paths checked against the roots first, as a recipe typed into the page would."""
+        from toolkit.recipe import read_yaml
+        from toolkit_webui.runs import LAUNCH_FILE
+
+        recipe = run_dir / "recipe.yaml"
+        if not (run_dir / LAUNCH_FILE).is_file() and recipe.is_file():
+            self.checked({**read_yaml(recipe), "output": str(run_dir)})
+        return self.runs.resume(run_dir)
 
     def run_view(self, selected: str | None) -> tuple:
         rows = self.runs.table()

@@ -68,6 +68,7 @@ def webui_command(runs_dir: str, data_dirs: tuple[str, ...], host: str, port: in
         if not allow_remote:
             raise click.UsageError(f"--host {host} would let other machines use this page (launch runs, read the runs "
                                    "directory); add --allow-remote if that is what you want")
-        click.echo(f"toolkit webui: WARNING: listening on {host}:{port}: anyone who can reach it can start training and "
+        click.echo(f"toolkit webui: WARNING: listening on {host}:{port}: anyone who can reach it can start training (which "
+                   "runs any installed Python function a plugin option names, such as a reward's module:function) and "
                    f"read {Path(runs_dir).resolve()} and the data directories. There is no login.", err=True)
     serve(Path(runs_dir), [Path(d) for d in data_dirs], host, port)

@@ -27,7 +27,7 @@ EXTRA_CHOICES = {"strategy": ["auto"], "dataset_format": ["auto"], "export": [""
 # Written into every recipe even at their defaults: a recipe should say what it trains on.
 ALWAYS_WRITTEN = ("model", "dataset", "output", "loss")
 # Fields whose value may be a path: checked against the UI's directories before a launch.
-PATH_FIELDS = ("model", "dataset", "output", "resume")
+PATH_FIELDS = ("model", "dataset", "eval_dataset", "output", "resume")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,7 +61,7 @@ def runs_tab(app: Any) -> Any:
 
     def do_resume(selected: str | None) -> str:
         try:
-            process = app.runs.resume(app.run_path(selected or ""))
+            process = app.resume(app.run_path(selected or ""))
         except Exception as exc:
             return _error(exc)
         return f"Resuming (process {process.pid}) from the newest whole checkpoint."

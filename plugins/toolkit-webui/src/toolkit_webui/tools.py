@@ -22,12 +22,12 @@ def model_reference(roots: Roots, value: str, what: str = "model") -> str:
     return value if value in PRESETS else str(roots.readable_path(value, what))
 
 
-def dataset_reference(roots: Roots, value: str) -> str:
+def dataset_reference(roots: Roots, value: str, what: str = "dataset") -> str:
     """A bundled dataset name as it is, a file as a path inside the roots."""
     from toolkit.data.reading import bundled_names
 
     value = (value or "").strip()
-    return value if value in bundled_names() else str(roots.readable_path(value, "dataset"))
+    return value if value in bundled_names() else str(roots.readable_path(value, what))
 
 
 def preview(roots: Roots, dataset: str, model: str, loss: str, dataset_format: str, num: int, seq_len: int) -> tuple[str, list]:
@@ -74,6 +74,7 @@ def export(roots: Roots, source: str, exporter: str, output: str, options: str) 
     args = ["export", str(source_path), "--to", exporter, "--output", str(target), "--overwrite"]
     for line in (options or "").splitlines():
         if line.strip():
+            roots.check_mentions(line.strip(), f"exporter option {line.strip()}")
             args += ["--option", line.strip()]
     return target, run_toolkit(args, roots.runs)
 
@@ -94,6 +95,8 @@ def generate(roots: Roots, model: str, backend: str, options: dict[str, Any], pr
     from toolkit.plugins import get_plugin_manager
 
     cls = get_plugin_manager().get("inference_backend", backend)
+    for name, value in options.items():  # a LoRA directory, a chat template file: inside the roots too
+        roots.check_mentions(value, f"{backend} option {name}")
     problems: list[str] = []
     config = build_dataclass(cls.Config, options, f"backend {backend}", problems)
     if problems:
