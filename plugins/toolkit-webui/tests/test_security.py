@@ -98,6 +98,31 @@ def test_resume_checks_a_cli_runs_recipe(tmp_path):
     assert app.runs.processes == {}
 
 
+def test_links_in_a_run_directory_are_not_followed_out(tmp_path):
+    """A link planted in a run directory: the page shows nothing through it and starts no run that would
+    write through it (the log is opened for appending, the run writes metrics.jsonl)."""
+    from toolkit_webui.app import App
+
+    runs, outside = tmp_path / "runs", tmp_path / "secret"
+    outside.mkdir()
+    (outside / "key.txt").write_text("the secret\n")
+    (outside / "metrics.jsonl").write_text('{"step": 1, "loss": 42.0}\n')
+    run = runs / "planted"
+    run.mkdir(parents=True)
+    (run / "recipe.yaml").write_text("model: tiny-llama\n")
+    (run / "webui.log").symlink_to(outside / "key.txt")
+    (run / "metrics.jsonl").symlink_to(outside / "metrics.jsonl")
+    app = App(Roots(runs))
+    rows, _, loss, *_, log = app.run_view(str(run))
+    assert "the secret" not in log and "not shown" in log
+    assert loss.empty and rows == [["planted", "empty", "0", ""]]
+    with pytest.raises(ToolkitError, match="symbolic link"):
+        app.resume(run)
+    with pytest.raises(ToolkitError, match="symbolic link"):
+        app.runs.launch(["sft"], run)
+    assert app.runs.processes == {} and (outside / "key.txt").read_text() == "the secret\n"
+
+
 def test_chat_and_export_options_are_checked(tmp_path):
     roots = Roots(tmp_path / "runs")
     with pytest.raises(PathRefused, match="hf option"):

@@ -14,7 +14,7 @@ from typing import Any
 from toolkit.errors import ConfigError, ToolkitError
 from toolkit_webui import forms, tools
 from toolkit_webui.paths import Roots
-from toolkit_webui.runs import Runs, curves, log_tail, read_metrics
+from toolkit_webui.runs import Runs, curves
 from toolkit_webui.tabs import chat_tab, data_tab, export_tab, plan_tab, runs_tab
 
 # The Recipe fields shown above the fold, in this order; every other field is under "All options".
@@ -154,7 +154,7 @@ class App:
             raise ToolkitError("the recipe has problems:\n" + "\n".join(f"- {p}" for p in problems))
         target = self.roots.writable_path(path, "recipe file")
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp")
+        tmp = self.roots.writable_path(target.with_name(f".{target.name}.tmp"), "recipe file")
         tmp.write_text(forms.recipe_yaml(values))
         tmp.replace(target)
         return f"Saved {target}."
@@ -170,6 +170,7 @@ class App:
         from toolkit_webui.runs import LAUNCH_FILE
 
         recipe = run_dir / "recipe.yaml"
+        self.runs.check_links(run_dir)  # before reading recipe.yaml, which a link could lead anywhere
         if not (run_dir / LAUNCH_FILE).is_file() and recipe.is_file():
             self.checked({**read_yaml(recipe), "output": str(run_dir)})
         return self.runs.resume(run_dir)
@@ -181,7 +182,7 @@ class App:
             empty = curves([])
             return rows, choices, *empty.values(), ""
         run_dir = self.run_path(selected)
-        return rows, choices, *curves(read_metrics(run_dir)).values(), log_tail(run_dir)
+        return rows, choices, *curves(self.runs.metrics(run_dir)).values(), self.runs.log(run_dir)
 
 
 def build(app: App) -> Any:
