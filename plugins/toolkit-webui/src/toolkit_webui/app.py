@@ -18,9 +18,8 @@ from toolkit_webui.runs import Runs, curves
 from toolkit_webui.tabs import chat_tab, data_tab, export_tab, plan_tab, runs_tab
 
 # The Recipe fields shown above the fold, in this order; every other field is under "All options".
-FIRST = ("model", "dataset", "output", "loss", "tuner", "strategy", "dataset_format", "max_steps", "epochs", "lr",
+FIRST = ("model", "dataset", "output", "loss", "tuner", "strategy", "optimizer", "dataset_format", "max_steps", "epochs", "lr",
          "micro_batch_size", "global_batch_size", "seq_len", "packing", "precision", "save_every", "log_every", "export")
-SELECTORS = ("loss", "tuner", "strategy", "dataset_format")
 
 
 def elem_id(field: forms.Field) -> str:
@@ -233,8 +232,9 @@ def _recipe_tab(app: App) -> tuple:
             widgets.update(_grid(first, {"output": app.next_run_name()}))
             with gr.Accordion("All recipe options", open=False):
                 widgets.update(_grid([f for f in app.fields if f.section is None and f.key not in widgets]))
+            shown = forms.form_sections(app.fields, {f.key: forms.widget_value(f, f.default) for f in app.fields})
             for section, kind, fields in _sections(app.fields):
-                visible = kind == "architecture" or section == _default_choice(by_key, kind)
+                visible = section in shown
                 with gr.Accordion(f"{section} ({kind}) options", open=kind in ("loss", "tuner"), visible=visible,
                                   elem_id=f"section-{section}") as group:
                     widgets.update(_grid(fields))
@@ -258,15 +258,13 @@ def _recipe_tab(app: App) -> tuple:
         return app.describe(_by_key(app, raw[:-1]), raw[-1])
 
     gr.on([w.change for w in inputs] + [nproc.change], describe, [*inputs, nproc], [yaml_box, command_box, status])
-    selectors = [widgets[name] for name in SELECTORS if name in widgets]
     groups_list = list(groups.values())
 
-    def visibility(*chosen: Any) -> list:
-        picked = dict(zip([s for s in SELECTORS if s in widgets], chosen))
-        return [gr.update(visible=kind == "architecture" or picked.get(kind) == section)
-                for section, (kind, _) in groups.items()]
+    def visibility(*raw: Any) -> list:  # the options of what the recipe chooses or names (a reward, a tracker)
+        shown = forms.form_sections(app.fields, _by_key(app, raw))
+        return [gr.update(visible=section in shown) for section in groups]
 
-    gr.on([s.change for s in selectors], visibility, selectors, [g for _, g in groups_list])
+    gr.on([w.change for w in inputs], visibility, inputs, [g for _, g in groups_list])
     save_button.click(shows_errors()(lambda *raw: app.save(_by_key(app, raw[:-1]), raw[-1])), [*inputs, path], message)
 
     def load(path_value: str) -> list:
@@ -298,8 +296,3 @@ def _sections(fields: list[forms.Field]) -> list[tuple[str, str, list[forms.Fiel
         if field.section is not None:
             order.setdefault(field.section, (field.kind or "", []))[1].append(field)
     return [(section, kind, items) for section, (kind, items) in order.items()]
-
-
-def _default_choice(by_key: dict[str, forms.Field], kind: str) -> Any:
-    field = by_key.get(kind)
-    return field.default if field is not None else None

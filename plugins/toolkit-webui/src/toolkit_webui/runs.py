@@ -167,8 +167,12 @@ class Runs:
         if launch.is_file():
             saved = json.loads(launch.read_text())
             args, nproc = _without_resume(saved["args"]), int(saved.get("nproc", 1))
-        elif (run_dir / "recipe.yaml").is_file():
-            args, nproc = ["train", "--config", str(run_dir / "recipe.yaml")], 1
+        elif (run_dir / "recipe.yaml").is_file():  # a run started from the CLI: its loss's own command
+            from toolkit.recipe import read_yaml
+            from toolkit_webui.forms import training_command
+
+            loss = str(read_yaml(run_dir / "recipe.yaml").get("loss") or "sft")
+            args, nproc = [*training_command(loss), "--config", str(run_dir / "recipe.yaml")], 1
         else:
             raise ToolkitError(f"{run_dir} has neither {LAUNCH_FILE} nor recipe.yaml: nothing to resume")
         return self.launch([*args, "--resume", "auto"], run_dir, nproc)
