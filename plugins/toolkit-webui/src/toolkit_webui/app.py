@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from toolkit.errors import ConfigError, ToolkitError
 from toolkit_webui import forms, tools
@@ -37,6 +37,11 @@ def widget(field: forms.Field, value: Any = None) -> Any:
         return gr.Dropdown(choices=list(field.choices), allow_custom_value=field.custom, **common)
     if shape == "bool":
         return gr.Checkbox(**common)
+    if shape in ("int", "float") and type(None) in get_args(field.type):
+        # a Number sends 0 for an empty box: "none" (grpo's epsilon: the default clip range; an MoE's
+        # aux_loss_coef: the model's own) would silently become 0, so an optional number is typed as text
+        common["value"] = "" if value is None else str(value)
+        return gr.Textbox(placeholder="empty: none", **common)
     if shape in ("int", "float"):
         return gr.Number(precision=0 if shape == "int" else None, **common)
     lines = 2 if shape in ("list", "mapping") else 1
