@@ -159,3 +159,27 @@ def test_launch_refuses_a_directory_that_holds_a_run(fields, tmp_path):
     with pytest.raises(ToolkitError, match="already holds a run"):
         app.launch(raw, 1)
     assert app.runs.processes == {}  # nothing started
+
+
+def test_launch_runs_the_command_shown_on_n_processes(fields, tmp_path, monkeypatch):
+    """Launch starts what the command box shows: the same arguments, under torchrun with the processes chosen
+    (test_runs trains and stops such a run on 2 processes)."""
+    import shlex
+
+    from toolkit_webui.app import App
+    from toolkit_webui.paths import Roots
+
+    app = App(Roots(tmp_path))
+    started = []
+    monkeypatch.setattr(app.runs, "launch", lambda args, run_dir, nproc=1: started.append((args, run_dir, nproc)) or
+                        type("P", (), {"pid": 1})())
+    raw = {**defaults(fields), "output": "two", "max_steps": 3, "loss": "focal", "focal.gamma": 0.5}
+    _, command, status = app.describe(raw, 3)
+    app.launch(raw, 3)
+    ((args, run_dir, nproc),) = started
+    assert status == "Ready to launch." and nproc == 3 and run_dir == tmp_path / "two"
+    assert command == shlex.join(["toolkit", "launch", "--nproc", "3", *args])
+    from toolkit_webui.runs import process_command
+
+    torchrun = process_command(args, nproc)
+    assert "--nproc-per-node=3" in torchrun and torchrun[-len(args):] == args
