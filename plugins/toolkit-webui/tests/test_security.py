@@ -132,6 +132,23 @@ def test_chat_and_export_options_are_checked(tmp_path):
         tools.export(roots, "r", "hf", "r/export", "template=/etc/passwd")
 
 
+def test_backend_options_at_their_defaults_are_the_operators(tmp_path):
+    """vllm's python option defaults to $TOOLKIT_VLLM_PYTHON (an interpreter outside the roots): left as it
+    is, it passes; typed into the page, a path outside is refused."""
+    import dataclasses
+
+    @dataclasses.dataclass(kw_only=True)
+    class Config:
+        python: str = "/opt/vllm/bin/python"
+        lora: str = ""
+
+    roots = Roots(tmp_path)
+    tools.check_options(roots, Config, {"python": "/opt/vllm/bin/python", "lora": "adapters/a"}, "vllm")
+    for typed in ({"python": "/usr/bin/python3"}, {"lora": "/home/someone/adapter"}):
+        with pytest.raises(PathRefused, match="vllm option"):
+            tools.check_options(roots, Config, typed, "vllm")
+
+
 def test_remote_host_needs_the_flag_and_warns(monkeypatch, tmp_path):
     from click.testing import CliRunner
 

@@ -84,6 +84,16 @@ def backend_fields(manager: Any) -> dict[str, list[dataclasses.Field]]:
     return {name: list(dataclasses.fields(cls.Config)) for name, cls in manager.registry("inference_backend").items()}
 
 
+def check_options(roots: Roots, config_cls: type, options: dict[str, Any], owner: str) -> None:
+    """Refuse option values typed into the page that name files outside the roots (a LoRA directory, say).
+    A value left at its default is the operator's, not the page's (vllm's ``python`` defaults to
+    $TOOLKIT_VLLM_PYTHON, an interpreter wherever it is installed)."""
+    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else None for f in dataclasses.fields(config_cls)}
+    for name, value in options.items():
+        if value != defaults.get(name):
+            roots.check_mentions(value, f"{owner} option {name}")
+
+
 def generate(roots: Roots, model: str, backend: str, options: dict[str, Any], prompt: str) -> str:
     """One completion of ``prompt`` from a run (its export, else its newest checkpoint), an HF directory or a preset.
 
@@ -95,8 +105,7 @@ def generate(roots: Roots, model: str, backend: str, options: dict[str, Any], pr
     from toolkit.plugins import get_plugin_manager
 
     cls = get_plugin_manager().get("inference_backend", backend)
-    for name, value in options.items():  # a LoRA directory, a chat template file: inside the roots too
-        roots.check_mentions(value, f"{backend} option {name}")
+    check_options(roots, cls.Config, options, backend)
     problems: list[str] = []
     config = build_dataclass(cls.Config, options, f"backend {backend}", problems)
     if problems:
