@@ -109,3 +109,19 @@ def test_reward_plot_of_a_grpo_run_launched_from_the_form(tmp_path, monkeypatch)
             assert points["value"].tolist() == [m[series] for m in metrics], series
     finally:
         app.runs.close()
+
+
+def test_a_run_that_fails_is_listed_as_failed(tmp_path, monkeypatch):
+    """A launch whose command exits with an error: the runs table says failed, with the exit status, and the
+    log shows the CLI's one-line error."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    runs = Runs(tmp_path)
+    run_dir = tmp_path / "bad"
+    runs.launch(["sft", "--model", "tiny-llama", "--dataset", str(tmp_path / "missing.jsonl"), "--output", str(run_dir)], run_dir)
+    try:
+        code = runs.wait(run_dir, 120)
+        assert code not in (0, None)
+        assert runs.status(run_dir).row()[:2] == ["bad", f"failed (exit {code})"]
+        assert "missing.jsonl" in (run_dir / "webui.log").read_text()
+    finally:
+        runs.close()
