@@ -19,6 +19,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+# Gradio's plot block clips the bottom of its vega drawing, where the legend (which line is which
+# reward) goes: leave it room.
+PLOT_CSS = ".toolkit-plot { overflow: visible !important; padding-bottom: 24px !important; }"
+
+
 def serve(runs_dir: Path, data_dirs: list[Path], host: str, port: int, block: bool = True):
     """Build the page and start Gradio's server; returns the running ``gr.Blocks`` when ``block`` is False."""
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no calls home (and none possible offline)
@@ -34,7 +39,7 @@ def serve(runs_dir: Path, data_dirs: list[Path], host: str, port: int, block: bo
     # allowed here: the page shows file contents itself, after Roots has checked each path.
     page.queue(default_concurrency_limit=4)
     page.launch(server_name=host, server_port=port, share=False, ssr_mode=False, allowed_paths=[], show_error=False,
-                inbrowser=False, prevent_thread_lock=True, quiet=not block)
+                inbrowser=False, prevent_thread_lock=True, quiet=not block, css=PLOT_CSS)
     if not block:
         return page
     previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM too ends Gradio's loop, so runs below are stopped
