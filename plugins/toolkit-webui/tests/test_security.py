@@ -177,6 +177,19 @@ def test_server_serves_no_file(server):
         assert status_of(f"{server.url}gradio_api/file={path}") in (403, 404), path
 
 
+def test_answers_only_requests_to_localhost(server):
+    """DNS rebinding: a page of another domain re-pointed at 127.0.0.1 sends its own Host header; the server
+    answers it with an error, and serves requests to 127.0.0.1 and localhost."""
+    for host, expected in ((f"127.0.0.1:{server.port}", 200), (f"localhost:{server.port}", 200), (f"evil.example:{server.port}", 421),
+                           ("evil.example", 421), (f"127.0.0.1.evil.example:{server.port}", 421)):
+        request = urllib.request.Request(f"{server.url}config", headers={"Host": host})
+        try:
+            status = urllib.request.urlopen(request, timeout=10).status
+        except urllib.error.HTTPError as exc:
+            status = exc.code
+        assert status == expected, host
+
+
 def test_page_calls_no_outside_host(server):
     """The page and its theme load nothing from a web font service (Gradio 6 serves its fonts itself)."""
     for path in ("", "theme.css"):

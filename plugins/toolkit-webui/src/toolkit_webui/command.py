@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import signal
+import urllib.parse
 from pathlib import Path
 
 import click
@@ -24,6 +25,30 @@ def is_loopback(host: str) -> bool:
 PLOT_CSS = ".toolkit-plot { overflow: visible !important; padding-bottom: 24px !important; }"
 
 
+class LoopbackHostOnly:
+    """ASGI middleware for a page on localhost: answer only requests addressed to a loopback name (their
+    Host header). A web page whose domain an attacker re-points at 127.0.0.1 (DNS rebinding) would
+    otherwise drive this page from the user's own browser, same-origin, and launch runs."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] in ("http", "websocket"):
+            host = dict(scope.get("headers") or []).get(b"host", b"").decode("latin-1")
+            if not is_loopback(urllib.parse.urlsplit(f"//{host}").hostname or ""):
+                if scope["type"] == "websocket":
+                    await send({"type": "websocket.close", "code": 1008})
+                    return
+                body = (f"toolkit webui listens on localhost and answers only requests to localhost, not to {host!r}; "
+                        "open http://127.0.0.1:PORT/ (or start it with --host ADDR --allow-remote)\n").encode()
+                await send({"type": "http.response.start", "status": 421,
+                            "headers": [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
 def serve(runs_dir: Path, data_dirs: list[Path], host: str, port: int, block: bool = True):
     """Build the page and start Gradio's server; returns the running ``gr.Blocks`` when ``block`` is False."""
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no calls home (and none possible offline)
@@ -38,8 +63,12 @@ def serve(runs_dir: Path, data_dirs: list[Path], host: str, port: int, block: bo
     # Gradio serves files only from allowed_paths and its own upload/cache folders; nothing is
     # allowed here: the page shows file contents itself, after Roots has checked each path.
     page.queue(default_concurrency_limit=4)
+    from starlette.middleware import Middleware
+
+    middleware = [Middleware(LoopbackHostOnly)] if is_loopback(host) else []
     page.launch(server_name=host, server_port=port, share=False, ssr_mode=False, allowed_paths=[], show_error=False,
-                inbrowser=False, prevent_thread_lock=True, quiet=not block, css=PLOT_CSS)
+                inbrowser=False, prevent_thread_lock=True, quiet=not block, css=PLOT_CSS,
+                app_kwargs={"middleware": middleware})
     if not block:
         return page
     previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM too ends Gradio's loop, so runs below are stopped
