@@ -91,7 +91,12 @@ def browser():
         if in_ci():
             pytest.fail("CI must run the browser tests but no chromium is installed (apt-get install chromium; .ci/run does)")
         pytest.skip("no chromium on this machine (apt-get install chromium); the browser tests need it")
-    playwright = pytest.importorskip("playwright.sync_api")
+    try:
+        import playwright.sync_api as playwright
+    except ImportError:
+        if in_ci():
+            pytest.fail("CI must run the browser tests but playwright is not installed (toolkit-webui[test] has it)")
+        pytest.skip("playwright is not installed (pip install -e 'plugins/toolkit-webui[test]')")
     with playwright.sync_playwright() as p:
         instance = p.chromium.launch(executable_path=executable, headless=True, args=CHROMIUM_FLAGS)
         yield instance

@@ -54,17 +54,17 @@ def toolkit(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, cwd=cwd, env=env, check=True)
 
 
-def loss_line_points(page, at_least: int, timeout: float = 120) -> int:
-    """Vertices of the line vega drew in the loss plot, once there are ``at_least``."""
+def loss_line_points(page, at_least: int, timeout: float = 120, plot: str = "loss") -> int:
+    """Vertices of the longest line vega drew in a plot, once there are ``at_least``."""
     deadline = time.monotonic() + timeout
     count = 0
     while time.monotonic() < deadline:
-        paths = page.locator("#plot-loss .mark-line path[stroke]")  # drawn in a colour, not only in the DOM
+        paths = page.locator(f"#plot-{plot} .mark-line path[stroke]")  # drawn in a colour, not only in the DOM
         count = max([len(re.findall(r"[ML]", paths.nth(i).get_attribute("d") or "")) for i in range(paths.count())] or [0])
         if count >= at_least:
             return count
         time.sleep(0.5)
-    raise AssertionError(f"the loss plot shows a line of {count} points, not {at_least}")
+    raise AssertionError(f"the {plot} plot shows a line of {count} points, not {at_least}")
 
 
 def last_step(run_dir: Path) -> int:
@@ -195,3 +195,34 @@ def test_launch_watch_stop_resume_export_chat(page, server):
     answer = wait_text(page, "chat-box", re.escape(expected[:20]) if expected.strip() else r"\S", timeout=180)
     assert expected.strip() in answer
     shot(page, "chat")
+
+
+@pytest.mark.slow
+def test_grpo_from_the_page_draws_its_rewards(page, server):
+    """toolkit-rl's grpo chosen in the form, its reward named, launched: the reward plot draws the run's
+    reward series, one point per logged step."""
+    pytest.importorskip("toolkit_rl")
+    import shutil
+
+    prompts = Path(__file__).resolve().parents[3] / "examples" / "capitals-prompts.jsonl"
+    shutil.copy(prompts, server.data / prompts.name)
+    choose(page, "field-recipe-loss", "grpo")
+    page.locator("#section-grpo").wait_for(state="visible")
+    fill(page, "field-recipe-dataset", str(server.data / prompts.name))
+    fill(page, "field-recipe-output", "rl")
+    fill(page, "field-recipe-max_steps", "4")
+    fill(page, "field-grpo-rewards", "answer")
+    page.locator("#section-answer").wait_for(state="visible")  # the named reward's options appear
+    for name, value in (("num_generations", "2"), ("prompts_per_rollout", "2"), ("max_completion_length", "4")):
+        fill(page, f"field-grpo-{name}", value)
+    command = wait_text(page, "recipe-command", r"--reward answer").strip().splitlines()[-1]
+    assert command.startswith("toolkit grpo ")
+    assert "--grpo-epsilon" not in command  # left empty: the default clip range, not a range of 0
+    page.locator("#launch").click()
+    wait_text(page, "runs-table", r"rl\s+finished", timeout=300)
+    assert loss_line_points(page, at_least=4, plot="reward") == 4
+    series = {json.dumps(k) for row in (server.runs / "rl" / "metrics.jsonl").read_text().splitlines()
+              for k in json.loads(row) if "reward" in k}
+    legend = page.locator("#plot-reward").inner_text()
+    assert all(json.loads(name) in legend for name in series), (series, legend)
+    shot(page, "runs-reward")

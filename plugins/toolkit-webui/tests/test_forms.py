@@ -4,6 +4,7 @@ parses back, through the real ``toolkit`` CLI, to the same resolved recipe as it
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,31 @@ def test_command_line_and_yaml_give_the_same_recipe(fields, monkeypatch, tmp_pat
     assert from_cli.dataset == ["demo", "demo"] and from_cli.columns == {"instruction": "question"}
 
 
+def test_grpo_runs_its_own_command_and_its_reward_options(fields, monkeypatch, tmp_path):
+    """toolkit-rl's grpo has no core training command: the form writes `toolkit grpo` (its RL loop; `toolkit
+    train --loss grpo` would run the core's runner), and the rewards it names bring their options along."""
+    pytest.importorskip("toolkit_rl")
+    import toolkit_rl.loop
+
+    raw = defaults(fields)
+    raw.update({"loss": "grpo", "grpo.rewards": "answer:0.5, length", "grpo.num_generations": 2, "answer.mode": "contains",
+                "focal.gamma": 0.5, "output": str(tmp_path / "r"), "resume": ""})
+    values, problems = forms.recipe_values(fields, raw)
+    assert problems == [] and values["answer"] == {"mode": "contains"} and "focal" not in values
+    assert forms.form_sections(fields, raw) >= {"grpo", "answer"}
+    args = forms.command_args(fields, values, get_plugin_manager())
+    assert args[0] == "grpo"
+    seen = []
+    monkeypatch.setattr(toolkit_rl.loop, "run_grpo", lambda recipe, **_: seen.append(recipe))
+    from toolkit.cli import main
+
+    main(args)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(forms.recipe_yaml(values))
+    assert seen[0] == resolve_recipe(read_yaml(path), source=str(path))
+    assert seen[0].section("grpo")["rewards"] == ["answer:0.5", "length"] and seen[0].section("answer")["mode"] == "contains"
+
+
 def test_yaml_loads_back_into_the_form(fields):
     raw = defaults(fields)
     raw.update({"loss": "focal", "focal.gamma": 1.25, "max_steps": 3, "tuner": "freeze", "freeze.trainable_layers": 1})
@@ -91,17 +117,22 @@ EXAMPLES = sorted((Path(__file__).resolve().parents[3] / "examples").glob("*.yam
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_recipes_survive_the_form(fields, path):
-    """Every example recipe the installed plugins can resolve: file -> form -> recipe resolves the same."""
+    """Every example recipe the installed plugins can resolve: file -> form -> recipe resolves as the
+    command its header documents does (``toolkit dpo --config examples/dpo.yaml``: a dpo recipe, although
+    the file names no loss; its options, an optimizer's, a reward's, all kept)."""
     from toolkit.errors import ToolkitError
 
     data = read_yaml(path)
+    command = re.search(rf"toolkit ([a-z0-9-]+) --config examples/{re.escape(path.name)}", path.read_text())
+    if command and "loss" not in data and command.group(1) in get_plugin_manager().registry("loss").names():
+        data = {"loss": command.group(1), **data}  # what `toolkit LOSS --config FILE` trains
+    values, problems = forms.recipe_values(fields, forms.values_from_recipe(fields, read_yaml(path)))
     try:
         expected = resolve_recipe(data, source=str(path))
     except ToolkitError as exc:
         if "not installed" not in str(exc):
             raise
         pytest.skip(f"{path.name} needs a plugin that is not installed here")
-    values, problems = forms.recipe_values(fields, forms.values_from_recipe(fields, data))
     assert problems == []
     assert without_default_sections(resolve_recipe(values, source="the form")) == without_default_sections(expected)
 
@@ -128,3 +159,27 @@ def test_launch_refuses_a_directory_that_holds_a_run(fields, tmp_path):
     with pytest.raises(ToolkitError, match="already holds a run"):
         app.launch(raw, 1)
     assert app.runs.processes == {}  # nothing started
+
+
+def test_launch_runs_the_command_shown_on_n_processes(fields, tmp_path, monkeypatch):
+    """Launch starts what the command box shows: the same arguments, under torchrun with the processes chosen
+    (test_runs trains and stops such a run on 2 processes)."""
+    import shlex
+
+    from toolkit_webui.app import App
+    from toolkit_webui.paths import Roots
+
+    app = App(Roots(tmp_path))
+    started = []
+    monkeypatch.setattr(app.runs, "launch", lambda args, run_dir, nproc=1: started.append((args, run_dir, nproc)) or
+                        type("P", (), {"pid": 1})())
+    raw = {**defaults(fields), "output": "two", "max_steps": 3, "loss": "focal", "focal.gamma": 0.5}
+    _, command, status = app.describe(raw, 3)
+    app.launch(raw, 3)
+    ((args, run_dir, nproc),) = started
+    assert status == "Ready to launch." and nproc == 3 and run_dir == tmp_path / "two"
+    assert command == shlex.join(["toolkit", "launch", "--nproc", "3", *args])
+    from toolkit_webui.runs import process_command
+
+    torchrun = process_command(args, nproc)
+    assert "--nproc-per-node=3" in torchrun and torchrun[-len(args):] == args

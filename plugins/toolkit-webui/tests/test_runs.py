@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -58,5 +59,69 @@ def test_stop_saves_and_resume_continues(tmp_path, monkeypatch, nproc):
         assert [m["step"] for m in read_metrics(run_dir)][stopped] == stopped + 1
         runs.stop(run_dir)
         assert runs.wait(run_dir, 180) == stopped_status
+    finally:
+        runs.close()
+
+
+def test_resume_of_a_cli_run_uses_its_losss_command(tmp_path, monkeypatch):
+    """A run started from the CLI is resumed with the command of the loss its recipe.yaml names."""
+    pytest.importorskip("toolkit_rl")
+    runs = Runs(tmp_path)
+    launched = []
+    monkeypatch.setattr(runs, "launch", lambda args, run_dir, nproc=1: launched.append((args, nproc)))
+    for name, loss in (("rl", "grpo"), ("plain", "sft")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "recipe.yaml").write_text(f"model: tiny-llama\nloss: {loss}\n")
+        runs.resume(tmp_path / name)
+    assert launched == [(["grpo", "--config", str(tmp_path / "rl" / "recipe.yaml"), "--resume", "auto"], 1),
+                        (["sft", "--config", str(tmp_path / "plain" / "recipe.yaml"), "--resume", "auto"], 1)]
+
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+
+
+@pytest.mark.slow
+def test_reward_plot_of_a_grpo_run_launched_from_the_form(tmp_path, monkeypatch):
+    """toolkit-rl's GRPO composed in the form and launched by the page: the reward plot holds the run's mean
+    reward and each reward's, as metrics.jsonl has them, step by step."""
+    pytest.importorskip("toolkit_rl")
+    from toolkit_webui import forms
+    from toolkit_webui.app import App
+    from toolkit_webui.paths import Roots
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    app = App(Roots(tmp_path, [EXAMPLES]))
+    raw = {f.key: forms.widget_value(f, f.default) for f in app.fields}
+    raw.update({"loss": "grpo", "dataset": str(EXAMPLES / "capitals-prompts.jsonl"), "output": "grpo", "max_steps": 3,
+                "seq_len": 64, "grpo.rewards": "answer", "grpo.num_generations": 2, "grpo.prompts_per_rollout": 2,
+                "grpo.max_completion_length": 4})
+    try:
+        app.launch(raw, 1)
+        run_dir = tmp_path / "grpo"
+        assert app.runs.wait(run_dir, 300) == 0, (run_dir / "webui.log").read_text()
+        _, _, *plots, _ = app.run_view(str(run_dir))
+        reward = plots[-1]
+        metrics = read_metrics(run_dir)
+        assert [m["step"] for m in metrics] == [1, 2, 3]
+        assert set(reward["series"]) == {"reward/mean", "reward/std", "rewards/answer/mean", "rewards/answer/std"}
+        for series, points in reward.groupby("series"):
+            assert points["value"].tolist() == [m[series] for m in metrics], series
+    finally:
+        app.runs.close()
+
+
+def test_a_run_that_fails_is_listed_as_failed(tmp_path, monkeypatch):
+    """A launch whose command exits with an error: the runs table says failed, with the exit status, and the
+    log shows the CLI's one-line error."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    runs = Runs(tmp_path)
+    run_dir = tmp_path / "bad"
+    runs.launch(["sft", "--model", "tiny-llama", "--dataset", str(tmp_path / "missing.jsonl"), "--output", str(run_dir)], run_dir)
+    try:
+        code = runs.wait(run_dir, 120)
+        assert code not in (0, None)
+        assert runs.status(run_dir).row()[:2] == ["bad", f"failed (exit {code})"]
+        assert "missing.jsonl" in (run_dir / "webui.log").read_text()
     finally:
         runs.close()

@@ -9,18 +9,17 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from toolkit.errors import ConfigError, ToolkitError
 from toolkit_webui import forms, tools
 from toolkit_webui.paths import Roots
-from toolkit_webui.runs import Runs, curves, log_tail, read_metrics
+from toolkit_webui.runs import Runs, curves
 from toolkit_webui.tabs import chat_tab, data_tab, export_tab, plan_tab, runs_tab
 
 # The Recipe fields shown above the fold, in this order; every other field is under "All options".
-FIRST = ("model", "dataset", "output", "loss", "tuner", "strategy", "dataset_format", "max_steps", "epochs", "lr",
+FIRST = ("model", "dataset", "output", "loss", "tuner", "strategy", "optimizer", "dataset_format", "max_steps", "epochs", "lr",
          "micro_batch_size", "global_batch_size", "seq_len", "packing", "precision", "save_every", "log_every", "export")
-SELECTORS = ("loss", "tuner", "strategy", "dataset_format")
 
 
 def elem_id(field: forms.Field) -> str:
@@ -38,6 +37,11 @@ def widget(field: forms.Field, value: Any = None) -> Any:
         return gr.Dropdown(choices=list(field.choices), allow_custom_value=field.custom, **common)
     if shape == "bool":
         return gr.Checkbox(**common)
+    if shape in ("int", "float") and type(None) in get_args(field.type):
+        # a Number sends 0 for an empty box: "none" (grpo's epsilon: the default clip range; an MoE's
+        # aux_loss_coef: the model's own) would silently become 0, so an optional number is typed as text
+        common["value"] = "" if value is None else str(value)
+        return gr.Textbox(placeholder="empty: none", **common)
     if shape in ("int", "float"):
         return gr.Number(precision=0 if shape == "int" else None, **common)
     lines = 2 if shape in ("list", "mapping") else 1
@@ -80,13 +84,28 @@ class App:
         return f"run-{index}"
 
     def checked(self, values: dict[str, Any]) -> dict[str, Any]:
-        """Path-valued fields as absolute paths inside the roots (presets and bundled names as they are)."""
+        """Path-valued fields as absolute paths inside the roots (presets and bundled names as they are);
+        any other value that names a file outside them (a plugin's reward file.py, a DeepSpeed JSON) refused."""
         values = dict(values)
         values["model"] = tools.model_reference(self.roots, values.get("model", "tiny-llama"))
         values["dataset"] = [tools.dataset_reference(self.roots, d) for d in values.get("dataset", [])]
+        if values.get("eval_dataset"):
+            values["eval_dataset"] = [tools.dataset_reference(self.roots, d, "--eval-dataset") for d in values["eval_dataset"]]
         values["output"] = str(self.roots.writable_path(values.get("output") or self.next_run_name(), "output"))
         if values.get("resume") not in (None, "auto"):
             values["resume"] = str(self.roots.readable_path(values["resume"], "resume"))
+        by_key = {f.key: f for f in self.fields}
+        for key, value in values.items():
+            if key in forms.PATH_FIELDS:
+                continue
+            if key in by_key:
+                self.roots.check_mentions(value, by_key[key].flag or key)
+            elif isinstance(value, dict):  # an option section: each field under its own flag
+                for name, item in value.items():
+                    field = by_key.get(f"{key}.{name}")
+                    self.roots.check_mentions(item, (field.flag if field else None) or f"{key}.{name}")
+            else:
+                self.roots.check_mentions(value, key)
         return values
 
     def compose(self, raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -139,7 +158,7 @@ class App:
             raise ToolkitError("the recipe has problems:\n" + "\n".join(f"- {p}" for p in problems))
         target = self.roots.writable_path(path, "recipe file")
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp")
+        tmp = self.roots.writable_path(target.with_name(f".{target.name}.tmp"), "recipe file")
         tmp.write_text(forms.recipe_yaml(values))
         tmp.replace(target)
         return f"Saved {target}."
@@ -148,6 +167,18 @@ class App:
     def run_path(self, value: str) -> Path:
         return self.roots.writable_path(value, "run")
 
+    def resume(self, run_dir: Path) -> Any:
+        """Resume a run; one started outside the page (no launch of ours, only its recipe.yaml) has that
+        recipe's paths checked against the roots first, as a recipe typed into the page would."""
+        from toolkit.recipe import read_yaml
+        from toolkit_webui.runs import LAUNCH_FILE
+
+        recipe = run_dir / "recipe.yaml"
+        self.runs.check_links(run_dir)  # before reading recipe.yaml, which a link could lead anywhere
+        if not (run_dir / LAUNCH_FILE).is_file() and recipe.is_file():
+            self.checked({**read_yaml(recipe), "output": str(run_dir)})
+        return self.runs.resume(run_dir)
+
     def run_view(self, selected: str | None) -> tuple:
         rows = self.runs.table()
         choices = [(p.name, str(p)) for p in self.runs.run_dirs()]
@@ -155,7 +186,7 @@ class App:
             empty = curves([])
             return rows, choices, *empty.values(), ""
         run_dir = self.run_path(selected)
-        return rows, choices, *curves(read_metrics(run_dir)).values(), log_tail(run_dir)
+        return rows, choices, *curves(self.runs.metrics(run_dir)).values(), self.runs.log(run_dir)
 
 
 def build(app: App) -> Any:
@@ -206,8 +237,9 @@ def _recipe_tab(app: App) -> tuple:
             widgets.update(_grid(first, {"output": app.next_run_name()}))
             with gr.Accordion("All recipe options", open=False):
                 widgets.update(_grid([f for f in app.fields if f.section is None and f.key not in widgets]))
+            shown = forms.form_sections(app.fields, {f.key: forms.widget_value(f, f.default) for f in app.fields})
             for section, kind, fields in _sections(app.fields):
-                visible = kind == "architecture" or section == _default_choice(by_key, kind)
+                visible = section in shown
                 with gr.Accordion(f"{section} ({kind}) options", open=kind in ("loss", "tuner"), visible=visible,
                                   elem_id=f"section-{section}") as group:
                     widgets.update(_grid(fields))
@@ -231,15 +263,13 @@ def _recipe_tab(app: App) -> tuple:
         return app.describe(_by_key(app, raw[:-1]), raw[-1])
 
     gr.on([w.change for w in inputs] + [nproc.change], describe, [*inputs, nproc], [yaml_box, command_box, status])
-    selectors = [widgets[name] for name in SELECTORS if name in widgets]
     groups_list = list(groups.values())
 
-    def visibility(*chosen: Any) -> list:
-        picked = dict(zip([s for s in SELECTORS if s in widgets], chosen))
-        return [gr.update(visible=kind == "architecture" or picked.get(kind) == section)
-                for section, (kind, _) in groups.items()]
+    def visibility(*raw: Any) -> list:  # the options of what the recipe chooses or names (a reward, a tracker)
+        shown = forms.form_sections(app.fields, _by_key(app, raw))
+        return [gr.update(visible=section in shown) for section in groups]
 
-    gr.on([s.change for s in selectors], visibility, selectors, [g for _, g in groups_list])
+    gr.on([w.change for w in inputs], visibility, inputs, [g for _, g in groups_list])
     save_button.click(shows_errors()(lambda *raw: app.save(_by_key(app, raw[:-1]), raw[-1])), [*inputs, path], message)
 
     def load(path_value: str) -> list:
@@ -271,8 +301,3 @@ def _sections(fields: list[forms.Field]) -> list[tuple[str, str, list[forms.Fiel
         if field.section is not None:
             order.setdefault(field.section, (field.kind or "", []))[1].append(field)
     return [(section, kind, items) for section, (kind, items) in order.items()]
-
-
-def _default_choice(by_key: dict[str, forms.Field], kind: str) -> Any:
-    field = by_key.get(kind)
-    return field.default if field is not None else None

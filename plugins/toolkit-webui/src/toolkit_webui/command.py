@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import signal
+import urllib.parse
 from pathlib import Path
 
 import click
@@ -17,6 +18,35 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+# Gradio's plot block clips the bottom of its vega drawing, where the legend (which line is which
+# reward) goes: leave it room.
+PLOT_CSS = ".toolkit-plot { overflow: visible !important; padding-bottom: 24px !important; }"
+
+
+class LoopbackHostOnly:
+    """ASGI middleware for a page on localhost: answer only requests addressed to a loopback name (their
+    Host header). A web page whose domain an attacker re-points at 127.0.0.1 (DNS rebinding) would
+    otherwise drive this page from the user's own browser, same-origin, and launch runs."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] in ("http", "websocket"):
+            host = dict(scope.get("headers") or []).get(b"host", b"").decode("latin-1")
+            if not is_loopback(urllib.parse.urlsplit(f"//{host}").hostname or ""):
+                if scope["type"] == "websocket":
+                    await send({"type": "websocket.close", "code": 1008})
+                    return
+                body = (f"toolkit webui listens on localhost and answers only requests to localhost, not to {host!r}; "
+                        "open http://127.0.0.1:PORT/ (or start it with --host ADDR --allow-remote)\n").encode()
+                await send({"type": "http.response.start", "status": 421,
+                            "headers": [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
 
 
 def serve(runs_dir: Path, data_dirs: list[Path], host: str, port: int, block: bool = True):
@@ -33,8 +63,12 @@ def serve(runs_dir: Path, data_dirs: list[Path], host: str, port: int, block: bo
     # Gradio serves files only from allowed_paths and its own upload/cache folders; nothing is
     # allowed here: the page shows file contents itself, after Roots has checked each path.
     page.queue(default_concurrency_limit=4)
+    from starlette.middleware import Middleware
+
+    middleware = [Middleware(LoopbackHostOnly)] if is_loopback(host) else []
     page.launch(server_name=host, server_port=port, share=False, ssr_mode=False, allowed_paths=[], show_error=False,
-                inbrowser=False, prevent_thread_lock=True, quiet=not block)
+                inbrowser=False, prevent_thread_lock=True, quiet=not block, css=PLOT_CSS,
+                app_kwargs={"middleware": middleware})
     if not block:
         return page
     previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM too ends Gradio's loop, so runs below are stopped
@@ -68,6 +102,7 @@ def webui_command(runs_dir: str, data_dirs: tuple[str, ...], host: str, port: in
         if not allow_remote:
             raise click.UsageError(f"--host {host} would let other machines use this page (launch runs, read the runs "
                                    "directory); add --allow-remote if that is what you want")
-        click.echo(f"toolkit webui: WARNING: listening on {host}:{port}: anyone who can reach it can start training and "
+        click.echo(f"toolkit webui: WARNING: listening on {host}:{port}: anyone who can reach it can start training (which "
+                   "runs any installed Python function a plugin option names, such as a reward's module:function) and "
                    f"read {Path(runs_dir).resolve()} and the data directories. There is no login.", err=True)
     serve(Path(runs_dir), [Path(d) for d in data_dirs], host, port)

@@ -9,25 +9,29 @@ they are in the registry. No Gradio here, so the form logic is tested without a 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import shlex
 import types
 import typing
 from typing import Any, Literal, get_args, get_origin
 
 from toolkit.config import coerce, field_types
-from toolkit.contracts import member
 from toolkit.errors import ToolkitError
 from toolkit.recipe import OPTION_KINDS, Recipe
 
 # Recipe fields whose value names a registered thing: shown as a choice of the installed ones.
-NAMED_BY_REGISTRY = {"loss": "loss", "tuner": "tuner", "strategy": "strategy", "dataset_format": "dataset_format",
-                     "export": "exporter"}
+NAMED_BY_REGISTRY = {"loss": "loss", "tuner": "tuner", "strategy": "strategy", "optimizer": "optimizer",
+                     "dataset_format": "dataset_format", "export": "exporter"}
+# The Recipe fields that choose which registered thing's options apply (a file that sets none of one
+# kind but holds the options of exactly one such thing means that one: examples/dpo.yaml is run as
+# `toolkit dpo --config examples/dpo.yaml` and names no loss).
+CHOOSERS = ("strategy", "tuner", "optimizer", "loss", "dataset_format")
 # Choices the core accepts besides registered names.
 EXTRA_CHOICES = {"strategy": ["auto"], "dataset_format": ["auto"], "export": [""]}
 # Written into every recipe even at their defaults: a recipe should say what it trains on.
 ALWAYS_WRITTEN = ("model", "dataset", "output", "loss")
 # Fields whose value may be a path: checked against the UI's directories before a launch.
-PATH_FIELDS = ("model", "dataset", "output", "resume")
+PATH_FIELDS = ("model", "dataset", "eval_dataset", "output", "resume")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,12 +157,38 @@ def form_fields(manager: Any) -> list[Field]:
     return fields
 
 
-def active_sections(values: dict[str, Any], fields: list[Field]) -> set[str]:
-    """The option sections that apply: the chosen strategy, tuner, loss, dataset format, the --report-to trackers;
-    every architecture's."""
-    chosen = {values.get(name) for name in ("strategy", "tuner", "loss", "dataset_format")}
-    chosen |= set(values.get("report_to") or [])
-    return {f.section for f in fields if f.section is not None and (f.kind == "architecture" or f.section in chosen)}
+def _names(value: Any) -> set[str]:
+    """The registered names a value may hold: a string (``answer`` or ``answer:0.5``) or a list of them."""
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return {part for item in items if isinstance(item, str) for part in (item.strip(), item.split(":")[0].strip())}
+
+
+def active_sections(values: dict[str, Any], fields: list[Field], options: dict[str, dict[str, Any]] | None = None) -> set[str]:
+    """The option sections that apply: every architecture's, the chosen strategy, tuner, optimizer, loss and
+    dataset format, the --report-to trackers, and whatever the options of those name (toolkit-rl's
+    ``rewards: [answer]`` brings the answer reward's section). ``options``: section -> its option values."""
+    kinds = {f.section: f.kind for f in fields if f.section is not None}
+    active = {section for section, kind in kinds.items() if kind == "architecture"}
+    named = set().union(*(_names(values.get(name)) for name in (*CHOOSERS, "report_to")))
+    while True:
+        new = {section for section in kinds if section in named} - active
+        if not new:
+            return active
+        active |= new
+        named |= set().union(*(_names(v) for section in new for v in (options or {}).get(section, {}).values()))
+
+
+def implied_choices(fields: list[Field], data: dict[str, Any]) -> dict[str, str]:
+    """What a recipe file chooses by holding options only: ``{"loss": "dpo"}`` for a file with a ``dpo:``
+    section and no ``loss:`` (one thing of that kind, nothing else of it)."""
+    held = set(data) | set(data.get("options") or {})
+    kinds = {f.section: f.kind for f in fields if f.section is not None}
+    implied = {}
+    for name in CHOOSERS:
+        candidates = sorted(section for section in held if kinds.get(section) == name)
+        if name not in data and name.replace("_", "-") not in data and len(candidates) == 1:
+            implied[name] = candidates[0]
+    return implied
 
 
 def parse_widget(field: Field, raw: Any) -> Any:
@@ -197,8 +227,8 @@ def widget_value(field: Field, value: Any) -> Any:
     return value
 
 
-def recipe_values(fields: list[Field], raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """Form values (by :attr:`Field.key`) -> a recipe dict like the YAML (defaults left out), and problems."""
+def _parsed(fields: list[Field], raw: dict[str, Any]) -> tuple[dict[str, Any], list[str], set[str]]:
+    """Form values -> (values by key, problems, the sections that apply)."""
     parsed: dict[str, Any] = {}
     problems = []
     for field in fields:
@@ -209,7 +239,21 @@ def recipe_values(fields: list[Field], raw: dict[str, Any]) -> tuple[dict[str, A
         except ValueError as exc:
             problems.append(f"{field.flag or field.key}: {exc}")
     top = {f.name: parsed[f.key] for f in fields if f.section is None and f.key in parsed}
-    sections = active_sections(top, fields)
+    options: dict[str, dict[str, Any]] = {}
+    for field in fields:
+        if field.section is not None and field.key in parsed:
+            options.setdefault(field.section, {})[field.name] = parsed[field.key]
+    return parsed, problems, active_sections(top, fields, options)
+
+
+def form_sections(fields: list[Field], raw: dict[str, Any]) -> set[str]:
+    """The option sections the form shows for these values (:func:`active_sections`)."""
+    return _parsed(fields, raw)[2]
+
+
+def recipe_values(fields: list[Field], raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Form values (by :attr:`Field.key`) -> a recipe dict like the YAML (defaults left out), and problems."""
+    parsed, problems, sections = _parsed(fields, raw)
     values: dict[str, Any] = {}
     for field in fields:
         if field.key not in parsed:
@@ -224,7 +268,9 @@ def recipe_values(fields: list[Field], raw: dict[str, Any]) -> tuple[dict[str, A
 
 
 def values_from_recipe(fields: list[Field], data: dict[str, Any]) -> dict[str, Any]:
-    """A recipe dict (a YAML file) -> form values by key; fields it does not set take their defaults."""
+    """A recipe dict (a YAML file) -> form values by key; fields it does not set take their defaults, and
+    a loss (tuner, ...) it does not name is the one whose options it holds (:func:`implied_choices`)."""
+    data = {**data, **implied_choices(fields, data)}
     out = {}
     for field in fields:
         container = data if field.section is None else (data.get(field.section) or data.get("options", {}).get(field.section) or {})
@@ -247,8 +293,8 @@ def command_args(fields: list[Field], values: dict[str, Any], manager: Any) -> l
     Raises when an option has no flag (a clash the CLI resolved by leaving it to YAML).
     """
     loss = values.get("loss", "sft")
-    loss_cls = manager.registry("loss").get(loss)
-    args = [loss] if member(loss_cls, "loss", "cli_command") else ["train", "--loss", loss]
+    manager.registry("loss").get(loss)  # an unknown loss: named here, with the installed ones
+    args = training_command(loss)
     by_key = {f.key: f for f in fields}
     for key, value in values.items():
         if isinstance(value, dict) and key not in by_key:
@@ -260,6 +306,23 @@ def command_args(fields: list[Field], values: dict[str, Any], manager: Any) -> l
         for field, item in pairs:
             args += _flag_args(field, item)
     return args
+
+
+@functools.cache
+def training_commands() -> dict[str, str]:
+    """Loss name -> the ``toolkit`` command that trains it: the loss's own (``toolkit focal``, and
+    ``toolkit grpo``, which runs toolkit-rl's loop, not the core's runner), from the CLI itself."""
+    from toolkit.cli import build_cli
+    from toolkit.commands.help import TrainingCommand
+
+    return {command.loss: name for name, command in build_cli().commands.items()
+            if isinstance(command, TrainingCommand) and command.loss}
+
+
+def training_command(loss: str) -> list[str]:
+    """``["grpo"]``, ``["sft"]``, or ``["train", "--loss", NAME]`` for a loss without a command of its own."""
+    command = training_commands().get(loss)
+    return [command] if command else ["train", "--loss", loss]
 
 
 def _flag_args(field: Field, value: Any) -> list[str]:

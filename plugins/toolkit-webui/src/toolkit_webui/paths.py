@@ -3,9 +3,16 @@ is resolved (symlinks followed) and checked against them before anything opens i
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Any
 
 from toolkit.errors import ToolkitError
+
+URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.S)
+# What splits an option value into the pieces that may each name a file: a reward's
+# "file.py:function:0.5", an adapter list "a=/dir,b=/dir", a mapping "key=value".
+PIECES = re.compile(r"[:,=;]")
 
 
 class PathRefused(ToolkitError):
@@ -35,10 +42,41 @@ class Roots:
         """``value`` as an absolute path inside the runs directory, or :class:`PathRefused`."""
         return self._inside(value, what, [self.runs], "--runs-dir DIR")
 
+    def check_mentions(self, value: Any, what: str) -> None:
+        """Refuse any path ``value`` names outside the readable directories.
+
+        For options whose meaning the page cannot know (a plugin's reward ``file.py:function``,
+        a DeepSpeed JSON, a LoRA directory, ...): every string in ``value`` (items of lists and
+        mappings too), whole and split at ``: , = ;``, is taken as a path from the runs directory,
+        where the run starts; one that resolves (symlinks followed) outside the directories is
+        refused. A plain name ("answer", "q_proj", "eval/loss") resolves inside and passes; a
+        ``file://`` URL is checked as its path, other URLs are not files.
+        """
+        if isinstance(value, dict):
+            for key, item in value.items():
+                self.check_mentions(key, what)
+                self.check_mentions(item, what)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                self.check_mentions(item, what)
+        elif isinstance(value, str) and value.strip():
+            text = value.strip()
+            url = URL.match(text)
+            if url:
+                if url.group(1).lower() == "file":
+                    self.readable_path(url.group(2), what)
+                return
+            for piece in dict.fromkeys([text, *PIECES.split(text)]):
+                if piece.strip():
+                    self.readable_path(piece, what)
+
     def _inside(self, value: str | Path, what: str, roots: list[Path], flag: str) -> Path:
         if not str(value).strip():
             raise PathRefused(f"{what}: give a path")
-        path = self.resolve(str(value).strip())
+        try:
+            path = self.resolve(str(value).strip())
+        except (OSError, ValueError, RuntimeError) as exc:  # a NUL byte, ~nobody: not a path the page can check
+            raise PathRefused(f"{what}: {value!r} is not a usable path ({exc})") from None
         if any(path == root or path.is_relative_to(root) for root in roots):
             return path
         listed = ", ".join(str(r) for r in roots)

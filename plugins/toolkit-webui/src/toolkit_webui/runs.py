@@ -5,6 +5,9 @@ Stopping sends SIGTERM to the training processes themselves (under torchrun: its
 torchrun's own 30-second kill timer never races the checkpoint); the runner then finishes the
 step, saves a checkpoint and exits (75, EXIT_STOPPED, on one process; 0 under torchrun).
 Resuming runs the same command again with ``--resume auto``.
+
+A symbolic link in a run directory that leads out of the runs directory is never followed: the
+page neither shows what it points at nor launches a run that would write through it.
 """
 
 from __future__ import annotations
@@ -67,6 +70,25 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def inside(path: Path, root: Path) -> bool:
+    """Whether ``path``, symlinks followed, lies inside ``root`` (a resolved directory)."""
+    try:
+        resolved = Path(path).resolve()
+    except (OSError, RuntimeError):
+        return False
+    return resolved == root or resolved.is_relative_to(root)
+
+
+def link_out(run_dir: Path, root: Path) -> Path | None:
+    """The first symbolic link under ``run_dir`` that leads out of ``root``, or None."""
+    for directory, dirs, files in os.walk(run_dir):  # links to directories are listed, not entered
+        for name in dirs + files:
+            path = Path(directory) / name
+            if path.is_symlink() and not inside(path, root):
+                return path
+    return None
+
+
 def _children(pid: int) -> list[int]:
     """Direct children of ``pid`` (Linux /proc); empty where that cannot be read."""
     try:
@@ -80,7 +102,7 @@ class Runs:
     """The runs under one directory, and the processes this page started there."""
 
     def __init__(self, root: Path):
-        self.root = Path(root)
+        self.root = Path(root).resolve()
         self.processes: dict[Path, subprocess.Popen] = {}
         self.stopping: set[Path] = set()
 
@@ -89,6 +111,7 @@ class Runs:
         running = self.processes.get(run_dir)
         if running is not None and running.poll() is None:
             raise ToolkitError(f"{run_dir} is already training (process {running.pid}); stop it first")
+        self.check_links(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         command = process_command(args, nproc)
         with open(run_dir / LOG_FILE, "ab") as log:
@@ -116,15 +139,40 @@ class Runs:
         self.stopping.add(run_dir)
         return f"asked {run_dir.name} to stop: it saves a checkpoint after the current step"
 
+    def check_links(self, run_dir: Path) -> None:
+        """Refuse a run directory holding a link out of the runs directory: the run would write through it."""
+        if not inside(run_dir, self.root):
+            raise ToolkitError(f"{run_dir} is outside the runs directory {self.root}")
+        found = link_out(run_dir, self.root) if run_dir.is_dir() else None
+        if found is not None:
+            raise ToolkitError(f"{found} is a symbolic link to {found.resolve()}, outside the runs directory {self.root}: "
+                               "the page neither reads nor writes through it; remove the link")
+
+    def metrics(self, run_dir: Path) -> list[dict[str, Any]]:
+        """:func:`read_metrics`, unless metrics.jsonl is a link out of the runs directory."""
+        return read_metrics(run_dir) if inside(Path(run_dir) / "metrics.jsonl", self.root) else []
+
+    def log(self, run_dir: Path) -> str:
+        """:func:`log_tail`, unless the log is a link out of the runs directory."""
+        path = Path(run_dir) / LOG_FILE
+        if path.exists() and not inside(path, self.root):
+            return f"{path} is a symbolic link out of the runs directory {self.root}: not shown"
+        return log_tail(run_dir)
+
     def resume(self, run_dir: Path) -> subprocess.Popen:
         """Run the directory's command again with ``--resume auto`` (the page's own launch, else its recipe.yaml)."""
         run_dir = Path(run_dir)
+        self.check_links(run_dir)
         launch = run_dir / LAUNCH_FILE
         if launch.is_file():
             saved = json.loads(launch.read_text())
             args, nproc = _without_resume(saved["args"]), int(saved.get("nproc", 1))
-        elif (run_dir / "recipe.yaml").is_file():
-            args, nproc = ["train", "--config", str(run_dir / "recipe.yaml")], 1
+        elif (run_dir / "recipe.yaml").is_file():  # a run started from the CLI: its loss's own command
+            from toolkit.recipe import read_yaml
+            from toolkit_webui.forms import training_command
+
+            loss = str(read_yaml(run_dir / "recipe.yaml").get("loss") or "sft")
+            args, nproc = [*training_command(loss), "--config", str(run_dir / "recipe.yaml")], 1
         else:
             raise ToolkitError(f"{run_dir} has neither {LAUNCH_FILE} nor recipe.yaml: nothing to resume")
         return self.launch([*args, "--resume", "auto"], run_dir, nproc)
@@ -161,9 +209,11 @@ class Runs:
         from toolkit.train.checkpoint import list_checkpoints, read_state
 
         run_dir = Path(run_dir)
-        metrics = read_metrics(run_dir)
+        metrics = self.metrics(run_dir)
         last = metrics[-1] if metrics else {}
-        checkpoints = list_checkpoints(run_dir) if (run_dir / "checkpoints").is_dir() else []
+        checkpoints = []
+        if (run_dir / "checkpoints").is_dir() and inside(run_dir / "checkpoints", self.root):
+            checkpoints = [c for c in list_checkpoints(run_dir) if inside(c, self.root)]
         state = read_state(checkpoints[-1]) if checkpoints else {}
         total = state.get("total_steps")
         process = self.processes.get(run_dir)

@@ -31,7 +31,8 @@ def runs_tab(app: Any) -> Any:
     for pair in (("loss", "learning rate"), ("tokens/s", "reward")):
         with gr.Row():
             plots += [gr.LinePlot(x="step", y="value", color="series", title=title, label=title, x_title="step", y_title=title,
-                                  elem_id=f"plot-{title.split()[0].replace('/', '')}", height=240) for title in pair]
+                                  elem_id=f"plot-{title.split()[0].replace('/', '')}", height=240,
+                                  elem_classes=["toolkit-plot"]) for title in pair]
     log = gr.Code(label="log (webui.log)", elem_id="run-log", interactive=False)
     timer = gr.Timer(REFRESH_SECONDS)
 
@@ -61,7 +62,7 @@ def runs_tab(app: Any) -> Any:
 
     def do_resume(selected: str | None) -> str:
         try:
-            process = app.runs.resume(app.run_path(selected or ""))
+            process = app.resume(app.run_path(selected or ""))
         except Exception as exc:
             return _error(exc)
         return f"Resuming (process {process.pid}) from the newest whole checkpoint."

@@ -22,12 +22,12 @@ def model_reference(roots: Roots, value: str, what: str = "model") -> str:
     return value if value in PRESETS else str(roots.readable_path(value, what))
 
 
-def dataset_reference(roots: Roots, value: str) -> str:
+def dataset_reference(roots: Roots, value: str, what: str = "dataset") -> str:
     """A bundled dataset name as it is, a file as a path inside the roots."""
     from toolkit.data.reading import bundled_names
 
     value = (value or "").strip()
-    return value if value in bundled_names() else str(roots.readable_path(value, "dataset"))
+    return value if value in bundled_names() else str(roots.readable_path(value, what))
 
 
 def preview(roots: Roots, dataset: str, model: str, loss: str, dataset_format: str, num: int, seq_len: int) -> tuple[str, list]:
@@ -74,6 +74,7 @@ def export(roots: Roots, source: str, exporter: str, output: str, options: str) 
     args = ["export", str(source_path), "--to", exporter, "--output", str(target), "--overwrite"]
     for line in (options or "").splitlines():
         if line.strip():
+            roots.check_mentions(line.strip(), f"exporter option {line.strip()}")
             args += ["--option", line.strip()]
     return target, run_toolkit(args, roots.runs)
 
@@ -81,6 +82,16 @@ def export(roots: Roots, source: str, exporter: str, output: str, options: str) 
 def backend_fields(manager: Any) -> dict[str, list[dataclasses.Field]]:
     """Each registered inference backend's ``Config`` fields (the chat tab's options)."""
     return {name: list(dataclasses.fields(cls.Config)) for name, cls in manager.registry("inference_backend").items()}
+
+
+def check_options(roots: Roots, config_cls: type, options: dict[str, Any], owner: str) -> None:
+    """Refuse option values typed into the page that name files outside the roots (a LoRA directory, say).
+    A value left at its default is the operator's, not the page's (vllm's ``python`` defaults to
+    $TOOLKIT_VLLM_PYTHON, an interpreter wherever it is installed)."""
+    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else None for f in dataclasses.fields(config_cls)}
+    for name, value in options.items():
+        if value != defaults.get(name):
+            roots.check_mentions(value, f"{owner} option {name}")
 
 
 def generate(roots: Roots, model: str, backend: str, options: dict[str, Any], prompt: str) -> str:
@@ -94,6 +105,7 @@ def generate(roots: Roots, model: str, backend: str, options: dict[str, Any], pr
     from toolkit.plugins import get_plugin_manager
 
     cls = get_plugin_manager().get("inference_backend", backend)
+    check_options(roots, cls.Config, options, backend)
     problems: list[str] = []
     config = build_dataclass(cls.Config, options, f"backend {backend}", problems)
     if problems:
