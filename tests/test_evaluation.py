@@ -163,6 +163,23 @@ def test_eval_pads_ranks_to_equal_forwards_and_zeroes_the_copies():
     assert sets[0].context.examples == 3 and sets[0].context.label_tokens == 2 + 3 + 4
 
 
+def test_pipeline_stages_get_micro_batches_of_one_shape_and_virtual_stages_multiples_of_pp():
+    from toolkit.contracts import Example, Sequence
+    from toolkit.train.evaluation import PAD_KEY, EvalSet
+
+    examples = [Example([Sequence(list(range(n)), [*range(1, n), -100])]) for n in (3, 4, 5, 6, 7)]
+    for virtual, per_rank in ((1, 3), (2, 4)):  # 5 examples over 2 data-parallel ranks; pp 2
+        sets = [EvalSet(examples, micro_batch_size=2, dp_rank=r, dp_world_size=2, pad_id=0, seq_len=8,
+                        pipeline_stages=2, virtual_stages=virtual) for r in (0, 1)]
+        for eval_set in sets:
+            calls = list(eval_set.chunks())
+            batches = [mb for chunk in calls for mb in chunk]
+            assert len(batches) == per_rank and all(mb["input_ids"].shape[0] == 1 for mb in batches)
+            assert virtual == 1 or all(len(chunk) % 2 == 0 for chunk in calls)
+        real = [mb for s in sets for chunk in s.chunks() for mb in chunk if PAD_KEY not in mb["sequence_meta"]]
+        assert len(real) == 5  # every example once, the rest zeroed copies
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["local", "fsdp"])
 def test_two_ranks_evaluate_like_one(tmp_path, run_distributed, strategy):

@@ -120,6 +120,20 @@ def test_swanlab_offline_run_holds_metrics_and_recipe(tmp_path, monkeypatch):
     assert "recipe" in json.dumps(config) and "tiny-llama" in json.dumps(config)
 
 
+def test_tensorboard_event_files_hold_metrics_recipe_and_system(tmp_path):
+    pytest.importorskip("tensorboard", reason="TensorBoard is not installed: pip install 'toolkit-core[tensorboard]'")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = train(tmp_path, report_to=["tensorboard"])
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    for key in ("loss", "eval/loss", "lr", "grad_norm"):
+        assert {e.step: e.value for e in events.Scalars(key)} == pytest.approx(logged(run, key)), key
+    texts = {tag: events.Tensors(tag)[0].tensor_proto.string_val[0].decode() for tag in ("recipe/text_summary",
+                                                                                        "system/text_summary")}
+    assert '"model": "tiny-llama"' in texts["recipe/text_summary"] and '"torch"' in texts["system/text_summary"]
+
+
 def test_a_tracker_that_is_not_installed_is_named_before_the_model_loads(tmp_path, monkeypatch):
     import toolkit.builtins.strategies as strategies
     from toolkit.builtins.callbacks import Mlflow

@@ -6,7 +6,9 @@ The eval loss goes through the training loss itself, normalised by the counts of
 (one :class:`~toolkit.contracts.StepContext` for all of it), so its contributions summed over micro-batches
 and data-parallel ranks are the set's mean: the same number on every strategy and at any number of ranks.
 Every rank runs the same number of forwards (collective strategies such as FSDP, ZeRO-3 or tensor parallelism
-need that); a rank with fewer examples runs copies marked ``eval_pad``, whose contributions are zeroed.
+need that); a rank with fewer examples runs copies marked ``eval_pad``, whose contributions are zeroed. Under
+pipeline parallelism every micro-batch holds one example, so all have one shape (pipeline schedules send
+activations of a fixed shape between stages), and with virtual stages each call runs a multiple of ``pp``.
 """
 
 from __future__ import annotations
@@ -73,11 +75,15 @@ class EvalSet:
     """The held-out examples of one data-parallel rank as micro-batches, every rank with as many as the others."""
 
     def __init__(self, examples: list[Example], *, micro_batch_size: int, dp_rank: int, dp_world_size: int, pad_id: int,
-                 seq_len: int, pad_multiple: int = 1):
+                 seq_len: int, pad_multiple: int = 1, pipeline_stages: int = 1, virtual_stages: int = 1):
         from toolkit.data.pipeline import step_context
 
         if not examples:
             raise ValueError("EvalSet needs at least one example")
+        if pipeline_stages > 1:  # a short last group or a padding copy would change the activations' shape
+            micro_batch_size = 1
+        # the interleaved schedule runs a multiple of pp micro-batches per call
+        self.per_call = MICRO_BATCHES_PER_CALL if virtual_stages == 1 else -(-MICRO_BATCHES_PER_CALL // pipeline_stages) * pipeline_stages
         self.size = len(examples)
         self.pad_id, self.seq_len, self.pad_multiple = pad_id, seq_len, pad_multiple
         # similar lengths share a micro-batch (less padding); the order never changes a sum's terms
@@ -86,16 +92,19 @@ class EvalSet:
         self.examples = [*examples, _padding_copy(examples[order[0]])]
         mine = groups[dp_rank::dp_world_size]
         per_rank = -(-len(groups) // dp_world_size)
+        if virtual_stages > 1:
+            per_rank = -(-per_rank // pipeline_stages) * pipeline_stages
         self.units = mine + [[len(examples)]] * (per_rank - len(mine))
         self.context: StepContext = step_context([[e] for e in examples], step=0)
 
     def chunks(self) -> Any:
-        """Lists of collated micro-batches (``MICRO_BATCHES_PER_CALL`` at most); every rank gets as many lists."""
+        """Lists of collated micro-batches (``MICRO_BATCHES_PER_CALL`` at most, a multiple of pp with virtual stages);
+        every rank gets as many lists."""
         from toolkit.data.pipeline import collate
 
-        for start in range(0, len(self.units), MICRO_BATCHES_PER_CALL):
+        for start in range(0, len(self.units), self.per_call):
             yield [collate(self.examples, [unit], self.pad_id, False, self.pad_multiple, self.seq_len)
-                   for unit in self.units[start:start + MICRO_BATCHES_PER_CALL]]
+                   for unit in self.units[start:start + self.per_call]]
 
 
 class HeldOutLoss:
@@ -214,7 +223,8 @@ class Evaluation:
 
         eval_set = EvalSet(examples, micro_batch_size=recipe.micro_batch_size, dp_rank=engine.dp_rank,
                            dp_world_size=engine.dp_world_size, pad_id=pad_id, seq_len=recipe.seq_len,
-                           pad_multiple=pad_multiple(init_world().device)) if examples else None
+                           pad_multiple=pad_multiple(init_world().device), pipeline_stages=recipe.pipeline_parallel,
+                           virtual_stages=recipe.virtual_pipeline) if examples else None
         return cls(recipe, engine, loss, eval_set, run_dir, total_steps)
 
     def due(self, step: int) -> bool:

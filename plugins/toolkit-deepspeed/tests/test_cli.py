@@ -60,3 +60,27 @@ def test_contradicting_json_is_refused_before_training(tmp_path, cli_runner):
     assert "zero_optimization.stage = 2 contradicts --zero (which gives 3)" in result.output
     assert "bf16.enabled = true contradicts --precision" in result.output
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_zero3_evaluation_during_training_equals_one_process(tmp_path):
+    from toolkit.testing import write_jsonl
+    from toolkit.train.distributed import free_port
+
+    # 5 held-out examples over 2 ranks in micro-batches of 2: one rank runs a zeroed padding copy
+    held_out = write_jsonl(tmp_path / "eval.jsonl", [{"instruction": f"Name colour {i}.", "output": f"It is {c}."}
+                                                     for i, c in enumerate(["red", "green", "blue", "amber", "violet"])])
+    flags = ["sft", "--model", "tiny-llama", "--dataset", "demo", "--seq-len", "64", "--max-steps", "2", "--lr", "1e-3",
+             "--micro-batch-size", "2", "--global-batch-size", "4", "--eval-dataset", held_out, "--eval-every", "1"]
+    launches = {"one": [sys.executable, "-m", "toolkit", *flags],
+                "zero3": [sys.executable, "-m", "toolkit", "launch", "--nproc", "2", "--master-port", str(free_port()),
+                          *flags, "--strategy", "deepspeed", "--zero", "3"]}
+    logged = {}
+    for name, command in launches.items():
+        done = subprocess.run([*command, "--output", str(tmp_path / name)], capture_output=True, text=True, timeout=300,
+                              env={**os.environ})
+        assert done.returncode == 0, done.stderr[-5000:]
+        logged[name] = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    for a, b in zip(logged["one"], logged["zero3"], strict=True):
+        assert b["eval/examples"] == 5
+        for key in ("eval/loss", "eval/perplexity"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), key

@@ -96,3 +96,38 @@ def test_rm_training_and_hf_rm_export(tmp_path):
 
     with pytest.raises(ToolkitError, match="--to hf-rm"):
         export_model(resolve_export_source(str(run)), "hf", tmp_path / "wrong")
+
+
+def test_rm_eval_metrics_are_hf_scores_of_the_held_out_pairs(tmp_path):
+    """eval/ metrics of reward modeling: the Bradley-Terry loss, accuracy and margin of the held-out pairs, each
+    sequence scored alone by transformers' sequence-classification forward on the exported reward model."""
+    import json
+
+    import torch.nn.functional as F
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from toolkit.data.reading import read_records
+    from toolkit.models import materialize_preset
+    from toolkit.recipe import resolve_recipe
+    from toolkit.testing import write_jsonl
+    from toolkit.train.runner import run_training
+    from toolkit_dpo.functional import pair_indices
+
+    records = [{k: v for k, v in r.items() if k != "__line__"} for r in read_records("parity-prefs-eval", limit=7)[1]]
+    held_out = write_jsonl(tmp_path / "held-out.jsonl", records)  # 7 pairs: not a multiple of the micro-batch
+    run = run_training(resolve_recipe({"model": "tiny-llama", "dataset": ["parity-prefs"], "loss": "rm", "max_steps": 3,
+                                       "max_samples": 24, "micro_batch_size": 2, "global_batch_size": 8, "lr": 1e-3,
+                                       "eval_dataset": [held_out], "output": str(tmp_path / "run"), "export": "hf-rm"}))
+    last = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
+    tokenizer = AutoTokenizer.from_pretrained(materialize_preset("tiny-llama"))
+    examples, batch = scored_batches(tokenizer, packing=False, samples=7, dataset=held_out)
+    model = AutoModelForSequenceClassification.from_pretrained(run / "export-hf-rm").eval()
+    with torch.no_grad():
+        scores = hf_scores(model, examples, batch, tokenizer.pad_token_id)
+    chosen, rejected = pair_indices(batch["sequence_meta"])
+    margins = scores[chosen] - scores[rejected]
+    assert last["eval/examples"] == 7
+    assert last["eval/loss"] == pytest.approx(float(-F.logsigmoid(margins).mean()), rel=1e-4)
+    assert last["eval/rewards/margins"] == pytest.approx(float(margins.mean()), rel=1e-3, abs=1e-5)
+    assert last["eval/rewards/accuracies"] == pytest.approx(float((margins > 0).float().mean()))
+    assert float(margins.abs().max()) > 0

@@ -124,3 +124,37 @@ def test_overlapped_grad_reduce_with_distributed_optimizer_equals_local(tmp_path
     local, dp2 = metrics(tmp_path / "local"), metrics(tmp_path / "dp2")
     assert len(local) == 3
     assert_same_steps(local, dp2)
+
+
+EVAL_RECORDS = [{"instruction": f"Name the colour number {i}.", "output": f"Colour {i} is {c}."}
+                for i, c in enumerate(["red", "green", "blue", "amber", "violet"])]
+
+
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"]], ids=["tp2", "pp2"])
+def test_evaluation_during_training_equals_local(layout, tmp_path):
+    # 5 held-out examples in micro-batches of 2: a short last group, which pipeline stages cannot pass as is
+    from toolkit.testing import write_jsonl
+
+    dataset = write_jsonl(tmp_path / "eval.jsonl", EVAL_RECORDS)
+    flags = [*COMMON, "--max-steps", "2", "--eval-dataset", dataset, "--eval-every", "1"]
+    toolkit("sft", *flags, "--output", str(tmp_path / "local"))
+    toolkit("sft", *flags, "--output", str(tmp_path / "run"), "--strategy", "megatron", *layout, nproc=2)
+    expected, got = metrics(tmp_path / "local"), metrics(tmp_path / "run")
+    assert [m["step"] for m in got] == [1, 2]
+    for a, b in zip(expected, got, strict=True):
+        assert b["eval/examples"] == 5
+        for key in ("eval/loss", "eval/perplexity"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), key
+
+
+def test_dpo_evaluation_under_pipeline_parallelism_equals_local(tmp_path):
+    pytest.importorskip("toolkit_dpo", reason="DPO comes from toolkit-dpo")
+    flags = ["--model", "tiny-llama", "--dataset", "parity-prefs", "--max-samples", "24", "--seq-len", "64", "--lr", "1e-3",
+             "--max-steps", "2", "--micro-batch-size", "2", "--global-batch-size", "4", "--eval-samples", "5",
+             "--eval-every", "1", "--precompute-reference"]
+    toolkit("dpo", *flags, "--output", str(tmp_path / "local"))
+    toolkit("dpo", *flags, "--output", str(tmp_path / "pp2"), "--strategy", "megatron", "--pp", "2", nproc=2)
+    expected, got = metrics(tmp_path / "local"), metrics(tmp_path / "pp2")
+    for a, b in zip(expected, got, strict=True):
+        for key in ("eval/loss", "eval/rewards/margins", "eval/rewards/accuracies", "eval/rewards/chosen"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key

@@ -150,13 +150,21 @@ def toolkit(*args: str) -> str:
     return done.stdout
 
 
-def test_cli_sft_export_then_infer_vllm_equals_infer_hf(tmp_path):
-    """The user's path: train a preset, export it for vLLM, and generate through both backends."""
-    run, export = tmp_path / "run", tmp_path / "export"
+@pytest.fixture(scope="module")
+def demo_export(tmp_path_factory):
+    """The user's path: a preset trained on the demo set, exported for vLLM on CPU."""
+    root = tmp_path_factory.mktemp("demo")
+    run, export = root / "run", root / "export"
     toolkit("sft", "--model", "tiny-llama", "--dataset", "demo", "--max-steps", "40", "--lr", "6e-3",
             "--output", str(run))
     toolkit("export", str(run), "--to", "vllm", "--output", str(export), "--option", "device=cpu")
     assert json.loads((export / "toolkit_export.json").read_text())["exporter"] == "vllm"
+    return export
+
+
+def test_cli_sft_export_then_infer_vllm_equals_infer_hf(demo_export):
+    """Generate through both backends from the export."""
+    export = demo_export
     prompts = ["What is the capital of Norland?", "Tell me a story."]
     args = ["--max-new-tokens", str(NEW_TOKENS)] + [x for p in prompts for x in ("--prompt", p)]
 
@@ -167,3 +175,23 @@ def test_cli_sft_export_then_infer_vllm_equals_infer_hf(tmp_path):
     hf = completions(toolkit("infer", str(export), "--backend", "hf", *args))
     vllm = completions(toolkit("infer", str(export), "--backend", "vllm", *args))
     assert vllm == hf and len(hf) == 2 * len(prompts) and all(hf[1::2]), hf
+
+
+def test_toolkit_eval_with_vllm_scores_the_predictions_of_the_hf_backend(demo_export, tmp_path):
+    """``toolkit eval --backend vllm``: vLLM batches the questions itself; predictions and scores equal the hf
+    backend's (text prompts and a chat conversation, rendered once for both)."""
+    from toolkit.testing import write_jsonl
+
+    dataset = write_jsonl(tmp_path / "qa.jsonl", [{"question": "What is the capital of Norland?", "answer": "Norby"},
+                                                  {"question": "Tell me a story.", "answers": ["once", "story"]},
+                                                  {"messages": [{"role": "user", "content": "What is the capital of Norland?"},
+                                                                {"role": "assistant", "content": "Norby"}]}])
+    results = {}
+    for backend in ("hf", "vllm"):
+        toolkit("eval", str(demo_export), "--dataset", dataset, "--backend", backend, "--metric", "exact",
+                "--metric", "contains", "--max-new-tokens", str(NEW_TOKENS), "--output", str(tmp_path / backend))
+        lines = [json.loads(line) for line in (tmp_path / backend / "predictions.jsonl").read_text().splitlines()]
+        results[backend] = ([line["prediction"] for line in lines],
+                            json.loads((tmp_path / backend / "scores.json").read_text()))
+    assert results["vllm"][0] == results["hf"][0] and all(results["hf"][0]), results
+    assert results["vllm"][1]["metrics"] == results["hf"][1]["metrics"] and results["vllm"][1]["backend"] == "vllm"
