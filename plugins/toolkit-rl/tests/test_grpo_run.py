@@ -178,3 +178,30 @@ def test_train_loss_grpo_is_refused_before_training(tmp_path, cli_runner):
                                "--output", str(tmp_path / "run"))
     assert result.exit_code != 0 and "needs rollout examples" in result.output, result.output
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_reward_model_exported_by_toolkit_rm_is_a_reward(tmp_path):
+    """toolkit-dpo's `toolkit rm ... --export hf-rm` directory as `--reward DIR`: every logged rollout's reward is the
+    exported classifier's score on the closed conversation (the text the reward model was trained on)."""
+    pytest.importorskip("toolkit_dpo")
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from toolkit.train.runner import run_training
+
+    rm_run = run_training(resolve_recipe({"model": "tiny-llama", "dataset": ["parity-prefs"], "loss": "rm", "max_steps": 2,
+                                          "max_samples": 8, "micro_batch_size": 4, "seq_len": 96,
+                                          "output": str(tmp_path / "rm"), "export": "hf-rm"}))
+    directory = rm_run / "export-hf-rm"
+    out = run(tmp_path, "grpo", max_steps=1, grpo={"rewards": [str(directory)], "log_completions": 8})
+    assert "rewards/export-hf-rm/mean" in metrics(out)[0]
+    model = AutoModelForSequenceClassification.from_pretrained(directory).eval()
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    samples = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert len(samples) == 8 and len({s["reward"] for s in samples}) > 1
+    for sample in samples:
+        ids = tokenizer(sample["prompt"] + sample["completion"] + "<|im_end|>\n", add_special_tokens=False,
+                        return_tensors="pt").input_ids
+        with torch.no_grad():
+            expected = float(model(input_ids=ids).logits[0, 0])
+        assert sample["rewards"]["export-hf-rm"] == pytest.approx(expected, rel=1e-4, abs=1e-5)

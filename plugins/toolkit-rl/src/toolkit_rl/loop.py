@@ -32,7 +32,7 @@ def run_grpo(recipe: Any) -> Path:
     from toolkit.train.distributed import init_world, shutdown
     from toolkit.train.runner import check_model_limits, prepare_run_dir, resolve_components
     from toolkit_rl.prompts import load_prompts
-    from toolkit_rl.rewards import OverlongReward, build_rewards
+    from toolkit_rl.rewards import OverlongReward, RewardModelReward, build_rewards
 
     world = init_world(recipe.dist_timeout)
     strategy, tuner, loss, recipe = resolve_components(recipe, world.world_size)
@@ -41,6 +41,8 @@ def run_grpo(recipe: Any) -> Path:
     for weighted in rewards:
         if isinstance(weighted.reward, OverlongReward):
             weighted.reward.max_completion_length = config.max_completion_length
+        if isinstance(weighted.reward, RewardModelReward):
+            weighted.reward.raw_prompts = config.raw_prompts
     check_schedule(recipe, config)
     source = resolve_model(recipe.model, recipe.trust_remote_code)
     check_model_limits(recipe, source)
