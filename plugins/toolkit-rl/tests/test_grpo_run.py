@@ -51,16 +51,20 @@ def test_cli_trains_logs_and_samples_rollouts(tmp_path, cli_runner):
     assert (out / "checkpoints" / "step-2").is_dir() and (out / "recipe.yaml").is_file()
 
 
-def test_rollouts_use_the_weights_of_the_last_step(tmp_path, monkeypatch):
+@pytest.mark.parametrize("tuner", ["full", "lora"])
+def test_rollouts_use_the_weights_of_the_last_step(tmp_path, monkeypatch, tuner):
     """One optimizer step per rollout batch: the rollout policy IS the trained policy, so every ratio is 1 and
-    the clipped objective is minus the mean advantage, zero per group. A stale rollout model breaks that."""
+    the clipped objective is minus the mean advantage, zero per group. A stale rollout model breaks that
+    (with LoRA: the adapters must arrive merged)."""
     from toolkit_rl import loop
 
+    if tuner == "lora":
+        pytest.importorskip("toolkit_peft")
     grpo = {"steps_per_rollout": 1, "iterations": 1}
-    fresh = metrics(run(tmp_path, "fresh", max_steps=3, grpo=grpo))
+    fresh = metrics(run(tmp_path, "fresh", max_steps=3, tuner=tuner, grpo=grpo))
     assert all(abs(m["loss"]) < 1e-6 for m in fresh), [m["loss"] for m in fresh]
     monkeypatch.setattr(loop.GRPORun, "sync_weights", lambda self, step: None)
-    stale = metrics(run(tmp_path, "stale", max_steps=3, grpo=grpo))
+    stale = metrics(run(tmp_path, "stale", max_steps=3, tuner=tuner, grpo=grpo))
     assert max(abs(m["loss"]) for m in stale[1:]) > 1e-5, [m["loss"] for m in stale]
 
 
