@@ -70,3 +70,14 @@ def test_the_signature_check_catches_a_difference():
         pass
 
     assert signature(toolkit_register_losses) != documented()["toolkit_register_losses"][0]
+
+
+def test_examples_that_name_the_example_plugin_name_what_it_defines():
+    """A hook example importing from plugins/toolkit-example names a module and a class or function it has."""
+    source = DOCS.parent / "plugins" / "toolkit-example" / "src" / "toolkit_example"
+    imports = re.findall(r"from toolkit_example\.(\w+) import (\w+)", (DOCS / "hooks.md").read_text())
+    assert imports, "docs/hooks.md no longer shows the example plugin"
+    for module, name in imports:
+        path = source / f"{module}.py"
+        assert path.is_file(), f"docs/hooks.md imports toolkit_example.{module}, which {path} would hold"
+        assert re.search(rf"^(class|def) {name}\b", path.read_text(), re.M), f"docs/hooks.md imports {name}, not in {path}"

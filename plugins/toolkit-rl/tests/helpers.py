@@ -103,8 +103,9 @@ def context(batches: list[dict]) -> StepContext:
     return StepContext(label_tokens=tokens, sequences=sequences, examples=sequences)
 
 
-def trl_inputs(r: Rollouts, rows: list[int]) -> dict:
-    """TRL's GRPO layout: left-padded prompts, right-padded completions, per-token old/ref log-probs."""
+def trl_inputs(r: Rollouts, rows: list[int], generation_rows: list[int] | None = None) -> dict:
+    """TRL's GRPO layout: left-padded prompts, right-padded completions, per-token old/ref log-probs;
+    ``num_items_in_batch`` counts the completion tokens of the whole generation batch (``generation_rows``)."""
     pw = max(len(r.prompts[i]) for i in rows)
     cw = max(len(r.completions[i]) for i in rows)
     n = len(rows)
@@ -119,7 +120,7 @@ def trl_inputs(r: Rollouts, rows: list[int]) -> dict:
     return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
             "completion_mask": completion_mask, "advantages": torch.tensor([r.advantages[i] for i in rows]),
             "old_per_token_logps": old, "ref_per_token_logps": ref,
-            "num_items_in_batch": completion_mask.sum().float()}
+            "num_items_in_batch": torch.tensor(float(sum(len(r.completions[i]) for i in (generation_rows or rows))))}
 
 
 def trl_grpo(model, *, loss_type: str, beta: float, epsilon: float, epsilon_high: float, level: str,
@@ -137,7 +138,7 @@ def trl_grpo(model, *, loss_type: str, beta: float, epsilon: float, epsilon_high
         off_policy_mask_threshold=None, use_vllm=False, vllm_importance_sampling_correction=False,
         max_completion_length=max_completion_length, current_gradient_accumulation_steps=accumulation,
         _entropy_bonus_enabled=False, _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
-        args=types.SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1))
+        args=types.SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=accumulation))
     return stub
 
 

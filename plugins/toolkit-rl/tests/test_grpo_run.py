@@ -51,16 +51,20 @@ def test_cli_trains_logs_and_samples_rollouts(tmp_path, cli_runner):
     assert (out / "checkpoints" / "step-2").is_dir() and (out / "recipe.yaml").is_file()
 
 
-def test_rollouts_use_the_weights_of_the_last_step(tmp_path, monkeypatch):
+@pytest.mark.parametrize("tuner", ["full", "lora"])
+def test_rollouts_use_the_weights_of_the_last_step(tmp_path, monkeypatch, tuner):
     """One optimizer step per rollout batch: the rollout policy IS the trained policy, so every ratio is 1 and
-    the clipped objective is minus the mean advantage, zero per group. A stale rollout model breaks that."""
+    the clipped objective is minus the mean advantage, zero per group. A stale rollout model breaks that
+    (with LoRA: the adapters must arrive merged)."""
     from toolkit_rl import loop
 
+    if tuner == "lora":
+        pytest.importorskip("toolkit_peft")
     grpo = {"steps_per_rollout": 1, "iterations": 1}
-    fresh = metrics(run(tmp_path, "fresh", max_steps=3, grpo=grpo))
+    fresh = metrics(run(tmp_path, "fresh", max_steps=3, tuner=tuner, grpo=grpo))
     assert all(abs(m["loss"]) < 1e-6 for m in fresh), [m["loss"] for m in fresh]
-    monkeypatch.setattr(loop.GRPORun, "sync_weights", lambda self: None)
-    stale = metrics(run(tmp_path, "stale", max_steps=3, grpo=grpo))
+    monkeypatch.setattr(loop.GRPORun, "sync_weights", lambda self, step: None)
+    stale = metrics(run(tmp_path, "stale", max_steps=3, tuner=tuner, grpo=grpo))
     assert max(abs(m["loss"]) for m in stale[1:]) > 1e-5, [m["loss"] for m in stale]
 
 
@@ -82,24 +86,69 @@ def test_resume_is_exact(tmp_path):
     assert (straight / "rollouts.jsonl").read_text() == (resumed / "rollouts.jsonl").read_text()
 
 
-def test_a_dying_rollout_backend_names_itself_and_the_run_saves(tmp_path, monkeypatch):
-    from toolkit_rl import rollout
+@pytest.mark.parametrize("method,what", [("generate", "sampling"), ("load_weights", "loading the policy's weights"),
+                                         ("token_logps", "scoring log-probs")])
+def test_a_dying_rollout_backend_names_itself_and_the_run_saves_and_resumes_exactly(tmp_path, monkeypatch, method, what):
+    """The backend fails at the start of the third rollout batch (whichever of its calls fails): the run saves
+    step 2 with the prompt draws of the batch boundary, so --resume auto ends where a run never stopped ends."""
+    from safetensors.torch import load_file
+
+    from toolkit_rl import loop, rollout
     from toolkit_rl.rollout import RolloutError
 
-    calls = {"n": 0}
-    generate = rollout.HFRollouts.generate
+    grpo = {"loss_type": "gspo"}
+    straight = run(tmp_path, "straight", max_steps=4, grpo=grpo)
+    batches = {"n": 0}
+    rollout_batch, real = loop.GRPORun.rollout_batch, getattr(rollout.HFRollouts, method)
 
-    def flaky(self, prompts, seed):
-        calls["n"] += 1
-        if calls["n"] == 3:
+    def counting(self, step):
+        batches["n"] += 1
+        return rollout_batch(self, step)
+
+    def flaky(self, *args, **kwargs):
+        if batches["n"] == 3:
             raise RuntimeError("engine process exited")
-        return generate(self, prompts, seed)
+        return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(rollout.HFRollouts, "generate", flaky)
-    with pytest.raises(RolloutError, match=r"rollout backend 'hf' failed before step 3: RuntimeError: engine process "
-                                           r"exited \(checkpoint .*step-2; continue with --resume auto\)"):
-        run(tmp_path, "dies", max_steps=4)
+    monkeypatch.setattr(loop.GRPORun, "rollout_batch", counting)
+    monkeypatch.setattr(rollout.HFRollouts, method, flaky)
+    with pytest.raises(RolloutError, match=rf"rollout backend 'hf' failed {what} before step 3: RuntimeError: engine "
+                                           r"process exited \(checkpoint .*step-2; continue with --resume auto\)"):
+        run(tmp_path, "dies", max_steps=4, grpo=grpo)
     assert (tmp_path / "dies" / "checkpoints" / "step-2").is_dir()
+    monkeypatch.undo()
+    resumed = run(tmp_path, "dies", max_steps=4, resume="auto", grpo=grpo)
+    a, b = load_file(straight / "checkpoints/step-4/model.safetensors"), load_file(resumed / "checkpoints/step-4/model.safetensors")
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+def test_dynamic_sampling_drops_equal_groups_and_every_batch_stays_full(tmp_path, monkeypatch):
+    """DAPO's dynamic sampling: groups whose rewards are all equal are dropped and more prompts drawn (up to 4
+    draws); a batch those draws do not fill is topped up, so every rank's step has the same completions."""
+    from toolkit.train.checkpoint import read_state
+    from toolkit_rl import loop
+
+    script = tmp_path / "first_group.py"
+    script.write_text("calls = [0]\n\n\ndef spread(prompts, completions, completion_ids, **columns):\n"
+                      "    calls[0] += 1  # only the first group of the first call has unequal rewards\n"
+                      "    return [float(i) if calls[0] == 1 and i < 4 else 0.0 for i in range(len(completions))]\n")
+    sizes = []
+    rollout_batch = loop.GRPORun.rollout_batch
+
+    def counting(self, step):
+        batch = rollout_batch(self, step)
+        sizes.append(sum(mb["num_sequences"] for micro_batches in batch.steps for mb in micro_batches))
+        return batch
+
+    monkeypatch.setattr(loop.GRPORun, "rollout_batch", counting)
+    out = run(tmp_path, "dapo", max_steps=2, grpo={"rewards": [f"{script}:spread"], "loss_type": "dapo"})
+    assert sizes == [8, 8]  # 2 prompts x 4 completions, though only one group had unequal rewards
+    lines = metrics(out)
+    assert lines[0]["groups_dropped"] == pytest.approx(7 / 8)  # 4 draws of 2 prompts: one group kept
+    assert lines[1]["groups_dropped"] == 1.0
+    assert read_state(out / "checkpoints" / "step-2")["rl"]["draws"] == 8
+    first = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()][:4]
+    assert [r["reward"] for r in first] == [0.0, 1.0, 2.0, 3.0]  # the kept group comes first
 
 
 def write(path, lines):
@@ -133,3 +182,30 @@ def test_train_loss_grpo_is_refused_before_training(tmp_path, cli_runner):
                                "--output", str(tmp_path / "run"))
     assert result.exit_code != 0 and "needs rollout examples" in result.output, result.output
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_reward_model_exported_by_toolkit_rm_is_a_reward(tmp_path):
+    """toolkit-dpo's `toolkit rm ... --export hf-rm` directory as `--reward DIR`: every logged rollout's reward is the
+    exported classifier's score on the closed conversation (the text the reward model was trained on)."""
+    pytest.importorskip("toolkit_dpo")
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from toolkit.train.runner import run_training
+
+    rm_run = run_training(resolve_recipe({"model": "tiny-llama", "dataset": ["parity-prefs"], "loss": "rm", "max_steps": 2,
+                                          "max_samples": 8, "micro_batch_size": 4, "seq_len": 96,
+                                          "output": str(tmp_path / "rm"), "export": "hf-rm"}))
+    directory = rm_run / "export-hf-rm"
+    out = run(tmp_path, "grpo", max_steps=1, grpo={"rewards": [str(directory)], "log_completions": 8})
+    assert "rewards/export-hf-rm/mean" in metrics(out)[0]
+    model = AutoModelForSequenceClassification.from_pretrained(directory).eval()
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    samples = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert len(samples) == 8 and len({s["reward"] for s in samples}) > 1
+    for sample in samples:
+        ids = tokenizer(sample["prompt"] + sample["completion"] + "<|im_end|>\n", add_special_tokens=False,
+                        return_tensors="pt").input_ids
+        with torch.no_grad():
+            expected = float(model(input_ids=ids).logits[0, 0])
+        assert sample["rewards"]["export-hf-rm"] == pytest.approx(expected, rel=1e-4, abs=1e-5)

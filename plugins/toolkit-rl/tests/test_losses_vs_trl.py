@@ -60,7 +60,7 @@ def theirs(policy, rollouts, splits: int = 1, **settings):
     size = len(rows) // splits
     total = 0.0
     for k in range(0, len(rows), size):
-        loss = trainer._compute_loss(model, trl_inputs(rollouts, rows[k:k + size]))
+        loss = trainer._compute_loss(model, trl_inputs(rollouts, rows[k:k + size], generation_rows=rows))
         loss.backward()
         total += float(loss)
     return total, trainer._metrics["train"], grads(model)
@@ -94,13 +94,15 @@ def test_loss_and_gradients_equal_trl(setup, loss_type, trl_type, level, beta):
         assert metrics["kl"] == pytest.approx(trl_metrics["kl"][0], rel=1e-5)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "bnpo"])
-def test_two_micro_batches_equal_trl_gradient_accumulation(setup, loss_type):
+@pytest.mark.parametrize("loss_type,trl_type", [("grpo", "grpo"), ("dr_grpo", "dr_grpo"), ("bnpo", "bnpo"), ("dapo", "dapo"),
+                                               ("gspo", "grpo")])
+def test_two_micro_batches_equal_trl_gradient_accumulation(setup, loss_type, trl_type):
+    """One generation batch in two accumulation steps (TRL's steps_per_generation = gradient accumulation)."""
     policy, rollouts = setup
     loss = GRPOLoss(GRPOConfig(loss_type=loss_type, beta=0.04, max_completion_length=MAX_LENGTH))
     eps, high, level, _, _ = loss.config.resolved()
     mine, _, my_grads = ours(policy, rollouts, loss, splits=2)
-    reference, _, trl_grads = theirs(policy, rollouts, splits=2, loss_type=loss_type, beta=0.04, epsilon=eps,
+    reference, _, trl_grads = theirs(policy, rollouts, splits=2, loss_type=trl_type, beta=0.04, epsilon=eps,
                                      epsilon_high=high, level=level)
     assert mine == pytest.approx(reference, rel=1e-5, abs=1e-7)
     assert_grads_close(my_grads, trl_grads)

@@ -107,25 +107,52 @@ def test_combined_rewards_are_weighted_and_nan_only_when_no_reward_applied():
     assert total[0] == 2.0 and math.isnan(total[1]) and total[2] == 1.0
 
 
-def test_reward_model_scores_like_the_classifier(tmp_path):
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+def reward_model_dir(path, tokenizer):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    from toolkit.models import materialize_preset
-
-    tokenizer = AutoTokenizer.from_pretrained(materialize_preset("tiny-llama"))
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     model = LlamaForSequenceClassification(config).eval()
-    model.save_pretrained(tmp_path / "rm")
-    tokenizer.save_pretrained(tmp_path / "rm")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model
+
+
+def test_reward_model_scores_the_closed_conversation_like_the_classifier(tmp_path):
+    """As TRL scores a conversational prompt: prompt messages + the completion as the assistant's turn, rendered by
+    the reward model's chat template (what toolkit-dpo's rm trains on: its value head reads the token after the
+    closed turn); a raw text prompt is prompt + completion."""
+    from transformers import AutoTokenizer
+
+    from toolkit.models import materialize_preset
+
+    tokenizer = AutoTokenizer.from_pretrained(materialize_preset("tiny-llama"))
+    model = reward_model_dir(tmp_path / "rm", tokenizer)
     built = rewards.build_rewards([str(tmp_path / "rm")], recipe(), get_plugin_manager())
-    texts = [("Q: a? ", "yes"), ("Q: longer question? ", "no, it is not")]
-    scores = built[0].reward([p for p, _ in texts], [c for _, c in texts], None, [{}, {}])
-    for (p, c), score in zip(texts, scores):
-        ids = tokenizer(p + c, add_special_tokens=False, return_tensors="pt").input_ids
+    reward = built[0].reward
+    records = [{"prompt": "a?", "answer": "x"}, {"messages": [{"role": "system", "content": "Be brief."},
+                                                              {"role": "user", "content": "longer question?"},
+                                                              {"role": "assistant", "content": "no"}]}]
+    conversations = [[{"role": "user", "content": "a?"}],
+                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "longer question?"}]]
+    prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+    completions = ["yes", "no, it is not"]
+
+    def classifier(text):
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
         with torch.no_grad():
-            assert score == pytest.approx(float(model(input_ids=ids).logits[0, 0]), rel=1e-4, abs=1e-5)
+            return float(model(input_ids=ids).logits[0, 0])
+
+    scores = reward(prompts, completions, None, records)
+    for conversation, completion, score in zip(conversations, completions, scores):
+        closed = tokenizer.apply_chat_template([*conversation, {"role": "assistant", "content": completion}], tokenize=False)
+        assert closed.endswith("<|im_end|>\n")
+        assert score == pytest.approx(classifier(closed), rel=1e-4, abs=1e-5)
+        assert score != pytest.approx(classifier(closed.removesuffix("<|im_end|>\n")), rel=1e-3)
+    reward.raw_prompts = True
+    raw = reward(["Q: a? "], ["yes"], None, [{"prompt": "Q: a? "}])
+    assert raw[0] == pytest.approx(classifier("Q: a? yes"), rel=1e-4, abs=1e-5)
     with pytest.raises(ConfigError, match="no config.json"):
         rewards.RewardModelReward(rewards.RewardModelConfig(path=str(tmp_path)))
 

@@ -32,7 +32,7 @@ def run_grpo(recipe: Any) -> Path:
     from toolkit.train.distributed import init_world, shutdown
     from toolkit.train.runner import check_model_limits, prepare_run_dir, resolve_components
     from toolkit_rl.prompts import load_prompts
-    from toolkit_rl.rewards import OverlongReward, build_rewards
+    from toolkit_rl.rewards import OverlongReward, RewardModelReward, build_rewards
 
     world = init_world(recipe.dist_timeout)
     strategy, tuner, loss, recipe = resolve_components(recipe, world.world_size)
@@ -41,6 +41,8 @@ def run_grpo(recipe: Any) -> Path:
     for weighted in rewards:
         if isinstance(weighted.reward, OverlongReward):
             weighted.reward.max_completion_length = config.max_completion_length
+        if isinstance(weighted.reward, RewardModelReward):
+            weighted.reward.raw_prompts = config.raw_prompts
     check_schedule(recipe, config)
     source = resolve_model(recipe.model, recipe.trust_remote_code)
     check_model_limits(recipe, source)
@@ -101,7 +103,7 @@ class GRPORun:
         batches = recipe.max_steps and math.ceil(recipe.max_steps / self.steps_per_batch)
         batches = batches or max(1, math.ceil(recipe.epochs * self.draws_per_epoch))
         self.total_steps = recipe.max_steps or batches * self.steps_per_batch
-        self.draws = 0
+        self.draws = self.batch_draws = 0
 
     # ------------------------------------------------------------------ prompts and rollouts
     def draw_prompts(self) -> list:
@@ -118,61 +120,80 @@ class GRPORun:
         return (self.recipe.seed * 1_000_003 + draw * 7919 + self.engine.dp_rank) % (2 ** 63)
 
     def sample_groups(self, step: int) -> tuple[list, Any, dict[str, float]]:
-        """Draws prompts, samples and scores them until the batch is full (dynamic sampling) or MAX_DRAWS."""
+        """Draws prompts, samples and scores them until the batch is full (dynamic sampling) or MAX_DRAWS.
+
+        Every rank returns exactly ``prompts_per_rollout`` groups (so every rank runs the same optimizer
+        steps with the same number of micro-batches): a batch that MAX_DRAWS draws did not fill is topped
+        up with the latest dropped groups, whose advantages are zero.
+        """
         import torch
 
-        from toolkit_rl.phase import combine, reward_table, timed_generate
+        from toolkit_rl.phase import combine, reward_table
 
         c, group = self.config, self.config.num_generations
         dynamic = c.resolved()[4]
         kept: list = []
-        seconds, dropped, drawn = 0.0, 0, 0
-        last: list = []
+        dropped: list = []
+        seconds, drawn = 0.0, 0
         for _ in range(MAX_DRAWS if dynamic else 1):
             draw = self.draws
             prompts = self.draw_prompts()
-            try:
-                completions, took = timed_generate(self.rollouts, prompts, self.rollout_seed(draw))
-            except ToolkitError:
-                raise
-            except Exception as exc:
-                raise self.backend_died(step, exc) from exc
+            completions, took = self.backend_call(step, "sampling", self.timed_generate, prompts, draw)
             seconds += took
             rows = [p for p in prompts for _ in range(group)]
             texts = self.source.tokenizer.batch_decode(completions.ids, skip_special_tokens=True)
             table = reward_table(self.rewards, rows, texts, completions.ids, [p.record for p in rows])
             total = combine(table, [w.weight for w in self.rewards])
-            last = []
             for g, prompt in enumerate(prompts):
                 part = slice(g * group, (g + 1) * group)
                 flat = total[part]
-                last.append((prompt, completions.ids[part], texts[part], completions.truncated[part],
-                             completions.entropy[part], table[part], flat))
-                if dynamic and bool(torch.isclose(flat, flat[:1]).all() | torch.isnan(flat).all()):
-                    dropped += 1
-                    continue
-                kept.append(last[-1])
+                entry = (prompt, completions.ids[part], texts[part], completions.truncated[part],
+                         completions.entropy[part], table[part], flat)
+                equal = bool(torch.isclose(flat, flat[:1]).all() | torch.isnan(flat).all())
+                (dropped if dynamic and equal else kept).append(entry)
             drawn += len(prompts)
             full = len(kept) >= c.prompts_per_rollout
             if not dynamic or self.engine.all_reduce_sum([0.0 if full else 1.0])[0] == 0:
                 break
-        stats = {"rollout_time": seconds, "groups_dropped": dropped / max(drawn, 1)}
-        if not kept:  # nothing to learn from in MAX_DRAWS draws: train on the last one (only the KL term moves)
-            if self.engine.is_main:
-                print(f"toolkit: step {step + 1}: every group of {MAX_DRAWS} draws had equal rewards (dynamic "
-                      "sampling); training on the last draw, whose advantages are all zero", file=sys.stderr)
-            kept = last
+        stats = {"rollout_time": seconds, "groups_dropped": len(dropped) / max(drawn, 1)}
+        missing = c.prompts_per_rollout - len(kept)
+        if missing > 0:  # MAX_DRAWS draws held too few groups with unequal rewards: only the KL term moves for the rest
+            print(f"toolkit: step {step + 1}: {MAX_DRAWS} draws held {len(kept)} of {c.prompts_per_rollout} groups "
+                  f"with unequal rewards (dynamic sampling); {missing} groups of equal rewards (advantage 0) fill the batch",
+                  file=sys.stderr)
+            kept += dropped[-missing:]
         return kept[: c.prompts_per_rollout], stats
 
-    def backend_died(self, step: int, exc: Exception) -> RolloutError:
+    def timed_generate(self, prompts: list, draw: int) -> tuple[Any, float]:
+        from toolkit_rl.phase import timed_generate
+
+        return timed_generate(self.rollouts, prompts, self.rollout_seed(draw))
+
+    def backend_call(self, step: int, what: str, call: Any, *args: Any) -> Any:
+        """``call(*args)`` on the rollout backend; when it fails on any rank, every rank saves the run and raises one line."""
+        error = None
+        try:
+            result = call(*args)
+        except Exception as exc:  # noqa: BLE001 - whatever the engine raised, the run saves and names it
+            error, result = exc, None
+        failed = error is not None
+        if _distributed():  # every rank learns of a failure on one, so all of them take part in the save
+            failed = self.engine.all_reduce_sum([1.0 if failed else 0.0])[0] > 0
+        if failed:
+            raise self.backend_died(step, what, error) from error
+        return result
+
+    def backend_died(self, step: int, what: str, exc: Exception | None) -> RolloutError:
         from toolkit.train.checkpoint import save_checkpoint
 
         path = None
-        if step > self.start_step:
-            path = save_checkpoint(self.run_dir, step, self.engine, self.trainer_state(step, None), self.recipe.keep_last)
+        if step > self.start_step:  # the state of the batch boundary: the prompts of the failed batch are drawn again
+            path = save_checkpoint(self.run_dir, step, self.engine, self.trainer_state(step, None, self.batch_draws),
+                                   self.recipe.keep_last)
         where = f"checkpoint {path}; continue with --resume auto" if path else "no step was trained since the last checkpoint"
-        return RolloutError(f"rollout backend {self.config.rollout_backend!r} failed before step {step + 1}: "
-                            f"{type(exc).__name__}: {exc} ({where})")
+        cause = f"{type(exc).__name__}: {exc}" if exc is not None else "it failed on another rank"
+        return RolloutError(f"rollout backend {self.config.rollout_backend!r} failed {what} before step {step + 1}: "
+                            f"{cause} ({where})")
 
     def rollout_batch(self, step: int) -> RolloutBatch:
         import torch
@@ -180,7 +201,8 @@ class GRPORun:
         from toolkit_rl import phase
 
         c, group = self.config, self.config.num_generations
-        self.sync_weights()
+        self.batch_draws = self.draws
+        self.sync_weights(step)
         groups, stats = self.sample_groups(step)
         table = torch.cat([g[5] for g in groups])
         total = torch.cat([g[6] for g in groups])
@@ -200,7 +222,7 @@ class GRPORun:
                                     "advantage": adv, "source": prompt.source})
         steps = phase.split_steps(examples, c.steps_per_rollout, self.recipe.micro_batch_size, self.pad_id)
         start = time.perf_counter()
-        phase.score_log_probs(steps, self.rollouts, self.reference)
+        self.backend_call(step, "scoring log-probs", phase.score_log_probs, steps, self.rollouts, self.reference)
         stats["rollout_time"] += time.perf_counter() - start
         metrics = {**phase.reward_metrics(self.engine, self.rewards, table, total), **stats, **self.length_metrics(groups)}
         return RolloutBatch(steps, phase.contexts_of(steps, self.engine), metrics, samples)
@@ -215,19 +237,21 @@ class GRPORun:
             metrics["entropy"] = ent / max(tokens, 1)
         return metrics
 
-    def sync_weights(self) -> None:
+    def sync_weights(self, step: int) -> None:
         """The engine's current weights into the rollout backend (every rank takes part in the gather)."""
         from toolkit_rl.rollout import broadcast_tensors
 
         tensors = self.engine.export_tensors()
         # engines yield on the main rank only; tensor/pipeline ranks sample too (the same rollouts as their DP rank)
-        self.rollouts.load_weights(broadcast_tensors(tensors, self.engine) if _distributed() else tensors)
+        if _distributed():
+            tensors = broadcast_tensors(tensors, self.engine)
+        self.backend_call(step, "loading the policy's weights", self.rollouts.load_weights, tensors)
 
     # ------------------------------------------------------------------ training
-    def trainer_state(self, done: int, loss: float | None) -> dict[str, Any]:
+    def trainer_state(self, done: int, loss: float | None, draws: int | None = None) -> dict[str, Any]:
         return {"step": done, "total_steps": self.total_steps, "loss": loss, "tuner": self.tuner.name,
                 "strategy": self.recipe.strategy, "world_size": self.engine.dp_world_size, "model": self.recipe.model,
-                "rl": {"draws": self.draws, "steps_per_batch": self.steps_per_batch}}
+                "rl": {"draws": self.draws if draws is None else draws, "steps_per_batch": self.steps_per_batch}}
 
     def resume(self) -> int:
         from toolkit.train.checkpoint import agree_on_resume, read_state, restore_rng

@@ -143,10 +143,17 @@ class RewardModelConfig:
 
 
 class RewardModelReward:
-    """The scalar score of a sequence-classification model on prompt + completion (toolkit-dpo's ``rm`` export)."""
+    """The scalar score of a sequence-classification model on prompt + completion (toolkit-dpo's ``rm`` export).
+
+    A conversation is scored as the reward model was trained (and as TRL's GRPOTrainer scores it): the
+    prompt's messages plus the completion as the assistant's reply, rendered by the reward model's chat
+    template, so its value head reads the token after the closed turn; a text prompt is prompt + completion.
+    """
 
     name = "reward-model"
     Config = RewardModelConfig
+    raw_prompts = False
+    """Set by the run from ``--grpo-raw-prompts``: string prompts are text, not one user turn."""
 
     def __init__(self, config: RewardModelConfig | None = None):
         self.config = config or RewardModelConfig()
@@ -164,9 +171,11 @@ class RewardModelReward:
     def _load(self) -> None:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        # safetensors only: never unpickle weights from a directory
-        self.model = AutoModelForSequenceClassification.from_pretrained(self.config.path, use_safetensors=True,
-                                                                        trust_remote_code=False).eval()
+        from toolkit_rl.rollout import whole_models
+
+        with whole_models():  # safetensors only: never unpickle weights from a directory; never run its code
+            self.model = AutoModelForSequenceClassification.from_pretrained(self.config.path, use_safetensors=True,
+                                                                            trust_remote_code=False).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.path, trust_remote_code=False)
 
     def __call__(self, prompts, completions, completion_ids, records) -> list[float | None]:
@@ -176,7 +185,7 @@ class RewardModelReward:
             self._load()
         scores: list[float | None] = []
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        texts = [p + c for p, c in zip(prompts, completions)]
+        texts = self.texts(prompts, completions, records)
         for start in range(0, len(texts), self.config.batch_size):
             encoded = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts[start:start + self.config.batch_size]]
             width = max(len(e) for e in encoded)
@@ -188,6 +197,22 @@ class RewardModelReward:
                 logits = self.model(input_ids=ids, attention_mask=attention).logits[:, 0].float()
             scores.extend(float(v) for v in logits)
         return scores
+
+
+    def texts(self, prompts: list[str], completions: list[str], records: list[dict[str, Any]]) -> list[str]:
+        """What the reward model reads: the conversation closed by the completion, or prompt text + completion."""
+        from toolkit.data.template import ChatTemplate
+        from toolkit_rl.prompts import prompt_messages
+
+        template = ChatTemplate(self.tokenizer)
+        texts = []
+        for prompt, completion, record in zip(prompts, completions, records):
+            messages = prompt_messages(record, "reward model", self.raw_prompts)[0] if record else prompt
+            if isinstance(messages, str):
+                texts.append(prompt + completion)
+            else:
+                texts.append(template.render([*messages, {"role": "assistant", "content": completion}]))
+        return texts
 
 
 class FunctionReward:

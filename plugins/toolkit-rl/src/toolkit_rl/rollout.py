@@ -10,7 +10,9 @@ Written here because no library samples from a model that another engine trains.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 from toolkit.errors import ToolkitError
@@ -30,13 +32,35 @@ class Completions:
     """Mean entropy of the sampling distribution over each completion's tokens (None: the backend cannot tell)."""
 
 
+@contextlib.contextmanager
+def whole_models() -> Iterator[None]:
+    """Load HF models whole even while a DeepSpeed ZeRO-3 engine lives in this process.
+
+    The ZeRO-3 engine registers its config with transformers (``HfDeepSpeedConfig``), which makes every
+    ``from_pretrained`` build a partitioned model (``zero.Init``); the rollout, reference and reward
+    models are plain modules of their own, so the registration is set aside while they load.
+    """
+    try:
+        from transformers.integrations import deepspeed as hf_deepspeed
+    except ImportError:
+        yield
+        return
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref  # transformers keeps only this weak reference
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
 def load_policy_copy(source: Any, device: Any) -> Any:
     """The model as an fp32 HF module (log-probs run under the engine's autocast; a sync copies fp32 exactly)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=torch.float32, use_safetensors=True,
-                                                 trust_remote_code=source.trust_remote_code)
+    with whole_models():
+        model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=torch.float32, use_safetensors=True,
+                                                     trust_remote_code=source.trust_remote_code)
     return model.to(device).eval().requires_grad_(False)
 
 
@@ -97,7 +121,8 @@ class HFRollouts:
             torch.manual_seed(seed)
             out = self.model.generate(ids.to(self.device), attention_mask=attention.to(self.device),
                                       max_new_tokens=c.max_completion_length, pad_token_id=self.pad_id,
-                                      return_dict_in_generate=True, output_logits=True, **sampling)
+                                      return_dict_in_generate=True, output_logits=True, synced_gpus=False,
+                                      **sampling)  # synced_gpus: the copy is whole on every rank, even beside ZeRO-3
         new = out.sequences[:, width:].cpu()
         logits = torch.stack(out.logits, dim=1).float().cpu() / c.temperature  # [rows, new, vocab]
         entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
