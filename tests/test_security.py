@@ -251,3 +251,13 @@ def test_data_inspect_refuses_model_code_and_has_the_flag_its_refusal_names(remo
     assert "--trust-remote-code" in refused.stderr and not marker.exists()
     cli_runner.invoke("data", "inspect", "demo", "--model", model, "--trust-remote-code")
     assert marker.exists(), "asked for on the command line, the model's code runs"
+
+
+def test_serve_refuses_model_code_without_naming_a_flag_it_lacks(remote_code_model, cli_runner):
+    """``toolkit serve`` has no --trust-remote-code: its refusal says what to do instead of naming one."""
+    pytest.importorskip("toolkit_lmdeploy", reason="a backend that can serve (the refusal comes before its engine)")
+    model, marker = remote_code_model
+    result = cli_runner.invoke("serve", model, "--backend", "lmdeploy", input="y\n")
+    one_line_refusal(result, f"{model / 'config.json'} asks to run the model's own Python code (configuration_evil)")
+    assert "never runs a model's own code" in result.stderr and "given on this command line" not in result.stderr
+    assert not marker.exists()

@@ -37,9 +37,15 @@ def format_prompt(tokenizer: Any, prompt: str, chat_template: bool, system: str 
     return ChatTemplate(tokenizer).render(messages, add_generation_prompt=True)
 
 
-def model_directory(reference: str, workdir: Path, trust_remote_code: bool = False) -> Path:
+NO_REMOTE_CODE = ("This command never runs a model's own code: use an export of an architecture transformers has, "
+                  "or try the model with `toolkit infer --trust-remote-code`")
+
+
+def model_directory(reference: str, workdir: Path, trust_remote_code: bool = False,
+                    refusal: str | None = None) -> Path:
     """An HF directory for a run (its export, else its newest checkpoint exported), an HF dir or a preset;
-    checked before a backend reads it: safetensors weights, and no model code unless ``trust_remote_code``."""
+    checked before a backend reads it: safetensors weights, and no model code unless ``trust_remote_code``.
+    ``refusal`` ends the message for model code where the command has no ``--trust-remote-code`` to allow it."""
     from toolkit.export import export_model, resolve_export_source
     from toolkit.models import PRESETS, check_remote_code, materialize_preset
 
@@ -54,7 +60,7 @@ def model_directory(reference: str, workdir: Path, trust_remote_code: bool = Fal
                                f"preset ({', '.join(PRESETS)})")
         source = resolve_export_source(reference, trust_remote_code=trust_remote_code)
         return export_model(source, "hf", workdir / "model", overwrite=True)
-    check_remote_code(directory, trust_remote_code)
+    check_remote_code(directory, trust_remote_code, *([refusal] if refusal else []))
     if not list(directory.glob("*.safetensors")):
         hint = " (.bin weights are pickles and are not read: convert them to safetensors)" if list(directory.glob("*.bin")) else ""
         raise ModelError(f"model directory {directory} has no *.safetensors weights{hint}")
@@ -120,5 +126,5 @@ def run_serve(reference: str, backend: str, *, host: str, port: int, extra: tupl
 
     options = parse_pairs(extra)
     with tempfile.TemporaryDirectory(prefix="toolkit-serve-") as workdir:
-        directory = model_directory(reference, Path(workdir))
+        directory = model_directory(reference, Path(workdir), refusal=NO_REMOTE_CODE)
         instance.serve(directory, host, port, options)

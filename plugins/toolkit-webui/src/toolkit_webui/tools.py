@@ -101,7 +101,7 @@ def generate(roots: Roots, model: str, backend: str, options: dict[str, Any], pr
     """
     from toolkit.config import build_dataclass
     from toolkit.errors import ConfigError
-    from toolkit.inference import model_directory
+    from toolkit.inference import NO_REMOTE_CODE, model_directory
     from toolkit.plugins import get_plugin_manager
 
     cls = get_plugin_manager().get("inference_backend", backend)
@@ -112,5 +112,5 @@ def generate(roots: Roots, model: str, backend: str, options: dict[str, Any], pr
         raise ConfigError(problems, source=f"backend {backend}")
     reference = model_reference(roots, model, "chat model")
     with tempfile.TemporaryDirectory(prefix="toolkit-webui-") as workdir:
-        directory = model_directory(reference, Path(workdir))
+        directory = model_directory(reference, Path(workdir), refusal=NO_REMOTE_CODE)
         return cls(config).generate(directory, [prompt], config)[0].strip()
