@@ -24,6 +24,13 @@ def test_curves_read_complete_lines_and_every_reward(tmp_path):
     assert str(curves([])["loss"]["step"].dtype) == "int64"  # an empty plot keeps numeric axes
 
 
+def test_a_long_run_is_drawn_thinned_to_its_newest_step():
+    metrics = [{"step": s, "loss": 1.0 / s, "lr": 1e-4, "tokens_per_s": 10.0} for s in range(1, 25_001)]
+    loss = curves(metrics)["loss"]
+    assert len(loss) <= 1001 and loss["step"].iloc[0] == 1 and loss["step"].iloc[-1] == 25_000
+    assert loss["step"].is_monotonic_increasing and (loss["value"] == 1.0 / loss["step"]).all()
+
+
 def wait_for_step(run_dir, step, timeout=180):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

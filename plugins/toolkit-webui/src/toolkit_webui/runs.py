@@ -258,14 +258,20 @@ def log_tail(run_dir: Path, lines: int = 40) -> str:
 
 
 CURVES = {"loss": ("loss", "eval/loss"), "learning rate": ("lr",), "tokens/s": ("tokens_per_s",)}
+MAX_POINTS = 1000  # per series: a long run's whole history every second would slow the page down to a crawl
 
 
 def curves(metrics: list[dict[str, Any]]) -> dict[str, Any]:
     """Long-format tables (step, value, series) per plot: loss, learning rate, tokens/s, reward.
 
     The reward plot holds every logged key with "reward" in its name (toolkit-rl's and any plugin's).
+    Past ``MAX_POINTS`` logged steps, every k-th row is drawn (the first and the newest always).
     """
     import pandas as pd
+
+    if len(metrics) > MAX_POINTS:
+        stride = -(-len(metrics) // MAX_POINTS)
+        metrics = [*metrics[:-1:stride], metrics[-1]]
 
     rewards = sorted({k for row in metrics for k, v in row.items() if "reward" in k and isinstance(v, (int, float))})
     plots = {**CURVES, "reward": tuple(rewards)}
