@@ -6,7 +6,6 @@ import dataclasses
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ from typing import Any
 from toolkit.contracts import ExportModel, ModelSource, member
 from toolkit.errors import ConfigError, ToolkitError
 from toolkit.hfdir import ExportError
-from toolkit.writes import is_write_failure, write_failure_text
+from toolkit.writes import is_write_failure, staged_directory, write_failure_text
 
 
 def hf_dir_tensors(source: ModelSource) -> Callable[[], Iterator[tuple[str, Any]]]:
@@ -137,19 +136,11 @@ def atomic_dir(output: Path, write: Callable[[Path], Any]) -> Path:
     output.parent.mkdir(parents=True, exist_ok=True)
     remove_dead_staging(output)
     try:
-        staging = Path(tempfile.mkdtemp(prefix=f".{output.name}-{os.getpid()}-", dir=output.parent))
-    except OSError as exc:
-        raise ExportError(f"cannot write the export next to {output}: {exc}") from None
-    try:
-        with _sigterm_raises():
+        with _sigterm_raises(), staged_directory(output) as staging:
             write(staging)
             (staging / EXPORT_MARKER).write_text("")
             apply_umask(staging)
-            if output.exists():
-                shutil.rmtree(output)
-            os.replace(staging, output)
     except BaseException as exc:
-        shutil.rmtree(staging, ignore_errors=True)
         if is_write_failure(exc):
             raise ExportError(f"the export to {output} could not be written ({write_failure_text(exc, output.parent)}); "
                               "nothing was left behind. Free space there or choose another --output") from exc

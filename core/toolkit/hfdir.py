@@ -1,21 +1,32 @@
-"""HF model directories for serving engines: the core ``hf`` writer plus what engines read
-(architectures, both dtype keys, the chat's end-of-turn token among the EOS ids), and a check
-that names every file or field an HF loader would miss.
+"""HF model directories: the one writer of each part and the checks of what was written.
 
-Used by the engine exporters (``vllm``, ``lmdeploy``), which add their engine's checks on top
-of :func:`check_hf_directory`.
+- :func:`write_safetensors_shards` (safetensors shards + index), :func:`write_model_metadata` (config,
+  tokenizer, generation config) and :class:`HFExportConfig`: the ``hf`` exporter's, ``hf-rm``'s (toolkit-dpo)
+  and the mcore exporter's HF staging (toolkit-megatron).
+- :func:`write_adapter`: PEFT's adapter layout, for ``--adapter-only`` exports, toolkit-peft's
+  ``save_adapter`` and the ``vllm`` exporter's LoRA module.
+- :func:`write_hf_directory` adds what serving engines read (architectures, both dtype keys, the chat's
+  end-of-turn token among the EOS ids); :func:`check_hf_directory` names every file or field an HF loader
+  would miss. The engine exporters (``vllm``, ``lmdeploy``) add their engine's checks on top.
+
+Folders are written complete or not at all with :func:`toolkit.writes.staged_directory` (``toolkit export``
+does that for every exporter).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from toolkit.config import option
 from toolkit.contracts import ExportModel
 from toolkit.errors import ToolkitError
 
 INDEX_FILE = "model.safetensors.index.json"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 DTYPES = ("float32", "bfloat16", "float16")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -113,6 +124,111 @@ def _has_chat_template(directory: Path) -> bool:
     return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
 
 
+@dataclasses.dataclass(kw_only=True)
+class HFExportConfig:
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = option("auto", help="Weight dtype on disk (auto keeps what training produced).")
+    max_shard_size_mb: int = option(2048, help="Largest safetensors shard in MiB; more weight than this is split with an index.")
+
+
+def write_safetensors_shards(tensors: Any, directory: Path, max_shard_bytes: int, dtype: str = "auto",
+                             skip: set[str] | None = None) -> list[str]:
+    """Stream ``(name, tensor)`` pairs into shards; write an index when there is more than one."""
+    import torch
+    from safetensors.torch import save_file
+
+    target_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
+    shards: list[dict[str, Any]] = [{}]
+    sizes = [0]
+    paths: list[Path] = []
+
+    def flush() -> None:
+        path = directory / f".shard-{len(paths):05d}.safetensors"
+        save_file(shards[-1], str(path), metadata={"format": "pt"})
+        paths.append(path)
+
+    names: dict[str, int] = {}
+    directory = Path(directory)
+    for name, tensor in tensors:
+        if skip and name in skip:
+            continue
+        tensor = tensor.detach().to("cpu")
+        if target_dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(target_dtype)
+        tensor = tensor.contiguous().clone()
+        size = tensor.numel() * tensor.element_size()
+        if shards[-1] and sizes[-1] + size > max_shard_bytes:
+            flush()
+            shards.append({})
+            sizes.append(0)
+        shards[-1][name] = tensor
+        sizes[-1] += size
+        names[name] = len(shards) - 1
+    flush()
+    total = len(paths)
+    final = []
+    for i, path in enumerate(paths):
+        name = "model.safetensors" if total == 1 else f"model-{i + 1:05d}-of-{total:05d}.safetensors"
+        path.rename(directory / name)
+        final.append(name)
+    if total > 1:
+        index = {"metadata": {"total_size": sum(sizes)}, "weight_map": {n: final[i] for n, i in sorted(names.items())}}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return final
+
+
+def is_quantized_tensor(tensor: Any) -> bool:
+    """Packed or low-bit storage (bitsandbytes uint8/int8, GPTQ int32, fp8): not a plain weight."""
+    return not tensor.is_floating_point() or tensor.dtype.itemsize == 1
+
+
+def write_model_metadata(model: ExportModel, directory: Path, dtype: str = "auto", quantized: bool = True) -> None:
+    """config.json, tokenizer files (with a chat template) and generation_config.json.
+
+    ``quantized=False``: the tensors written are plain floats, so a ``quantization_config`` the source
+    carried (training on a quantized export: QLoRA merged by dequantising) is left out of config.json;
+    transformers would otherwise read the float weights as packed ones."""
+    import copy
+
+    from transformers import GenerationConfig
+
+    from toolkit.data.template import CHATML
+
+    config = model.source.config
+    if dtype != "auto":
+        config.dtype = dtype
+    if not quantized and getattr(config, "quantization_config", None) is not None:
+        config = copy.deepcopy(config)
+        del config.quantization_config
+    config.save_pretrained(directory)
+    tokenizer = model.source.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = CHATML
+    tokenizer.save_pretrained(directory)
+    eos = eos_token_ids(config, tokenizer)
+    generation = GenerationConfig(eos_token_id=eos if len(eos) > 1 else next(iter(eos), None),
+                                  pad_token_id=tokenizer.pad_token_id, bos_token_id=getattr(config, "bos_token_id", None), do_sample=False)
+    generation.save_pretrained(directory)
+
+
+def tied_names(config: Any) -> set[str]:
+    return {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+
+
+def write_adapter(directory: Path, config: dict[str, Any], tensors: Any) -> None:
+    """PEFT's adapter layout in ``directory``: ``adapter_config.json`` (``config``) and
+    ``adapter_model.safetensors`` (the ``(name, tensor)`` pairs), what ``PeftModel.from_pretrained`` and
+    vLLM's ``--lora-modules`` read. Names are written as given (PEFT's: ``base_model.model.<module>.lora_A.weight``)."""
+    from safetensors.torch import save_file
+
+    state = {name: tensor.detach().cpu().contiguous() for name, tensor in (tensors.items() if isinstance(tensors, dict) else tensors)}
+    if not state:
+        raise ExportError("the adapter to export has no tensors")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    (directory / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
+
+
 def checkpoint_dtype(config: Any) -> str:
     """The dtype name a config declares (``float32`` when it declares none)."""
     value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
@@ -125,8 +241,6 @@ def write_hf_directory(model: ExportModel, output: Path, *, dtype: str | None = 
     """Write ``model`` as an HF directory into ``output`` with the core ``hf`` exporter's writer,
     then add what serving engines read (see :func:`_fix_metadata`). ``output`` must be empty;
     ``toolkit export`` hands exporters a fresh staging folder and renames it when done."""
-    from toolkit.builtins.exporters import tied_names, write_model_metadata, write_safetensors_shards
-
     output = Path(output)
     if output.exists() and any(output.iterdir()):
         raise ExportError(f"output directory {output} is not empty; pass --overwrite or choose another --output")

@@ -11,8 +11,6 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -100,9 +98,10 @@ def _write_preset(name: str, target: Path, seed: int, overrides: dict[str, Any],
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+    from toolkit.writes import staged_directory
+
     config = preset_config(name, **overrides)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
+    with staged_directory(target) as staging:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -114,10 +113,6 @@ def _write_preset(name: str, target: Path, seed: int, overrides: dict[str, Any],
         GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, do_sample=False).save_pretrained(staging)
         files = {p.name: _sha256(p) for p in sorted(staging.iterdir())}
         (staging / PRESET_MANIFEST).write_text(json.dumps({"spec": json.loads(encoded), "files": files}, indent=1, sort_keys=True))
-        os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 def _checked_preset(target: Path, encoded: str) -> Path:

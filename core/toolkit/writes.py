@@ -6,12 +6,19 @@ failed"), and safetensors a SafetensorError ("I/O error: No space left on device
 of the last two is an OSError or carries an errno, so they are recognised by their text, and a torch write
 failure counts as a full disk when the folder has (almost) no space left. Used by checkpoints, exports and
 the run directory's recipe.yaml.
+
+:func:`staged_directory` is the one way a folder is written complete or not at all (exports, adapters,
+the mcore exporter's HF staging, presets).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import os
 import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -55,3 +62,21 @@ def write_failure_text(error: BaseException, directory: Path) -> str:
     if is_disk_full(error, directory):
         return f"the disk is full: {free_bytes(directory) / 2**30:.2f} GiB free; {what}"
     return what
+
+
+@contextlib.contextmanager
+def staged_directory(output: Path) -> Iterator[Path]:
+    """A fresh folder beside ``output`` (``.NAME-PID-*``) to write into: when the block ends without an error it
+    replaces ``output`` (one rename), when it raises it is removed. So ``output`` is complete or absent (or the
+    previous one). ``toolkit.export.remove_dead_staging`` removes such folders left by a killed process."""
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}-{os.getpid()}-", dir=output.parent))
+    try:
+        yield staging
+        if output.exists():
+            shutil.rmtree(output)
+        os.replace(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise

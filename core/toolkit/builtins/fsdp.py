@@ -7,10 +7,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from toolkit.builtins.strategies import LocalEngine, LocalStrategy
+from toolkit.builtins.strategies import LocalStrategy
 from toolkit.config import option
 from toolkit.contracts import member
 from toolkit.models import autocast_dtype, load_hf_model
+from toolkit.train.hf_engine import LocalEngine
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -7,24 +7,7 @@ from typing import Any, ClassVar
 
 from toolkit import hookimpl
 from toolkit.config import option
-
-
-def decay_groups(named_params: list[tuple[str, Any]], weight_decay: float) -> list[dict[str, Any]]:
-    """Weight decay on matrices only (not on norms, biases, DoRA magnitudes); empty groups dropped."""
-    params = [p for _, p in named_params]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
-
-
-def strategy_problems(optimizer: str, recipe: Any, strategies: tuple[str, ...]) -> list[str]:
-    """``--optimizer`` is honoured by the engines that build it through the registry; the others
-    (DeepSpeed's and Megatron's own optimizers) would silently train with AdamW."""
-    if recipe.strategy in strategies or recipe.strategy == "auto":
-        return []
-    why = "which steps its own AdamW" if recipe.strategy in ("deepspeed", "megatron") else "its sharded DTensor parameters"
-    return [f"--optimizer {optimizer} runs under --strategy {' or '.join(strategies)}, not {recipe.strategy} "
-            f"({why}); choose --strategy {strategies[0]} or --optimizer adamw"]
+from toolkit.train.optim import decay_groups, strategy_problems
 
 
 @dataclasses.dataclass(kw_only=True)

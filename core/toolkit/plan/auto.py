@@ -63,7 +63,7 @@ def _gpu_memory_and_kind(gpu_memory: Any) -> tuple[Any, str | None]:
 
 def local_precision(recipe: Any) -> dict:
     """The ``local`` engine's precision options as Workload fields (``--local-*`` flags)."""
-    from toolkit.builtins.strategies import LocalConfig
+    from toolkit.train.hf_engine import LocalConfig
 
     local = recipe.section("local") if hasattr(recipe, "section") else {}
     bf16 = getattr(recipe, "precision", "bf16") == "bf16"

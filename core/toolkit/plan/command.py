@@ -45,13 +45,13 @@ def plan_command(model: str, gpus: int, nodes: int, gpu_kind: str, gpu_memory: s
     """
     import json
 
-    from toolkit.builtins.strategies import LocalConfig
     from toolkit.plan.auto import planned_kernels
     from toolkit.plan.hardware import make_cluster
     from toolkit.plan.memory import Workload
     from toolkit.plan.model import load_shape
     from toolkit.plan.report import render, to_json
     from toolkit.plan.search import plan
+    from toolkit.train.hf_engine import LocalConfig
 
     cluster = make_cluster(gpus, nodes, gpu_memory, gpu_kind)
     # the engine's own rule: --local-bf16-mode, else the older --local-master-weights

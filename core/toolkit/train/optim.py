@@ -94,3 +94,21 @@ def cast_float_parameters(model: Any, dtype: Any) -> None:
     for param in model.parameters():
         if param.is_floating_point() and param.dtype != dtype and param.dtype.itemsize >= 2:
             param.data = param.data.to(dtype)
+
+
+def decay_groups(named_params: list[tuple[str, Any]], weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices only (not on norms, biases, DoRA magnitudes); empty groups dropped."""
+    params = [p for _, p in named_params]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def strategy_problems(optimizer: str, recipe: Any, strategies: tuple[str, ...]) -> list[str]:
+    """``--optimizer`` is honoured by the engines that build it through the registry; the others
+    (DeepSpeed's and Megatron's own optimizers) would silently train with AdamW."""
+    if recipe.strategy in strategies or recipe.strategy == "auto":
+        return []
+    why = "which steps its own AdamW" if recipe.strategy in ("deepspeed", "megatron") else "its sharded DTensor parameters"
+    return [f"--optimizer {optimizer} runs under --strategy {' or '.join(strategies)}, not {recipe.strategy} "
+            f"({why}); choose --strategy {strategies[0]} or --optimizer adamw"]

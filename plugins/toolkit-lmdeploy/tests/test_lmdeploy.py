@@ -108,6 +108,8 @@ def test_serve_command_line(exported):
         LMDeployBackend().serve_command(exported, "127.0.0.1", 1, {"adapters": "sft=/tmp/a"})
     argv = LMDeployBackend().serve_command(exported, "127.0.0.1", 1, {"adapters": "sft=/tmp/a,dpo=/tmp/b", "engine": "pytorch"}).argv
     assert argv[argv.index("--backend") + 1] == "pytorch" and argv[argv.index("--adapters") + 1:][:2] == ["sft=/tmp/a", "dpo=/tmp/b"]
+    with pytest.raises(ToolkitError, match="lmdeploy adapters option: expected KEY=VALUE .* got 'dpo'"):
+        LMDeployBackend().serve_command(exported, "127.0.0.1", 1, {"adapters": "sft=/tmp/a,dpo", "engine": "pytorch"})
 
 
 FAKE_LMDEPLOY = textwrap.dedent("""

@@ -14,9 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from toolkit.builtins.strategies import LocalEngine
 from toolkit.contracts import StepContext, StepResult, member
 from toolkit.errors import ToolkitError
+from toolkit.train.hf_engine import LocalEngine
 
 CHECKPOINT_TAG = "deepspeed"
 LAYOUT_FILE = "deepspeed-layout.json"

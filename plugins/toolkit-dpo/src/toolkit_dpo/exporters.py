@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 from toolkit.contracts import ExportModel
 from toolkit.errors import ToolkitError
+from toolkit.hfdir import HFExportConfig, write_model_metadata, write_safetensors_shards
 
 
 def classification_config(config: Any, tokenizer: Any) -> Any:
@@ -28,23 +29,16 @@ def classification_config(config: Any, tokenizer: Any) -> Any:
     return config
 
 
-def _from_hf_exporter():
-    from toolkit.builtins.exporters import HFExportConfig, write_model_metadata, write_safetensors_shards
-
-    return HFExportConfig, write_model_metadata, write_safetensors_shards
-
-
 class RewardModelExporter:
     """A reward model (value head on the last token) as an HF sequence-classification model."""
 
     name: ClassVar[str] = "hf-rm"
-    Config: ClassVar[type] = _from_hf_exporter()[0]
+    Config: ClassVar[type] = HFExportConfig
 
     def __init__(self, config: Any = None):
         self.config = config or self.Config()
 
     def export(self, model: ExportModel, output: Path, options: Any) -> Path:
-        _, write_model_metadata, write_safetensors_shards = _from_hf_exporter()
         names: list[str] = []
 
         def tensors():

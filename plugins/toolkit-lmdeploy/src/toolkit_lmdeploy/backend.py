@@ -61,12 +61,15 @@ class LMDeployBackend:
             raise ToolkitError(f"{model_dir} cannot run on LMDeploy:\n" + "\n".join(f"  - {e}" for e in found.errors))
         return found.engine or "pytorch"
 
-    def _adapters(self) -> list[str]:
-        pairs = [p.strip() for p in self.config.adapters.split(",") if p.strip()]
-        for pair in pairs:
-            if "=" not in pair:
-                raise ToolkitError(f"adapters entry {pair!r} is not NAME=DIR (for example adapters=sft=./run/export/lora/adapter)")
-        return pairs
+    def _adapters(self) -> dict[str, str]:
+        """``adapters=NAME=DIR,NAME=DIR`` as ``{NAME: DIR}``, read by the core's one KEY=VALUE parser."""
+        from toolkit.config import parse_pairs
+
+        try:
+            return parse_pairs([p for p in self.config.adapters.split(",") if p.strip()],
+                               "adapters=sft=./run/export/lora/adapter")
+        except ValueError as exc:
+            raise ToolkitError(f"lmdeploy adapters option: {exc}") from None
 
     def _require_engine(self) -> None:
         if self.config.python:
@@ -96,7 +99,7 @@ class LMDeployBackend:
         if engine == "turbomind":
             backend_config: Any = TurbomindEngineConfig(**common)
         else:
-            adapters = dict(pair.split("=", 1) for pair in self._adapters())
+            adapters = self._adapters()
             backend_config = PytorchEngineConfig(**common, adapters=adapters or None)
         options = self.config if options is None else options
         temperature = float(option_value(options, "temperature", 0.0))
@@ -136,7 +139,7 @@ class LMDeployBackend:
         if adapters:
             if engine != "pytorch":
                 raise ToolkitError("LoRA adapters are served by LMDeploy's PyTorch engine only: add --option engine=pytorch")
-            argv += ["--adapters", *adapters]
+            argv += ["--adapters", *(f"{name}={path}" for name, path in adapters.items())]
         argv += engine_flags(passthrough)
         return ServerCommand(argv=argv, host=host, port=port, name="LMDeploy api_server",
                              ready_paths=("/health", "/v1/models"))

@@ -1,5 +1,9 @@
 """HF <-> Megatron-Core weight bridge: per-rank streaming load, TP/PP gather back to HF names.
 
+Each Megatron parameter is described once, in the tables :data:`TOP_LEVEL` and :data:`PER_LAYER`
+(a :class:`Mapping`: the HF tensors it is made of and how tensor parallelism splits it); both
+directions read them: :func:`read_local` (HF -> this rank's shard), :func:`gather_full` /
+:func:`join_shards` (shards -> Megatron's full tensor) and :func:`hf_from_full` (-> HF tensors).
 Loading: each rank opens the checkpoint's safetensors lazily (``safe_open``) and reads only the
 rows/columns its shards need. Layouts (Megatron-Core's): ``linear_qkv`` interleaves, per query
 group, that group's query heads then its key head then its value head; ``linear_fc1`` holds
@@ -91,75 +95,175 @@ def _vocab_rows(reader: SafetensorsReader, name: str, geo: Geometry) -> torch.Te
     return out
 
 
-def _qkv(reader: SafetensorsReader, names: dict[str, str], geo: Geometry, suffix: str) -> torch.Tensor:
-    per_group = geo.heads // geo.groups
-    groups = geo.groups // geo.tp
-    g0 = geo.tp_rank * groups
-    q = reader.slice(names["q"] + suffix)[g0 * per_group * geo.head_dim:(g0 + groups) * per_group * geo.head_dim]
-    k = reader.slice(names["k"] + suffix)[g0 * geo.head_dim:(g0 + groups) * geo.head_dim]
-    v = reader.slice(names["v"] + suffix)[g0 * geo.head_dim:(g0 + groups) * geo.head_dim]
-    tail = q.shape[1:]
-    q = q.reshape(groups, per_group * geo.head_dim, *tail)
-    k = k.reshape(groups, geo.head_dim, *tail)
-    v = v.reshape(groups, geo.head_dim, *tail)
-    return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
+@dataclass(frozen=True)
+class Mapping:
+    """One Megatron parameter and the HF tensors it is made of, described once for both directions.
+
+    ``parts``: keys of the architecture's name table ``table`` (``top``: its ``embedding``/``lm_head``/
+    ``final_norm`` attributes; ``layer``, ``shared``, ``expert``: its dicts; ``router``: its template);
+    ``suffix`` is appended to each name (the fused QKV's ``.weight``/``.bias``). ``split`` says how the HF
+    tensors become Megatron's and how tensor parallelism cuts it, each with its inverse:
+
+    - ``none``: the one HF tensor, replicated;
+    - ``vocab``: rows split over TP, padded to Megatron's vocabulary (the padding dropped on the way back);
+    - ``qkv``: per query group, the group's query heads, then its key head, then its value head; groups split;
+    - ``gate_up``: ``[gate rows; up rows]`` of this rank's slice of both (back: the two halves, stacked);
+    - ``row``: input columns split (a row-parallel linear).
+
+    Experts split over the expert-tensor-parallel group, everything else over TP.
+    """
+
+    parts: tuple[str, ...]
+    split: str = "none"
+    table: str = "layer"
+    suffix: str = ""
 
 
-def local_tensor(reader: SafetensorsReader, arch: type[DenseArchitecture], mcore_name: str, layer: int | None, geo: Geometry) -> torch.Tensor | None:
-    """This rank's shard of one Megatron parameter, read from the HF checkpoint (``None``: not from HF)."""
-    names = {k: v.format(i=layer) for k, v in arch.layer.items()} if layer is not None else {}
-    leaf = mcore_name.split(".layers.", 1)[-1].split(".", 1)[-1] if layer is not None else mcore_name
-    if mcore_name == "embedding.word_embeddings.weight":
-        return _vocab_rows(reader, arch.embedding, geo)
-    if mcore_name == "output_layer.weight":
-        name = arch.lm_head if arch.lm_head in reader else arch.embedding
-        return _vocab_rows(reader, name, geo)
-    if mcore_name == "decoder.final_layernorm.weight":
-        return reader.full(arch.final_norm)
-    if leaf == "self_attention.linear_qkv.weight":
-        return _qkv(reader, names, geo, ".weight")
-    if leaf == "self_attention.linear_qkv.bias":
-        return _qkv(reader, names, geo, ".bias")
-    if leaf == "self_attention.linear_proj.weight":
-        start, stop = geo.rows(geo.heads * geo.head_dim)
-        return reader.slice(names["o"])[:, start:stop]
-    if leaf == "mlp.linear_fc1.weight":
-        start, stop = geo.rows(geo.ffn)
-        return torch.cat([reader.slice(names["gate"])[start:stop], reader.slice(names["up"])[start:stop]])
-    if leaf == "mlp.linear_fc2.weight":
-        start, stop = geo.rows(geo.ffn)
-        return reader.slice(names["down"])[:, start:stop]
-    if leaf == "mlp.router.weight":
-        return reader.full(arch.router.format(i=layer))
-    if leaf.startswith("mlp.shared_experts."):
-        shared = {k: v.format(i=layer) for k, v in arch.shared.items()}
-        if leaf.endswith("gate_weight"):
-            return reader.full(shared["gate_weight"])
-        start, stop = geo.rows(reader.slice(shared["down"]).get_shape()[1])
-        if leaf.endswith("linear_fc1.weight"):
-            return torch.cat([reader.slice(shared["gate"])[start:stop], reader.slice(shared["up"])[start:stop]])
-        return reader.slice(shared["down"])[:, start:stop]
+TOP_LEVEL: dict[str, Mapping] = {
+    "embedding.word_embeddings.weight": Mapping(("embedding",), "vocab", "top"),
+    "output_layer.weight": Mapping(("lm_head",), "vocab", "top"),  # tied or absent: the embedding
+    "decoder.final_layernorm.weight": Mapping(("final_norm",), "none", "top"),
+}
+PER_LAYER: dict[str, Mapping] = {
+    "self_attention.linear_qkv.weight": Mapping(("q", "k", "v"), "qkv", suffix=".weight"),
+    "self_attention.linear_qkv.bias": Mapping(("q", "k", "v"), "qkv", suffix=".bias"),
+    "self_attention.linear_proj.weight": Mapping(("o",), "row"),
+    "self_attention.q_layernorm.weight": Mapping(("q_norm",)),
+    "self_attention.k_layernorm.weight": Mapping(("k_norm",)),
+    "input_layernorm.weight": Mapping(("input_norm",)),
+    "pre_mlp_layernorm.weight": Mapping(("post_norm",)),
+    "mlp.linear_fc1.weight": Mapping(("gate", "up"), "gate_up"),
+    "mlp.linear_fc2.weight": Mapping(("down",), "row"),
+    "mlp.router.weight": Mapping(("router",), "none", "router"),
+    "mlp.shared_experts.gate_weight": Mapping(("gate_weight",), "none", "shared"),
+    "mlp.shared_experts.linear_fc1.weight": Mapping(("gate", "up"), "gate_up", "shared"),
+    "mlp.shared_experts.linear_fc2.weight": Mapping(("down",), "row", "shared"),
+    "mlp.experts.local_experts.{e}.linear_fc1.weight": Mapping(("gate", "up"), "gate_up", "expert"),
+    "mlp.experts.local_experts.{e}.linear_fc2.weight": Mapping(("down",), "row", "expert"),
+}
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.")
+
+
+def mapping_of(mcore_name: str, layer: int | None) -> tuple[Mapping, str, int | None] | None:
+    """The mapping of a Megatron parameter name, its leaf (the name within its layer) and, for an expert, its
+    local index (``None``: the bridge does not know the parameter)."""
+    if layer is None:
+        found = TOP_LEVEL.get(mcore_name)
+        return (found, mcore_name, None) if found is not None else None
+    leaf = mcore_name.split(".layers.", 1)[-1].split(".", 1)[-1]
     expert = _EXPERT.match(leaf)
+    key = _EXPERT.sub("mlp.experts.local_experts.{e}.", leaf) if expert else leaf
+    found = PER_LAYER.get(key)
+    return (found, leaf, int(expert.group(1)) if expert else None) if found is not None else None
+
+
+def hf_names(arch: type[DenseArchitecture], mapping: Mapping, layer: int | None, expert: int | None = None,
+             experts: int = 0) -> list[str]:
+    """The HF tensor names of ``mapping`` at ``layer`` (``expert``: the local expert index on this rank, of
+    ``experts`` in the model)."""
+    if mapping.table == "top":
+        return [getattr(arch, part) for part in mapping.parts]
+    if mapping.table == "router":
+        return [arch.router.format(i=layer)]
+    index = None
     if expert is not None:
         from megatron.core import parallel_state as ps
 
-        local = int(expert.group(1))
-        index = ps.get_expert_model_parallel_rank() * (geo.experts // ps.get_expert_model_parallel_world_size()) + local
-        names = {k: v.format(i=layer, e=index) for k, v in arch.expert.items()}
-        etp, etp_rank = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
-        ffn = reader.slice(names["down"]).get_shape()[1]
-        start, stop = etp_rank * ffn // etp, (etp_rank + 1) * ffn // etp
-        if expert.group(2) == "linear_fc1":
-            return torch.cat([reader.slice(names["gate"])[start:stop], reader.slice(names["up"])[start:stop]])
-        return reader.slice(names["down"])[:, start:stop]
-    simple = {"input_layernorm.weight": "input_norm", "pre_mlp_layernorm.weight": "post_norm",
-              "self_attention.q_layernorm.weight": "q_norm", "self_attention.k_layernorm.weight": "k_norm"}
-    if leaf in simple:
-        return reader.full(names[simple[leaf]])
-    return None
+        index = ps.get_expert_model_parallel_rank() * (experts // ps.get_expert_model_parallel_world_size()) + expert
+    names = getattr(arch, mapping.table)
+    return [names[part].format(i=layer, e=index) + mapping.suffix for part in mapping.parts]
 
 
-_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+def _split_group(mapping: Mapping, geo: Geometry) -> tuple[int, int]:
+    """(size, rank) of the group that splits ``mapping``'s parameter."""
+    if mapping.table == "expert":
+        from megatron.core import parallel_state as ps
+
+        return ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
+    return geo.tp, geo.tp_rank
+
+
+def _part(total: int, size: int, rank: int) -> tuple[int, int]:
+    return rank * total // size, (rank + 1) * total // size
+
+
+def read_local(reader: SafetensorsReader, mapping: Mapping, names: list[str], geo: Geometry) -> torch.Tensor:
+    """This rank's shard of the Megatron parameter, read from the HF checkpoint (HF -> Megatron)."""
+    size, rank = _split_group(mapping, geo)
+    if mapping.split == "none":
+        return reader.full(names[0])
+    if mapping.split == "vocab":
+        return _vocab_rows(reader, names[0], geo)
+    if mapping.split == "qkv":
+        q_name, k_name, v_name = names
+        per_group = geo.heads // geo.groups
+        groups = geo.groups // size
+        g0 = rank * groups
+        q = reader.slice(q_name)[g0 * per_group * geo.head_dim:(g0 + groups) * per_group * geo.head_dim]
+        k = reader.slice(k_name)[g0 * geo.head_dim:(g0 + groups) * geo.head_dim]
+        v = reader.slice(v_name)[g0 * geo.head_dim:(g0 + groups) * geo.head_dim]
+        tail = q.shape[1:]
+        q = q.reshape(groups, per_group * geo.head_dim, *tail)
+        k = k.reshape(groups, geo.head_dim, *tail)
+        v = v.reshape(groups, geo.head_dim, *tail)
+        return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
+    if mapping.split == "gate_up":
+        gate, up = names
+        start, stop = _part(reader.slice(gate).get_shape()[0], size, rank)
+        return torch.cat([reader.slice(gate)[start:stop], reader.slice(up)[start:stop]])
+    if mapping.split == "row":
+        start, stop = _part(reader.slice(names[0]).get_shape()[1], size, rank)
+        return reader.slice(names[0])[:, start:stop]
+    raise ValueError(f"unknown split {mapping.split!r}")
+
+
+def hf_from_full(mapping: Mapping, names: list[str], full: torch.Tensor, geo: Geometry) -> list[tuple[str, torch.Tensor]]:
+    """The HF tensors of one TP-gathered Megatron parameter (Megatron -> HF: the inverse of :func:`read_local`)."""
+    if mapping.split == "vocab":
+        return [(names[0], full[: geo.vocab])]
+    if mapping.split == "qkv":
+        per_group = geo.heads // geo.groups
+        tail = full.shape[1:]
+        grouped = full.reshape(geo.groups, per_group + 2, geo.head_dim, *tail)
+        q = grouped[:, :per_group].reshape(-1, *tail)
+        k = grouped[:, per_group].reshape(-1, *tail)
+        v = grouped[:, per_group + 1].reshape(-1, *tail)
+        return list(zip(names, (q, k, v), strict=True))
+    if mapping.split == "gate_up":
+        return list(zip(names, (full[0], full[1]), strict=True))
+    return [(names[0], full)]
+
+
+def gather_full(mapping: Mapping, local: torch.Tensor, geo: Geometry) -> torch.Tensor:
+    """Concatenate the shards of one parameter over the group that split it into Megatron's full tensor
+    (for ``gate_up``: the gate and up halves stacked, as :func:`hf_from_full` takes them)."""
+    from megatron.core import parallel_state as ps
+
+    size, _ = _split_group(mapping, geo)
+    if size == 1 or mapping.split == "none":
+        return join_shards(mapping, [local])
+    group = ps.get_expert_tensor_parallel_group() if mapping.table == "expert" else ps.get_tensor_model_parallel_group()
+    shards = [torch.empty_like(local) for _ in range(size)]
+    torch.distributed.all_gather(shards, local.contiguous(), group=group)
+    return join_shards(mapping, shards)
+
+
+def join_shards(mapping: Mapping, shards: list[torch.Tensor]) -> torch.Tensor:
+    """Megatron's full tensor from the shards of every rank of the splitting group, in rank order."""
+    if mapping.split == "none":
+        return shards[0]
+    if mapping.split == "gate_up":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.stack([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
+    return torch.cat(shards, dim=1 if mapping.split == "row" else 0)
+
+
+def _lookup(arch: type[DenseArchitecture], name: str, layer: int | None, geo: Geometry) -> tuple[Mapping, list[str]]:
+    found = mapping_of(name, layer)
+    if found is None:
+        raise ModelError(f"the Megatron bridge does not know where parameter {name!r} comes from in HF weights")
+    mapping, _, expert = found
+    return mapping, hf_names(arch, mapping, layer, expert, geo.experts)
 
 
 def _layer_of(model: Any, name: str) -> int | None:
@@ -179,9 +283,10 @@ def load_hf_weights(models: list[Any], hf_config: Any, reader: SafetensorsReader
     with torch.no_grad():
         for model in models:
             for name, param in _named_params(model):
-                value = local_tensor(reader, arch, name, _layer_of(model, name), geo)
-                if value is None:
-                    raise ModelError(f"the Megatron bridge does not know where parameter {name!r} comes from in HF weights")
+                mapping, names = _lookup(arch, name, _layer_of(model, name), geo)
+                if name == "output_layer.weight" and names[0] not in reader:
+                    names = [arch.embedding]  # tied: the head is the embedding
+                value = read_local(reader, mapping, names, geo)
                 if tuple(value.shape) != tuple(param.shape):
                     raise ModelError(f"shape mismatch for {name}: HF slice {tuple(value.shape)} vs Megatron {tuple(param.shape)}")
                 param.copy_(value.to(param.dtype))
@@ -214,80 +319,6 @@ def _padded_vocab(models: list[Any]) -> int:
 # ----------------------------------------------------------------------------- gather
 
 
-def hf_pieces(arch: type[DenseArchitecture], mcore_name: str, layer: int | None, full: torch.Tensor, geo: Geometry,
-              tied: bool) -> list[tuple[str, torch.Tensor]]:
-    """HF tensors made from one TP-gathered Megatron parameter (inverse of :func:`local_tensor`)."""
-    names = {k: v.format(i=layer) for k, v in arch.layer.items()} if layer is not None else {}
-    leaf = mcore_name.split(".layers.", 1)[-1].split(".", 1)[-1] if layer is not None else mcore_name
-    if mcore_name == "embedding.word_embeddings.weight":
-        return [(arch.embedding, full[: geo.vocab])]
-    if mcore_name == "output_layer.weight":
-        return [] if tied else [(arch.lm_head, full[: geo.vocab])]
-    if mcore_name == "decoder.final_layernorm.weight":
-        return [(arch.final_norm, full)]
-    if leaf.startswith("self_attention.linear_qkv."):
-        suffix = "." + leaf.rsplit(".", 1)[1]
-        per_group = geo.heads // geo.groups
-        tail = full.shape[1:]
-        grouped = full.reshape(geo.groups, per_group + 2, geo.head_dim, *tail)
-        q = grouped[:, :per_group].reshape(-1, *tail)
-        k = grouped[:, per_group].reshape(-1, *tail)
-        v = grouped[:, per_group + 1].reshape(-1, *tail)
-        return [(names["q"] + suffix, q), (names["k"] + suffix, k), (names["v"] + suffix, v)]
-    if leaf == "mlp.router.weight":
-        return [(arch.router.format(i=layer), full)]
-    if leaf.startswith("mlp.shared_experts."):
-        shared = {k: v.format(i=layer) for k, v in arch.shared.items()}
-        if leaf.endswith("gate_weight"):
-            return [(shared["gate_weight"], full)]
-        if leaf.endswith("linear_fc1.weight"):
-            return [(shared["gate"], full[0]), (shared["up"], full[1])]
-        return [(shared["down"], full)]
-    expert = _EXPERT.match(leaf)
-    if expert is not None:
-        from megatron.core import parallel_state as ps
-
-        index = ps.get_expert_model_parallel_rank() * (geo.experts // ps.get_expert_model_parallel_world_size()) + int(expert.group(1))
-        names = {k: v.format(i=layer, e=index) for k, v in arch.expert.items()}
-        if expert.group(2) == "linear_fc1":
-            return [(names["gate"], full[0]), (names["up"], full[1])]
-        return [(names["down"], full)]
-    if leaf == "self_attention.linear_proj.weight":
-        return [(names["o"], full)]
-    if leaf == "mlp.linear_fc1.weight":
-        return [(names["gate"], full[0]), (names["up"], full[1])]
-    if leaf == "mlp.linear_fc2.weight":
-        return [(names["down"], full)]
-    simple = {"input_layernorm.weight": "input_norm", "pre_mlp_layernorm.weight": "post_norm",
-              "self_attention.q_layernorm.weight": "q_norm", "self_attention.k_layernorm.weight": "k_norm"}
-    return [(names[simple[leaf]], full)]
-
-
-def _gather_tp(name: str, local: torch.Tensor, geo: Geometry) -> torch.Tensor:
-    """Concatenate the tensor-parallel shards of one parameter into Megatron's full tensor.
-
-    Experts are split over the expert-tensor-parallel group, everything else over TP.
-    """
-    from megatron.core import parallel_state as ps
-
-    if _is_expert(name):
-        size, group = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_group()
-    else:
-        size, group = geo.tp, ps.get_tensor_model_parallel_group()
-    column = name.endswith(("linear_proj.weight", "linear_fc2.weight"))
-    split = name.endswith(("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "word_embeddings.weight",
-                           "output_layer.weight")) or column
-    if size == 1 or not split:
-        shards = [local]
-    else:
-        shards = [torch.empty_like(local) for _ in range(size)]
-        torch.distributed.all_gather(shards, local.contiguous(), group=group)
-    if name.endswith("linear_fc1.weight"):
-        halves = [s.chunk(2, dim=0) for s in shards]
-        return torch.stack([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
-    return torch.cat(shards, dim=1 if column else 0)
-
-
 def _is_expert(name: str) -> bool:
     return ".experts.local_experts." in name
 
@@ -315,23 +346,23 @@ def export_hf_tensors(models: list[Any], hf_config: Any) -> Iterator[tuple[str, 
         tp_rank = ps.get_expert_tensor_parallel_rank() if _is_expert(name) else geo.tp_rank
         return gathers(name) and tp_rank == 0
 
-    plan = []  # (mcore name, layer) in this stage's order
+    plan = []  # (mcore name, mapping, HF names) in this stage's order; a tied head is left out
     for model in models:
         inner = unwrap(model)
         for name, _ in _named_params(model):
-            plan.append((name, _layer_of(inner, name)))
-    local_entries = [hf_name for name, layer in plan if owns(name)
-                     for hf_name, _ in hf_pieces(arch, name, layer, torch.zeros(_fake_shape(name, geo)), geo, tied)]
+            mapping, names = _lookup(arch, name, _layer_of(inner, name), geo)
+            plan.append((name, mapping, [] if tied and name == "output_layer.weight" else names))
+    local_entries = [hf_name for name, _, names in plan if owns(name) for hf_name in names]
     everyone: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, (rank, local_entries))
     order = [(r, hf) for r, entries in everyone for hf in entries]
     params = dict((n, p) for model in models for n, p in _named_params(model))
     with torch.no_grad():
-        for name, layer in plan:
+        for name, mapping, names in plan:
             if gathers(name):
-                full = _gather_tp(name, params[name].detach(), geo)
-                if owns(name):
-                    for hf_name, tensor in hf_pieces(arch, name, layer, full, geo, tied):
+                full = gather_full(mapping, params[name].detach(), geo)
+                if owns(name) and names:
+                    for hf_name, tensor in hf_from_full(mapping, names, full, geo):
                         tensor = tensor.contiguous()
                         if rank == 0:
                             yield hf_name, tensor.cpu()
@@ -350,14 +381,3 @@ def export_hf_tensors(models: list[Any], hf_config: Any) -> Iterator[tuple[str, 
                 tensor = torch.empty([int(d) for d in meta.tolist() if d >= 0], dtype=dtype, device=device)
                 torch.distributed.recv(tensor, src=source)
                 yield hf_name, tensor.cpu()
-
-
-def _fake_shape(name: str, geo: Geometry) -> tuple[int, ...]:
-    """A tensor shape good enough for :func:`hf_pieces` to list names (values unused)."""
-    if name.endswith("linear_qkv.weight"):
-        return (geo.groups * (geo.heads // geo.groups + 2) * geo.head_dim, 1)
-    if name.endswith("linear_qkv.bias"):
-        return (geo.groups * (geo.heads // geo.groups + 2) * geo.head_dim,)
-    if name.endswith("linear_fc1.weight"):
-        return (2, 1, 1)
-    return (1,)

@@ -1,11 +1,9 @@
-"""Write HF checkpoints: sharded safetensors with an index, config and tokenizer, atomically."""
+"""Write HF checkpoints with the core's writers: safetensors shards (:func:`toolkit.hfdir.write_safetensors_shards`)
+in a folder written complete or not at all (:func:`toolkit.writes.staged_directory`), config and tokenizer."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -15,60 +13,24 @@ import torch
 
 def save_hf_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], hf_config: Any, output: Path,
                        tokenizer: Any = None, max_shard_bytes: int = 2 * 1024**3, dtype: torch.dtype | None = None) -> Path:
-    """Stream ``(name, tensor)`` into ``model-0000k-of-0000n.safetensors`` files plus the index.
+    """Stream ``(name, tensor)`` into ``model.safetensors`` or ``model-0000k-of-0000n.safetensors`` plus the index.
 
-    Tensors are buffered only up to ``max_shard_bytes``. Written to a temporary directory
-    beside ``output`` and renamed at the end, so ``output`` is complete or absent.
+    Tensors are buffered only up to ``max_shard_bytes``; ``output`` is complete or absent.
     """
-    from safetensors.torch import save_file
+    from toolkit.hfdir import write_safetensors_shards
+    from toolkit.writes import staged_directory
 
     output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
-    try:
-        shards: list[list[str]] = []
-        buffer: dict[str, torch.Tensor] = {}
-        size = total = 0
-
-        def flush() -> None:
-            nonlocal buffer, size
-            if buffer:
-                save_file(buffer, str(tmp / f"shard-{len(shards):05d}.safetensors"), metadata={"format": "pt"})
-                shards.append(list(buffer))
-                buffer, size = {}, 0
-
-        for name, tensor in tensors:
-            tensor = tensor.detach().to("cpu", dtype or tensor.dtype).contiguous()
-            nbytes = tensor.numel() * tensor.element_size()
-            if buffer and size + nbytes > max_shard_bytes:
-                flush()
-            buffer[name] = tensor.clone() if tensor.untyped_storage().nbytes() != nbytes else tensor
-            size += nbytes
-            total += nbytes
-        flush()
-        weight_map = {}
-        for index, names in enumerate(shards):
-            final = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
-            os.replace(tmp / f"shard-{index:05d}.safetensors", tmp / final)
-            weight_map.update({n: final for n in names})
-        if len(shards) == 1:
-            os.replace(tmp / weight_map[next(iter(weight_map))], tmp / "model.safetensors")
-            weight_map = {n: "model.safetensors" for n in weight_map}
-        (tmp / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    dtype_name = str(dtype).removeprefix("torch.") if dtype is not None else "auto"
+    with staged_directory(output) as staging:
+        write_safetensors_shards(tensors, staging, max_shard_bytes, dtype_name)
         config = hf_config
         if dtype is not None:
             config = type(hf_config).from_dict(hf_config.to_dict())
-            config.torch_dtype = str(dtype).removeprefix("torch.")
-        config.save_pretrained(tmp)
+            config.torch_dtype = dtype_name
+        config.save_pretrained(staging)
         if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        if output.exists():
-            shutil.rmtree(output)
-        os.replace(tmp, output)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+            tokenizer.save_pretrained(staging)
     return output
 
 

@@ -12,10 +12,10 @@ import dataclasses
 import re
 from typing import Any, ClassVar, Literal
 
-from toolkit.builtins.optimizers import decay_groups, strategy_problems
 from toolkit.config import option
 from toolkit.errors import ToolkitError
 from toolkit.plugins import install_hint
+from toolkit.train.optim import decay_groups, strategy_problems
 
 
 def require(module: str, package: str, extra: str, what: str) -> Any:

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,8 +18,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("toolkit.peft")
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 def _export_dtype(hf_model: torch.nn.Module, export_dtype: str, source: Any) -> torch.dtype:
@@ -221,25 +216,3 @@ def adapter_from_checkpoint(tuner: Any, checkpoint: Path, source: Any) -> tuple[
         )
     unwrap(model).load_state_dict(state, strict=False, assign=True)
     return adapter_export(model, tuner.config)
-
-
-def write_adapter(output: Path, peft_config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
-    """Write PEFT's adapter layout to ``output`` (complete or absent: written aside, then renamed)."""
-    from safetensors.torch import save_file
-
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
-    try:
-        save_file(tensors, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        (staging / ADAPTER_CONFIG).write_text(json.dumps(peft_config, indent=2, sort_keys=True, default=str) + "\n")
-        if output.exists():
-            for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
-                os.replace(staging / name, output / name)
-            shutil.rmtree(staging)
-        else:
-            os.replace(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return output

@@ -215,10 +215,14 @@ class LoRATuner:
 
     def save_adapter(self, model: torch.nn.Module, output: str | Path) -> Path:
         """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (PEFT/vLLM layout) to ``output``."""
-        from toolkit_peft.merge import adapter_export, write_adapter
+        from toolkit.hfdir import write_adapter
+        from toolkit.writes import staged_directory
+        from toolkit_peft.merge import adapter_export
 
         config, tensors = adapter_export(model, self.config)
-        return write_adapter(Path(output), config, dict(tensors))
+        with staged_directory(Path(output)) as staging:  # complete or absent
+            write_adapter(staging, config, tensors)
+        return Path(output)
 
     @contextlib.contextmanager
     def disabled_adapters(self, model: torch.nn.Module) -> Iterator[torch.nn.Module]:

@@ -69,8 +69,9 @@ def adapter_parts(adapter: Any) -> tuple[dict[str, Any], Any]:
 
 
 def write_lora_adapter(adapter: Any, directory: Path, base_model: str | None = None) -> dict[str, Any]:
-    """Write the adapter in PEFT's format (what vLLM's --lora-modules reads); returns its config."""
-    from safetensors.torch import save_file
+    """Write the adapter in PEFT's format (what vLLM's --lora-modules reads) with the core's adapter writer,
+    after naming its tensors as vLLM expects and checking they are LoRA A/B weights; returns its config."""
+    from toolkit.hfdir import write_adapter
 
     config, tensors = adapter_parts(adapter)
     config = {"peft_type": "LORA", "bias": "none", **config}
@@ -84,9 +85,7 @@ def write_lora_adapter(adapter: Any, directory: Path, base_model: str | None = N
     bad = [name for name in state if not (".lora_A." in name or ".lora_B." in name)]
     if bad:
         raise ExportError(f"adapter tensors {bad[:3]} are not LoRA A/B weights: vLLM reads only lora_A/lora_B")
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
-    (directory / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
+    write_adapter(directory, config, state)
     return config
 
 

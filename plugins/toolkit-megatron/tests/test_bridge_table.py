@@ -1,0 +1,76 @@
+"""The bridge's mapping table, both directions, without Megatron: for every dense entry and TP 1, 2 and 4,
+the shards each rank reads from HF tensors, joined as the gather joins them, give back the HF tensors bit
+for bit (test_bridge.py checks the same through real Megatron models and logits)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from toolkit_megatron.architectures import DenseArchitecture
+from toolkit_megatron.bridge import (
+    PER_LAYER,
+    TOP_LEVEL,
+    Geometry,
+    SafetensorsReader,
+    hf_from_full,
+    hf_names,
+    join_shards,
+    mapping_of,
+    read_local,
+)
+
+HEADS, GROUPS, HEAD_DIM, HIDDEN, FFN, VOCAB = 8, 4, 4, 32, 24, 50
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(0)
+    shapes = {"q": (HEADS * HEAD_DIM, HIDDEN), "k": (GROUPS * HEAD_DIM, HIDDEN), "v": (GROUPS * HEAD_DIM, HIDDEN)}
+    tensors = {}
+    for part, layer_name in DenseArchitecture.layer.items():
+        name = layer_name.format(i=3)
+        if part in shapes:
+            tensors[name + ".weight"] = torch.randn(shapes[part], generator=generator)
+            tensors[name + ".bias"] = torch.randn(shapes[part][0], generator=generator)
+        else:
+            shape = {"o": (HIDDEN, HEADS * HEAD_DIM), "gate": (FFN, HIDDEN), "up": (FFN, HIDDEN), "down": (HIDDEN, FFN),
+                     "q_norm": (HEAD_DIM,), "k_norm": (HEAD_DIM,)}.get(part, (HIDDEN,))
+            tensors[name] = torch.randn(shape, generator=generator)
+    tensors[DenseArchitecture.embedding] = torch.randn(VOCAB, HIDDEN, generator=generator)
+    tensors[DenseArchitecture.lm_head] = torch.randn(VOCAB, HIDDEN, generator=generator)
+    tensors[DenseArchitecture.final_norm] = torch.randn(HIDDEN, generator=generator)
+    directory = tmp_path_factory.mktemp("hf")
+    save_file(tensors, str(directory / "model.safetensors"))
+    return tensors, SafetensorsReader.from_directory(directory)
+
+
+DENSE = [(name, None) for name in TOP_LEVEL] + [(f"decoder.layers.0.{leaf}", 3) for leaf, m in PER_LAYER.items()
+                                                 if m.table == "layer"]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize(("mcore_name", "layer"), DENSE, ids=[n for n, _ in DENSE])
+def test_each_mapping_round_trips_through_every_tensor_parallel_split(checkpoint, mcore_name, layer, tp):
+    tensors, reader = checkpoint
+    mapping, _, expert = mapping_of(mcore_name, layer)
+    names = hf_names(DenseArchitecture, mapping, layer, expert)
+    assert all(name in tensors for name in names), names
+    padded = -(-VOCAB // tp) * tp + tp  # Megatron pads the vocabulary to a multiple of TP
+    shards = [read_local(reader, mapping, names, Geometry(HEADS, GROUPS, HEAD_DIM, FFN, VOCAB, padded, tp, rank))
+              for rank in range(tp)]
+    if mapping.split != "none" and tp > 1:
+        assert len({shard.shape for shard in shards}) == 1  # even shards
+        assert shards[0].numel() < sum(s.numel() for s in shards)  # each rank reads a part only
+    full = join_shards(mapping, shards)
+    back = hf_from_full(mapping, names, full, Geometry(HEADS, GROUPS, HEAD_DIM, FFN, VOCAB, padded, tp, 0))
+    assert [name for name, _ in back] == names
+    for name, tensor in back:
+        assert torch.equal(tensor, tensors[name]), name
+
+
+def test_unknown_parameters_have_no_mapping():
+    assert mapping_of("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", 0) is None
+    assert mapping_of("something.else", None) is None
