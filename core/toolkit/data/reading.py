@@ -160,7 +160,12 @@ def drop_nulls(value: Any) -> Any:
 
 
 def _line_numbers(path: Path, suffix: str, count: int) -> list[int]:
-    """The file line each of the first ``count`` records starts on (rows for JSON arrays and Parquet)."""
+    """The file line each of the first ``count`` records starts on (rows for Parquet and for JSON that is not
+    one top-level array)."""
+    if suffix == ".json":
+        numbers = json_array_lines(path.read_text(encoding="utf-8-sig", errors="replace"), count)
+        if len(numbers) == count:
+            return numbers
     if suffix in (".jsonl", ".ndjson"):
         with path.open("rb") as handle:
             numbers = [n for n, raw in enumerate(handle, start=1) if raw.strip()]
@@ -233,6 +238,29 @@ def _decode(raw: bytes, path: Path, number: int) -> str:
                         "save the file as UTF-8") from None
 
 
+def json_array_lines(text: str, count: int) -> list[int]:
+    """The line each of the first ``count`` elements of the top-level JSON array ``text`` starts on (fewer when
+    ``text`` is no such array)."""
+    index = len(text) - len(text.lstrip())
+    if not text.startswith("[", index):
+        return []
+    decoder, numbers = json.JSONDecoder(), []
+    index += 1
+    line, counted = 1 + text.count("\n", 0, index), index
+    while len(numbers) < count:
+        while index < len(text) and text[index] in " \t\r\n,":
+            index += 1
+        if index >= len(text) or text[index] == "]":
+            break
+        line, counted = line + text.count("\n", counted, index), index
+        numbers.append(line)
+        try:
+            _, index = decoder.raw_decode(text, index)
+        except json.JSONDecodeError:
+            break
+    return numbers
+
+
 def _check_characters(record: Any, text: str, path: Path, number: int) -> None:
     """JSON may escape a lone UTF-16 surrogate (``\\ud800``): not a character, and tokenizers reject it."""
     if not LONE_SURROGATE.search(text):
@@ -281,10 +309,12 @@ def _read_json(path: Path) -> list[dict[str, Any]]:
         data = next((v for v in data.values() if isinstance(v, list)), None)
     if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
         raise DataError(f"{path}: expected a list of JSON objects (or an object holding one)")
+    lines = json_array_lines(text, len(data))
+    lines = lines if len(lines) == len(data) else list(range(1, len(data) + 1))
     if LONE_SURROGATE.search(text):
-        for index, record in enumerate(data):
-            _check_characters(record, text, path, index + 1)
-    return data
+        for line, record in zip(lines, data):
+            _check_characters(record, text, path, line)
+    return [{**record, "__line__": line} for record, line in zip(data, lines)]
 
 
 def _read_csv(path: Path) -> list[dict[str, Any]]:
