@@ -396,9 +396,9 @@ class _StepLog:
         self.window_tokens += real
         self.window_trained += trained
         elapsed = time.perf_counter() - self.window_start
-        tokens, trained_tokens = (value / self.replicas for value in
-                                  engine.all_reduce_sum([self.window_tokens, self.window_trained]))
-        self.trained_total = self.trained_before + int(trained_tokens)
+        tokens, trained_tokens, real, capacity = (value / self.replicas for value in engine.all_reduce_sum(
+            [self.window_tokens, self.window_trained, real, capacity]))
+        self.trained_total = self.trained_before + round(trained_tokens)
         metrics = {"step": done, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
                    "tokens_per_s": tokens / max(elapsed, 1e-9), "trained_tokens_per_s": trained_tokens / max(elapsed, 1e-9),
                    "row_fill": real / max(capacity, 1), "trained_tokens": self.trained_total,
