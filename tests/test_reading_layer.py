@@ -155,3 +155,14 @@ def test_a_bad_record_of_a_json_array_is_named_by_its_line(tokenizer, tmp_path, 
     assert [r["__line__"] for r in read_records(str(path))[1]] == starts
     with pytest.raises(DataError, match=f"pretty.json, line {starts[2]}: message 1"):
         load_examples([str(path)], tokenizer)
+    path.write_text(json.dumps(records))  # one line: records are told apart by their number
+    assert [r["__line__"] for r in read_records(str(path))[1]] == [1, 2, 3]
+
+
+def test_a_bad_parquet_record_is_named_by_its_row(tokenizer, tmp_path):
+    import datasets
+
+    records = CHATS[:2] + [{"messages": [{"role": "user", "content": "q"}, {"role": "robot", "content": "a"}]}]
+    datasets.Dataset.from_list(records).to_parquet(str(tmp_path / "t.parquet"))
+    with pytest.raises(DataError, match="t.parquet, row 3: message 1"):
+        load_examples([str(tmp_path / "t.parquet")], tokenizer)

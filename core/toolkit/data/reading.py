@@ -239,8 +239,8 @@ def _decode(raw: bytes, path: Path, number: int) -> str:
 
 
 def json_array_lines(text: str, count: int) -> list[int]:
-    """The line each of the first ``count`` elements of the top-level JSON array ``text`` starts on (fewer when
-    ``text`` is no such array)."""
+    """The line each of the first ``count`` elements of the top-level JSON array ``text`` starts on; fewer when
+    ``text`` is no such array or two elements start on one line (a line would not tell them apart)."""
     index = len(text) - len(text.lstrip())
     if not text.startswith("[", index):
         return []
@@ -253,6 +253,8 @@ def json_array_lines(text: str, count: int) -> list[int]:
         if index >= len(text) or text[index] == "]":
             break
         line, counted = line + text.count("\n", counted, index), index
+        if numbers and line == numbers[-1]:
+            return []
         numbers.append(line)
         try:
             _, index = decoder.raw_decode(text, index)
