@@ -88,7 +88,15 @@ def _load_file(path: Path, suffix: str) -> Any:
 
 
 def _read_saved(path: Path, limit: int) -> list[dict[str, Any]]:
-    """A directory written by ``Dataset.save_to_disk`` (or a ``DatasetDict``'s, using its ``train`` split)."""
+    """The records of a directory written by ``save_to_disk`` (:func:`_load_saved`)."""
+    table = _load_saved(path)
+    rows = table.select(range(min(limit, len(table)))) if limit else table
+    return [{**drop_nulls(row), "__line__": index + 1} for index, row in enumerate(rows)]
+
+
+def _load_saved(path: Path) -> Any:
+    """A directory written by ``Dataset.save_to_disk`` (or a ``DatasetDict``'s, using its ``train`` split) as a
+    memory-mapped ``datasets.Dataset``."""
     import datasets
 
     try:
@@ -102,20 +110,36 @@ def _read_saved(path: Path, limit: int) -> list[dict[str, Any]]:
             raise DataError(f"{path} holds the splits {', '.join(table)} and no 'train'; pass the split's own "
                             f"directory ({path / next(iter(table))})")
         table = table["train"]
-    rows = table.select(range(min(limit, len(table)))) if limit else table
-    return [{**drop_nulls(row), "__line__": index + 1} for index, row in enumerate(rows)]
+    return table
+
+
+def _stream_saved(paths: list[Path], skip: int) -> Any:
+    """``(where, record)`` of ``save_to_disk`` directories one after another, from record ``skip`` on: their Arrow
+    files are memory-mapped and read a batch at a time, and a resume starts at its row without reading the rest."""
+    before = 0  # records of the directories already passed
+    for path in paths:
+        table = _load_saved(path)
+        start = max(0, skip - before)
+        if start < len(table):
+            for row_number, row in enumerate(table.select(range(start, len(table))), start=start + 1):
+                yield f"{path}, row {row_number}", drop_nulls(row)
+        before += len(table)
 
 
 def stream_records(references: list[str], skip: int = 0) -> Any:
     """``(where, record)`` of the datasets read as one stream (``datasets``' streaming mode), from record ``skip`` on
-    (skipped records are parsed, not kept). Files of one kind only (all JSON/JSONL, all CSV or all Parquet)."""
+    (skipped records are parsed, not kept). Files of one kind only (all JSON/JSONL, all CSV or all Parquet), or
+    directories written by ``save_to_disk``."""
     import datasets
 
     paths = [resolve_dataset_path(r) for r in references]
+    if all(p.is_dir() for p in paths):
+        yield from _stream_saved(paths, skip)
+        return
     kinds = {BUILDERS.get(p.suffix.lower()) for p in paths}
     if any(p.is_dir() for p in paths) or None in kinds or len(kinds) > 1:
-        raise DataError(f"--streaming reads .jsonl/.json, .csv or .parquet files of one kind; got {', '.join(map(str, paths))}. "
-                        "Convert a save_to_disk directory with Dataset.to_json, or drop --streaming")
+        raise DataError(f"--streaming reads .jsonl/.json, .csv or .parquet files of one kind, or save_to_disk directories; "
+                        f"got {', '.join(map(str, paths))}. Convert the odd ones out (Dataset.to_json), or drop --streaming")
     builder = kinds.pop()
     options = csv_options(paths) if builder == "csv" else {}
     label = str(paths[0]) if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1} more files)"
