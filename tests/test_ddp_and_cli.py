@@ -40,6 +40,8 @@ def test_two_ddp_ranks_equal_one_rank(tmp_path):
     assert len(one) == len(two) == 4
     for a, b in zip(one, two):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        # the step's figures over both ranks, not rank 0's half
+        assert (a["trained_tokens"], a["row_fill"]) == (b["trained_tokens"], b["row_fill"])
     w1 = load_file(str(tmp_path / "one/checkpoints/step-4/model.safetensors"))
     w2 = load_file(str(tmp_path / "two/checkpoints/step-4/model.safetensors"))
     for key in w1:

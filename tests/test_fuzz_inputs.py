@@ -154,14 +154,14 @@ def check_pipeline(path: Path, count: int, dataset_format: str, tokenizer, test:
     except ToolkitError as exc:
         message = str(exc)
         assert str(path) in message, message
-        line = re.search(r", line (\d+)", message)
+        line = re.search(r", (?:line|row) (\d+)", message)
         assert line is None or 1 <= int(line.group(1)) <= max(last_line, 1), message
         tally(test, "clear error")
         tally(test + ": errors", re.sub(r"\d+", "N", message.replace(str(path), "FILE"))[:90])
         return
     assert stats.records == count, (stats.records, count)
     assert len(examples) == stats.examples and stats.examples + stats.dropped_no_labels == stats.records
-    lines = [int(re.search(r", line (\d+)$", e.source).group(1)) for e in examples]
+    lines = [int(re.search(r", (?:line|row) (\d+)$", e.source).group(1)) for e in examples]
     assert len(set(lines)) == len(lines) and all(1 <= n <= last_line for n in lines)
     for example in examples:
         for seq in example.sequences:

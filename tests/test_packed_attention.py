@@ -177,6 +177,18 @@ def test_auto_keeps_masked_sdpa_on_cpu(tiny_model_factory):
     assert model.config._attn_implementation == "sdpa"
 
 
+def test_auto_is_flex_on_cuda_unless_something_stands_in_the_way(tiny_model_factory, monkeypatch):
+    """The GPU default without a GPU: torch's device check answered as on CUDA (where it accepts backward)."""
+    monkeypatch.setattr(attention, "flex_backward_refused", lambda device: device.type != "cuda")
+    model = tiny_model_factory("llama")
+    assert attention.apply_packed_attention("auto", model, torch.device("cuda"), "--local-packed-attention") == "flex"
+    assert model.config._attn_implementation == attention.ATTENTION_NAME
+    dropout = tiny_model_factory("llama", attention_dropout=0.1)
+    assert attention.apply_packed_attention("auto", dropout, torch.device("cuda"), "--local-packed-attention") == "sdpa-mask"
+    eager = tiny_model_factory("llama", attn_implementation="eager")
+    assert attention.apply_packed_attention("auto", eager, torch.device("cuda"), "--local-packed-attention") == "sdpa-mask"
+
+
 def test_forced_flex_that_cannot_run_is_a_clear_error(tiny_model_factory, monkeypatch):
     model = tiny_model_factory("llama")
     flag = "--local-packed-attention"

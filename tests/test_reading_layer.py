@@ -141,3 +141,28 @@ def test_json_parquet_and_csv_files_read_through_datasets_like_their_jsonl(token
         examples, stats = load_examples([str(tmp_path / name)], tokenizer)
         assert token_ids(examples) == expected[kind] and stats.records == len(expected[kind]), name
     assert [r["__line__"] for r in read_records(str(tmp_path / "alpaca.csv"))[1]][:3] == [2, 3, 4]  # the header is line 1
+
+
+@pytest.mark.parametrize("content", ["robot", 5], ids=["through-datasets", "by-hand"])  # 5: Arrow cannot unify the types
+def test_a_bad_record_of_a_json_array_is_named_by_its_line(tokenizer, tmp_path, content):
+    import json
+
+    bad = ({"role": "robot", "content": "a"} if content == "robot" else {"role": "assistant", "content": content})
+    records = CHATS[:2] + [{"messages": [{"role": "user", "content": "q"}, bad]}]
+    path = tmp_path / "pretty.json"
+    path.write_text(json.dumps(records, indent=2))
+    starts = [n for n, line in enumerate(path.read_text().splitlines(), start=1) if line == "  {"]
+    assert [r["__line__"] for r in read_records(str(path))[1]] == starts
+    with pytest.raises(DataError, match=f"pretty.json, line {starts[2]}: message 1"):
+        load_examples([str(path)], tokenizer)
+    path.write_text(json.dumps(records))  # one line: records are told apart by their number
+    assert [r["__line__"] for r in read_records(str(path))[1]] == [1, 2, 3]
+
+
+def test_a_bad_parquet_record_is_named_by_its_row(tokenizer, tmp_path):
+    import datasets
+
+    records = CHATS[:2] + [{"messages": [{"role": "user", "content": "q"}, {"role": "robot", "content": "a"}]}]
+    datasets.Dataset.from_list(records).to_parquet(str(tmp_path / "t.parquet"))
+    with pytest.raises(DataError, match="t.parquet, row 3: message 1"):
+        load_examples([str(tmp_path / "t.parquet")], tokenizer)

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from toolkit.data.pipeline import DataStats, stream_encoder
 from toolkit.data.streaming import StreamBatches
-from toolkit.errors import ConfigError
+from toolkit.errors import ConfigError, DataError
 from toolkit.models import resolve_model
 from toolkit.recipe import resolve_recipe
 from toolkit.train.runner import run_training
@@ -32,7 +32,7 @@ def make(data, packing=False, **kwargs):
                             example_kinds=("lm",), options=None, packing=packing, isolate_documents=False, stats=DataStats())
     settings = dict(seed=1, seq_len=64, packing=packing, micro_batch_size=2, global_batch_size=4, dp_rank=0,
                     dp_world_size=1, pad_id=0, max_steps=40, window=16)
-    return StreamBatches([data], encode, **{**settings, **kwargs})
+    return StreamBatches(data if isinstance(data, list) else [data], encode, **{**settings, **kwargs})
 
 
 def sources(batches, step):
@@ -123,3 +123,26 @@ def test_a_csv_stream_keeps_every_cell_the_text_it_holds(tmp_path):
     assert streamed == whole == [{"instruction": "two\nlines", "input": "", "output": "0.10"},
                                  {"instruction": "NA", "input": "x", "output": "null"},
                                  {"instruction": "say", "input": "1e3", "output": "007"}]
+
+
+def test_save_to_disk_directories_stream_in_order_and_resume_at_their_row(tmp_path, data):
+    import datasets
+
+    from toolkit.data.reading import stream_records
+
+    first, second = CHATS[:30], CHATS[30:]
+    datasets.Dataset.from_list(first).save_to_disk(str(tmp_path / "a"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(second)}).save_to_disk(str(tmp_path / "b"))
+    dirs = [str(tmp_path / "a"), str(tmp_path / "b")]
+    streamed = list(stream_records(dirs))
+    assert [record for _, record in streamed] == CHATS
+    assert streamed[0][0] == f"{tmp_path / 'a'}, row 1" and streamed[30][0] == f"{tmp_path / 'b'}, row 1"
+    assert list(stream_records(dirs, skip=33)) == streamed[33:]
+    assert list(stream_records(dirs, skip=50)) == []
+    # the same rows as the JSONL stream of the same records, window after window
+    from_dirs, from_file = make(dirs, packing=True), make(data, packing=True)
+    for step in (0, 7, 12):
+        for a, b in zip(from_dirs.micro_batches(step), from_file.micro_batches(step)):
+            assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"])
+    with pytest.raises(DataError, match="or save_to_disk directories"):
+        list(stream_records([dirs[0], data]))

@@ -148,8 +148,9 @@ def encode_dataset(reference: str, tokenizer: Any, *, dataset_format: str, colum
         raise ConfigError(f"{path} is in format {fmt.name!r} ({fmt.example_kind} examples), but the loss needs "
                           f"{' or '.join(example_kinds)} examples. Pick a matching --dataset or loss.")
     template = ChatTemplate(tokenizer, train_on=train_on)
+    unit = "row" if path.is_dir() or path.suffix.lower() == ".parquet" else "line"  # tables have rows, not lines
     examples = [encode_record(fmt, {k: v for k, v in record.items() if k != "__line__"}, rename, tokenizer, template,
-                              f"{path}, line {record.get('__line__', index + 1)}") for index, record in enumerate(records)]
+                              f"{path}, {unit} {record.get('__line__', index + 1)}") for index, record in enumerate(records)]
     cache.store(key, examples, len(records))
     return path, examples, len(records)
 

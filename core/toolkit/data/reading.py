@@ -88,7 +88,15 @@ def _load_file(path: Path, suffix: str) -> Any:
 
 
 def _read_saved(path: Path, limit: int) -> list[dict[str, Any]]:
-    """A directory written by ``Dataset.save_to_disk`` (or a ``DatasetDict``'s, using its ``train`` split)."""
+    """The records of a directory written by ``save_to_disk`` (:func:`_load_saved`)."""
+    table = _load_saved(path)
+    rows = table.select(range(min(limit, len(table)))) if limit else table
+    return [{**drop_nulls(row), "__line__": index + 1} for index, row in enumerate(rows)]
+
+
+def _load_saved(path: Path) -> Any:
+    """A directory written by ``Dataset.save_to_disk`` (or a ``DatasetDict``'s, using its ``train`` split) as a
+    memory-mapped ``datasets.Dataset``."""
     import datasets
 
     try:
@@ -102,20 +110,36 @@ def _read_saved(path: Path, limit: int) -> list[dict[str, Any]]:
             raise DataError(f"{path} holds the splits {', '.join(table)} and no 'train'; pass the split's own "
                             f"directory ({path / next(iter(table))})")
         table = table["train"]
-    rows = table.select(range(min(limit, len(table)))) if limit else table
-    return [{**drop_nulls(row), "__line__": index + 1} for index, row in enumerate(rows)]
+    return table
+
+
+def _stream_saved(paths: list[Path], skip: int) -> Any:
+    """``(where, record)`` of ``save_to_disk`` directories one after another, from record ``skip`` on: their Arrow
+    files are memory-mapped and read a batch at a time, and a resume starts at its row without reading the rest."""
+    before = 0  # records of the directories already passed
+    for path in paths:
+        table = _load_saved(path)
+        start = max(0, skip - before)
+        if start < len(table):
+            for row_number, row in enumerate(table.select(range(start, len(table))), start=start + 1):
+                yield f"{path}, row {row_number}", drop_nulls(row)
+        before += len(table)
 
 
 def stream_records(references: list[str], skip: int = 0) -> Any:
     """``(where, record)`` of the datasets read as one stream (``datasets``' streaming mode), from record ``skip`` on
-    (skipped records are parsed, not kept). Files of one kind only (all JSON/JSONL, all CSV or all Parquet)."""
+    (skipped records are parsed, not kept). Files of one kind only (all JSON/JSONL, all CSV or all Parquet), or
+    directories written by ``save_to_disk``."""
     import datasets
 
     paths = [resolve_dataset_path(r) for r in references]
+    if all(p.is_dir() for p in paths):
+        yield from _stream_saved(paths, skip)
+        return
     kinds = {BUILDERS.get(p.suffix.lower()) for p in paths}
     if any(p.is_dir() for p in paths) or None in kinds or len(kinds) > 1:
-        raise DataError(f"--streaming reads .jsonl/.json, .csv or .parquet files of one kind; got {', '.join(map(str, paths))}. "
-                        "Convert a save_to_disk directory with Dataset.to_json, or drop --streaming")
+        raise DataError(f"--streaming reads .jsonl/.json, .csv or .parquet files of one kind, or save_to_disk directories; "
+                        f"got {', '.join(map(str, paths))}. Convert the odd ones out (Dataset.to_json), or drop --streaming")
     builder = kinds.pop()
     options = csv_options(paths) if builder == "csv" else {}
     label = str(paths[0]) if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1} more files)"
@@ -160,7 +184,12 @@ def drop_nulls(value: Any) -> Any:
 
 
 def _line_numbers(path: Path, suffix: str, count: int) -> list[int]:
-    """The file line each of the first ``count`` records starts on (rows for JSON arrays and Parquet)."""
+    """The file line each of the first ``count`` records starts on (rows for Parquet and for JSON that is not
+    one top-level array)."""
+    if suffix == ".json":
+        numbers = json_array_lines(path.read_text(encoding="utf-8-sig", errors="replace"), count)
+        if len(numbers) == count:
+            return numbers
     if suffix in (".jsonl", ".ndjson"):
         with path.open("rb") as handle:
             numbers = [n for n, raw in enumerate(handle, start=1) if raw.strip()]
@@ -233,6 +262,31 @@ def _decode(raw: bytes, path: Path, number: int) -> str:
                         "save the file as UTF-8") from None
 
 
+def json_array_lines(text: str, count: int) -> list[int]:
+    """The line each of the first ``count`` elements of the top-level JSON array ``text`` starts on; fewer when
+    ``text`` is no such array or two elements start on one line (a line would not tell them apart)."""
+    index = len(text) - len(text.lstrip())
+    if not text.startswith("[", index):
+        return []
+    decoder, numbers = json.JSONDecoder(), []
+    index += 1
+    line, counted = 1 + text.count("\n", 0, index), index
+    while len(numbers) < count:
+        while index < len(text) and text[index] in " \t\r\n,":
+            index += 1
+        if index >= len(text) or text[index] == "]":
+            break
+        line, counted = line + text.count("\n", counted, index), index
+        if numbers and line == numbers[-1]:
+            return []
+        numbers.append(line)
+        try:
+            _, index = decoder.raw_decode(text, index)
+        except json.JSONDecodeError:
+            break
+    return numbers
+
+
 def _check_characters(record: Any, text: str, path: Path, number: int) -> None:
     """JSON may escape a lone UTF-16 surrogate (``\\ud800``): not a character, and tokenizers reject it."""
     if not LONE_SURROGATE.search(text):
@@ -281,10 +335,12 @@ def _read_json(path: Path) -> list[dict[str, Any]]:
         data = next((v for v in data.values() if isinstance(v, list)), None)
     if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
         raise DataError(f"{path}: expected a list of JSON objects (or an object holding one)")
+    lines = json_array_lines(text, len(data))
+    lines = lines if len(lines) == len(data) else list(range(1, len(data) + 1))
     if LONE_SURROGATE.search(text):
-        for index, record in enumerate(data):
-            _check_characters(record, text, path, index + 1)
-    return data
+        for line, record in zip(lines, data):
+            _check_characters(record, text, path, line)
+    return [{**record, "__line__": line} for record, line in zip(data, lines)]
 
 
 def _read_csv(path: Path) -> list[dict[str, Any]]:

@@ -376,6 +376,11 @@ class _StepLog:
         self.total_steps, self.steps_per_epoch, self.logged = total_steps, steps_per_epoch, start_step
         self.window_tokens, self.window_trained, self.window_start = 0, 0, time.perf_counter()
         self.trained_before = self.trained_total = 0  # before this log window; up to the last recorded step
+        from toolkit.train.distributed import init_world
+
+        # every rank of a model-parallel group (tensor, pipeline, context) is given its data-parallel rank's
+        # micro-batches: a sum over the world counts each token that many times
+        self.replicas = max(1, init_world().world_size // max(1, engine.dp_world_size))
         self.peak_memory = None
         import torch
 
@@ -391,8 +396,9 @@ class _StepLog:
         self.window_tokens += real
         self.window_trained += trained
         elapsed = time.perf_counter() - self.window_start
-        tokens, trained_tokens = engine.all_reduce_sum([self.window_tokens, self.window_trained])
-        self.trained_total = self.trained_before + int(trained_tokens)
+        tokens, trained_tokens, real, capacity = (value / self.replicas for value in engine.all_reduce_sum(
+            [self.window_tokens, self.window_trained, real, capacity]))
+        self.trained_total = self.trained_before + round(trained_tokens)
         metrics = {"step": done, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
                    "tokens_per_s": tokens / max(elapsed, 1e-9), "trained_tokens_per_s": trained_tokens / max(elapsed, 1e-9),
                    "row_fill": real / max(capacity, 1), "trained_tokens": self.trained_total,

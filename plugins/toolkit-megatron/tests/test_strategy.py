@@ -33,6 +33,8 @@ def assert_same_steps(expected, got):
     assert [m["step"] for m in got] == [m["step"] for m in expected]
     for a, b in zip(expected, got, strict=True):
         assert abs(a["loss"] - b["loss"]) <= TOLERANCE, (a, b)
+        # the same tokens trained, counted once however many ranks hold them
+        assert (a["trained_tokens"], a["row_fill"]) == (b["trained_tokens"], b["row_fill"]), (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= TOLERANCE * max(1.0, a["grad_norm"]), (a, b)
 
 
