@@ -163,6 +163,9 @@ def write(path, lines):
     (["--reward", "nope", "--dataset", "demo"], "unknown reward 'nope'"),
     (["--reward", "answer", "--dataset", "demo", "--save-every", "3", "--grpo-steps-per-rollout", "2"],
      "must be a multiple of the 2 optimizer steps"),
+    (["--reward", "answer", "--dataset", "demo", "--vllm-server", "localhost:1"], "add --rollout-backend vllm"),
+    (["--reward", "answer", "--dataset", "demo", "--rollout-backend", "vllm", "--vllm-server", "http://127.0.0.1:9"],
+     r"cannot reach the server at http://127.0.0.1:9 \(listing its models\)"),
 ])
 def test_bad_input_is_named_before_training(tmp_path, cli_runner, args, message):
     bad = write(tmp_path / "bad.jsonl", [{"prompt": "a?", "answer": "b"}, {"question": "c?"}])
