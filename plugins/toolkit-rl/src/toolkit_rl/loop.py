@@ -45,9 +45,9 @@ def run_grpo(recipe: Any) -> Path:
             weighted.reward.raw_prompts = config.raw_prompts
     check_schedule(recipe, config)
     if config.vllm_server:  # an unreachable server is named before any model loads
-        from toolkit_rl.vllm_server import probe
+        from toolkit_rl.vllm_server import check_server
 
-        probe(config.vllm_server)
+        check_server(config.vllm_server)
     source = resolve_model(recipe.model, recipe.trust_remote_code)
     check_model_limits(recipe, source)
     problems = tuner.validate(recipe, source)

@@ -26,26 +26,38 @@ from toolkit_rl.rollout import Completions, HFRollouts, RolloutError
 START = "VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --generation-config vllm --port PORT"
 
 
-def check_server(client: Any) -> str:
-    """The served model's name; a server that cannot be reached or has no development endpoints is named."""
-    models = client.request("GET", "/v1/models", what="listing its models", timeout=30)["data"]
-    if not models:
-        raise RolloutError(f"rollout backend 'vllm' (server {client.url}) serves no model")
+def request(url: str, method: str, path: str, body: dict | None = None, *, what: str, timeout: float) -> Any:
+    """One JSON request to the server; any failure is a one-line :class:`RolloutError` naming the server."""
+    data = None if body is None else json.dumps(body).encode()
+    message = urllib.request.Request(url + path, data=data, method=method, headers={"Content-Type": "application/json"})
     try:
-        client.request("GET", "/is_sleeping", what="checking its development endpoints", timeout=30)
+        with urllib.request.urlopen(message, timeout=timeout) as response:
+            text = response.read().decode()
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")[:300]
+        raise RolloutError(f"rollout backend 'vllm' (server {url}) failed {what}: HTTP {exc.code} {detail}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise RolloutError(f"rollout backend 'vllm' cannot reach the server at {url} ({what}): {reason}. "
+                           f"Start it as `{START}` and pass --vllm-server http://HOST:PORT") from None
+    return json.loads(text) if text.strip() else None
+
+
+def check_server(url: str) -> str:
+    """The served model's name; a server that cannot be reached or has no development endpoints is named.
+    ``toolkit grpo --vllm-server URL`` calls it before any model loads."""
+    url = url.rstrip("/")
+    models = request(url, "GET", "/v1/models", what="listing its models", timeout=30)["data"]
+    if not models:
+        raise RolloutError(f"rollout backend 'vllm' (server {url}) serves no model")
+    try:
+        request(url, "GET", "/is_sleeping", what="checking its development endpoints", timeout=30)
     except RolloutError as exc:
         if "HTTP 404" not in str(exc):
             raise
-        raise RolloutError(f"rollout backend 'vllm' (server {client.url}) has no development endpoints, through which "
+        raise RolloutError(f"rollout backend 'vllm' (server {url}) has no development endpoints, through which "
                            f"the policy's weights are loaded after each step: start it as `{START}`") from None
     return models[0]["id"]
-
-
-def probe(url: str) -> None:
-    """Check the server before any model loads (``toolkit grpo --vllm-server URL``)."""
-    client = object.__new__(VLLMServerRollouts)
-    client.url, client.timeout = url.rstrip("/"), 30.0
-    check_server(client)
 
 
 class VLLMServerRollouts(HFRollouts):
@@ -56,26 +68,13 @@ class VLLMServerRollouts(HFRollouts):
     def __init__(self, source: Any, recipe: Any, config: Any, device: Any):
         self.url = config.vllm_server.rstrip("/")
         self.timeout = float(os.environ.get("TOOLKIT_VLLM_SERVER_TIMEOUT", "600"))
-        self.model_name = check_server(self)
+        self.model_name = check_server(self.url)
         super().__init__(source, recipe, config, device)
         root = os.environ.get("TOOLKIT_VLLM_WEIGHTS_DIR") or None  # a directory the server reads too (shared storage)
         self.weights_dir = Path(tempfile.mkdtemp(prefix="toolkit-rollout-weights-", dir=root))
 
-    def request(self, method: str, path: str, body: dict | None = None, *, what: str, timeout: float | None = None) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.url + path, data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
-                text = response.read().decode()
-        except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")[:300]
-            raise RolloutError(f"rollout backend 'vllm' (server {self.url}) failed {what}: HTTP {exc.code} {detail}") from None
-        except (urllib.error.URLError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise RolloutError(f"rollout backend 'vllm' cannot reach the server at {self.url} ({what}): {reason}. "
-                               f"Start it as `{START}` and pass --vllm-server http://HOST:PORT") from None
-        return json.loads(text) if text.strip() else None
+    def request(self, method: str, path: str, body: dict | None = None, *, what: str) -> Any:
+        return request(self.url, method, path, body, what=what, timeout=self.timeout)
 
     def load_weights(self, tensors: Any) -> None:
         import torch.distributed as dist
