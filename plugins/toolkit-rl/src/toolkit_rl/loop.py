@@ -44,6 +44,10 @@ def run_grpo(recipe: Any) -> Path:
         if isinstance(weighted.reward, RewardModelReward):
             weighted.reward.raw_prompts = config.raw_prompts
     check_schedule(recipe, config)
+    if config.vllm_server:  # an unreachable server is named before any model loads
+        from toolkit_rl.vllm_server import check_server
+
+        check_server(config.vllm_server)
     source = resolve_model(recipe.model, recipe.trust_remote_code)
     check_model_limits(recipe, source)
     problems = tuner.validate(recipe, source)
@@ -52,9 +56,13 @@ def run_grpo(recipe: Any) -> Path:
     prompts = load_prompts(recipe, config, source.tokenizer)
     run_dir = prepare_run_dir(recipe, world.is_main)
     engine = strategy.build(source, tuner, loss, recipe)
+    run = None
     try:
-        GRPORun(recipe, run_dir, engine, loss, tuner, source, prompts, rewards).train()
+        run = GRPORun(recipe, run_dir, engine, loss, tuner, source, prompts, rewards)
+        run.train()
     finally:
+        if run is not None:
+            run.rollouts.close()
         engine.close()
     if world.distributed:
         shutdown(exit_code=0)

@@ -53,6 +53,9 @@ class GRPOConfig:
                                      "directory; the completion's reward is the weighted sum.")
     rollout_backend: Literal["hf", "vllm"] = option("hf", flag="--rollout-backend",
                                                     help="What samples the completions: hf (transformers generate) or vllm.")
+    vllm_server: str = option("", flag="--vllm-server",
+                              help="URL of a running `vllm serve` (started with VLLM_SERVER_DEV_MODE=1) that samples the "
+                                   "rollouts (--rollout-backend vllm); empty: vLLM runs in the training process.")
     prompts_per_rollout: int = option(4, help="Prompts per rollout batch (per data-parallel rank); x num_generations completions.")
     steps_per_rollout: int = option(1, help="Optimizer steps each rollout batch is split into (TRL steps_per_generation).")
     iterations: int = option(1, help="Passes over each rollout batch (TRL num_iterations); >1 reuses old log-probs.")
@@ -85,6 +88,10 @@ class GRPOConfig:
             problems.append(f"temperature must be positive, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             problems.append(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.vllm_server and self.rollout_backend != "vllm":
+            problems.append(f"--vllm-server {self.vllm_server} samples through vLLM: add --rollout-backend vllm")
+        if self.vllm_server and not self.vllm_server.startswith(("http://", "https://")):
+            problems.append(f"--vllm-server must be an http:// or https:// URL, got {self.vllm_server!r}")
         return problems
 
 

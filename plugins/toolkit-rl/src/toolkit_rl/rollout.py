@@ -162,6 +162,10 @@ class Reference:
 def make_rollouts(source: Any, recipe: Any, config: Any, device: Any) -> Any:
     if config.rollout_backend == "hf":
         return HFRollouts(source, recipe, config, device)
+    if config.vllm_server:  # server mode: HTTP only, no vLLM in this process
+        from toolkit_rl.vllm_server import VLLMServerRollouts
+
+        return VLLMServerRollouts(source, recipe, config, device)
     try:
         from toolkit_rl.vllm_rollouts import VLLMRollouts
     except ImportError as exc:
