@@ -137,7 +137,9 @@ def install(session: nox.Session, *args: str) -> None:
     if session.venv_backend == "none":
         session.log("no venv: using the current environment without installing")
         return
-    session.install(*args)
+    # --no-compile: pip would byte-compile every module it installs (torch and transformers alone: ~14 s of CPU
+    # per venv, most of it for modules no test imports); Python compiles what is imported, once per venv
+    session.install("--no-compile", *args)
 
 
 def install_from_wheels(session: nox.Session, plugins: list[Plugin], extra: list[str]) -> None:

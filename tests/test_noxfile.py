@@ -107,3 +107,12 @@ def test_a_module_fixture_runs_once_on_the_workers_the_test_sessions_use(noxfile
     result = pytester.runpytest_subprocess(*args, "-p", "no:cacheprovider")
     result.assert_outcomes(passed=16)
     assert builds.read_text().count("built") == 1
+
+
+def test_session_installs_skip_byte_compiling_everything(noxfile):
+    """pip byte-compiles every installed module unless told not to: ~14 s of CPU for torch and transformers in
+    each of the test venvs, mostly for modules no test imports."""
+    calls = []
+    session = type("Session", (), {"venv_backend": "venv", "install": lambda self, *args: calls.append(args)})()
+    noxfile.install(session, "-c", "constraints.txt", "toolkit-core[test]")
+    assert calls == [("--no-compile", "-c", "constraints.txt", "toolkit-core[test]")]
