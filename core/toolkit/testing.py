@@ -1,5 +1,8 @@
 """Pytest plugin shipped with the core (entry point ``pytest11: toolkit``): fixtures for plugin authors.
 
+``pytest --toolkit-cpu-report N`` prints the CPU seconds of the suite and of its N costliest tests (the
+subprocesses they waited for included; under pytest-xdist too): :class:`CpuReport`.
+
 Installed with ``toolkit``, so every test session in that environment gets these fixtures:
 
 - ``toolkit_manager(*plugins, installed=True)``: an isolated plugin manager with in-process plugins
@@ -10,8 +13,7 @@ Installed with ``toolkit``, so every test session in that environment gets these
   ``flex_calls``: the attention calls that ran through FlexAttention
 
 and helpers usable outside fixtures: :func:`run_distributed`, :func:`write_plugin_distribution`,
-:func:`packed_batch`. ``pytest --toolkit-cpu-report N`` prints the CPU seconds of the suite and of its N
-costliest tests (the subprocesses they waited for included; under pytest-xdist too).
+:func:`packed_batch`.
 Importing this module is cheap (no torch), because pytest loads it in every session.
 """
 
