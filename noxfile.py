@@ -112,7 +112,9 @@ def pytest_args(session: nox.Session) -> list[str]:
     # --dist loadscope: a module's tests stay on one worker, so a module- or class-scoped fixture (a torchrun
     # job whose report several tests read, a reference run) runs once, not once per worker
     distributed = ["-n", workers, "--dist", "loadscope"] if workers else []
-    return ["-m", markers, "--durations=10", *distributed, *session.posargs]
+    # --toolkit-cpu-report (toolkit.testing): CPU seconds per test with its subprocesses, which a busy machine
+    # does not inflate as it does --durations' wall times: where the suite's time goes
+    return ["-m", markers, "--durations=10", "--toolkit-cpu-report=15", *distributed, *session.posargs]
 
 
 def run_suites(session: nox.Session, suites: list[tuple[str, Path, list[str], dict[str, str]]]) -> None:
@@ -137,7 +139,9 @@ def install(session: nox.Session, *args: str) -> None:
     if session.venv_backend == "none":
         session.log("no venv: using the current environment without installing")
         return
-    session.install(*args)
+    # --no-compile: pip would byte-compile every module it installs (torch and transformers alone: ~14 s of CPU
+    # per venv, most of it for modules no test imports); Python compiles what is imported, once per venv
+    session.install("--no-compile", *args)
 
 
 def install_from_wheels(session: nox.Session, plugins: list[Plugin], extra: list[str]) -> None:

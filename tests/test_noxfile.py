@@ -53,13 +53,19 @@ def test_unknown_keys_are_refused(noxfile, tmp_path):
         noxfile.discover_plugins(tmp_path)
 
 
-def test_nox_lists_the_sessions():
+@pytest.fixture(scope="module")
+def nox_list():
+    """``nox -l`` of the repository's noxfile, run once for the tests that read it."""
     result = subprocess.run([sys.executable, "-m", "nox", "-l", "-f", str(ROOT / "noxfile.py")], capture_output=True, text=True, timeout=120)
     if "No module named nox" in result.stderr:
         pytest.skip("nox is not installed")
     assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_nox_lists_the_sessions(nox_list):
     for session in ("tests", "lint", "demo", "bench"):
-        assert f" {session} " in result.stdout + " "
+        assert f" {session} " in nox_list + " "
 
 
 def test_plugins_naming_one_session_share_it(noxfile, tmp_path):
@@ -70,12 +76,9 @@ def test_plugins_naming_one_session_share_it(noxfile, tmp_path):
     assert names == {"toolkit-a": "tests-engine", "toolkit-b": "tests-engine", "toolkit-c": "tests-c"}
 
 
-def test_the_vllm_engine_is_installed_once_for_its_plugins():
-    result = subprocess.run([sys.executable, "-m", "nox", "-l", "-f", str(ROOT / "noxfile.py")], capture_output=True, text=True, timeout=120)
-    if "No module named nox" in result.stderr:
-        pytest.skip("nox is not installed")
-    assert "tests-vllm [tests] -> toolkit-rl, toolkit-vllm in their own venv" in result.stdout
-    assert "tests-rl" not in result.stdout
+def test_the_vllm_engine_is_installed_once_for_its_plugins(nox_list):
+    assert "tests-vllm [tests] -> toolkit-rl, toolkit-vllm in their own venv" in nox_list
+    assert "tests-rl" not in nox_list
 
 
 def test_a_module_fixture_runs_once_on_the_workers_the_test_sessions_use(noxfile, pytester, monkeypatch):
@@ -107,3 +110,12 @@ def test_a_module_fixture_runs_once_on_the_workers_the_test_sessions_use(noxfile
     result = pytester.runpytest_subprocess(*args, "-p", "no:cacheprovider")
     result.assert_outcomes(passed=16)
     assert builds.read_text().count("built") == 1
+
+
+def test_session_installs_skip_byte_compiling_everything(noxfile):
+    """pip byte-compiles every installed module unless told not to: ~14 s of CPU for torch and transformers in
+    each of the test venvs, mostly for modules no test imports."""
+    calls = []
+    session = type("Session", (), {"venv_backend": "venv", "install": lambda self, *args: calls.append(args)})()
+    noxfile.install(session, "-c", "constraints.txt", "toolkit-core[test]")
+    assert calls == [("--no-compile", "-c", "constraints.txt", "toolkit-core[test]")]

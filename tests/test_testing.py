@@ -174,3 +174,30 @@ def test_the_fixtures_reach_plugin_authors_through_the_pytest11_entry_point(pyte
     pytester.makepyfile(test_author=PLUGIN_AUTHOR_TESTS)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)
+
+
+CPU_TESTS = """
+import subprocess, sys
+
+def test_spends_cpu_in_a_subprocess():
+    subprocess.run([sys.executable, "-c", "import time\\nend = time.process_time() + 1.5\\nwhile time.process_time() < end: pass"], check=True)
+
+def test_sleeps():
+    import time
+    time.sleep(1.5)
+"""
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one-process", "xdist"])
+def test_cpu_report_counts_the_subprocesses_a_test_waits_for_not_its_sleep(pytester, workers):
+    if workers:
+        pytest.importorskip("xdist")
+    pytester.makepyfile(test_cpu=CPU_TESTS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--toolkit-cpu-report", "5", *workers)
+    result.assert_outcomes(passed=2)
+    lines = result.stdout.lines[next(i for i, line in enumerate(result.stdout.lines) if "CPU time:" in line):]
+    assert "over 2 tests" in lines[0]
+    spent, top = lines[1].split()
+    assert top.endswith("test_spends_cpu_in_a_subprocess") and float(spent.rstrip("s")) >= 1.4
+    slept, second = lines[2].split()
+    assert second.endswith("test_sleeps") and float(slept.rstrip("s")) < 0.5

@@ -1,5 +1,8 @@
 """Pytest plugin shipped with the core (entry point ``pytest11: toolkit``): fixtures for plugin authors.
 
+``pytest --toolkit-cpu-report N`` prints the CPU seconds of the suite and of its N costliest tests (the
+subprocesses they waited for included; under pytest-xdist too): :class:`CpuReport`.
+
 Installed with ``toolkit``, so every test session in that environment gets these fixtures:
 
 - ``toolkit_manager(*plugins, installed=True)``: an isolated plugin manager with in-process plugins
@@ -176,6 +179,59 @@ class TinyModels:
 def pytest_configure(config: Any) -> None:
     """Each test session tokenizes into a cache of its own (:mod:`toolkit.data.cache`), never the user's."""
     os.environ.setdefault("TOOLKIT_CACHE", tempfile.mkdtemp(prefix="toolkit-test-cache-"))
+    config.pluginmanager.register(CpuReport(config.getoption("toolkit_cpu_report", 0)), "toolkit-cpu-report")
+
+
+def pytest_addoption(parser: Any) -> None:
+    parser.addoption("--toolkit-cpu-report", type=int, default=0, metavar="N",
+                     help="After the run, print the suite's CPU seconds and the N tests that used the most "
+                          "(this process plus the subprocesses it waited for: torchrun ranks, CLI runs). Unlike "
+                          "--durations it does not grow when the machine is busy.")
+
+
+# ----------------------------------------------------------------------------- CPU time per test
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+class CpuReport:
+    """``--toolkit-cpu-report N``: CPU seconds of each test (setup, call, teardown; this process and the
+    subprocesses it waited for), carried on the teardown report, so pytest-xdist's workers send them to the
+    controller, which prints the total and the N largest."""
+
+    PROPERTY = "toolkit_cpu_s"
+
+    def __init__(self, count: int):
+        self.count = count
+        self.rows: list[tuple[float, str]] = []
+        self.started: float | None = None
+
+    def pytest_runtest_logstart(self, nodeid: str, location: Any) -> None:
+        self.started = _cpu_seconds()
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item: Any, call: Any) -> Iterator[None]:
+        outcome = yield
+        if call.when == "teardown" and self.started is not None:
+            outcome.get_result().user_properties.append((self.PROPERTY, round(_cpu_seconds() - self.started, 3)))
+
+    def pytest_runtest_logreport(self, report: Any) -> None:
+        if report.when == "teardown":
+            self.rows += [(value, report.nodeid) for key, value in report.user_properties if key == self.PROPERTY]
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if not self.count or not self.rows:
+            return
+        rows = sorted(self.rows, reverse=True)
+        terminalreporter.write_sep("=", f"CPU time: {sum(cpu for cpu, _ in rows):.0f} s over {len(rows)} tests; "
+                                        f"the {min(self.count, len(rows))} that used the most")
+        for cpu, nodeid in rows[:self.count]:
+            terminalreporter.write_line(f"{cpu:8.1f}s  {nodeid}")
 
 
 @pytest.fixture

@@ -2,8 +2,15 @@
 
 For each layout: build the Megatron model, stream the HF weights in, compare full logits with
 the HF model, and (TP2, PP2) export back to HF safetensors for a bit-exact comparison.
+
+    _bridge_worker.py HF_DIR OUT.json LAYOUTS [MCORE_DIR]     one model
+    _bridge_worker.py JOBS.json OUT.json                      several models in one launch (imports and the
+                                                              process group are most of a launch's cost):
+                                                              [{"name", "hf_dir", "layouts", "mcore_dir"?}, ...]
+                                                              -> {name: {layout: entry}}
 """
 
+import json
 import os
 import sys
 
@@ -14,9 +21,20 @@ from conftest import finish_worker
 
 
 def main() -> None:
-    hf_dir, out_path, layouts = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
-    mcore_dir = sys.argv[4] if len(sys.argv) > 4 else None
+    out_path = sys.argv[2]
     dist.init_process_group("gloo")
+    if sys.argv[1].endswith(".json"):
+        with open(sys.argv[1]) as f:
+            jobs = json.load(f)
+        results = {job["name"]: compare(job["hf_dir"], job["layouts"].split(","), job.get("mcore_dir"),
+                                        os.path.join(os.path.dirname(out_path), job["name"])) for job in jobs}
+    else:
+        results = compare(sys.argv[1], sys.argv[3].split(","), sys.argv[4] if len(sys.argv) > 4 else None,
+                          os.path.dirname(out_path))
+    finish_worker(results, out_path)
+
+
+def compare(hf_dir: str, layouts: list[str], mcore_dir: str | None, export_root: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from toolkit.parallel import ParallelLayout
@@ -54,7 +72,7 @@ def main() -> None:
             entry["logits"] = (logits - reference).abs().max().item()
             entry["packed"] = (packed[:1] - packed_reference).abs().max().item()
         if "export" in spec:
-            target = os.path.join(os.path.dirname(out_path), f"export-{name}")
+            target = os.path.join(export_root, f"export-{name}")
             tensors = export_hf_tensors(models, hf.config)
             if dist.get_rank() == 0:
                 save_hf_checkpoint(tensors, hf.config, target, max_shard_bytes=200_000)
@@ -66,7 +84,7 @@ def main() -> None:
         dist.all_gather_object(gathered, entry)
         results[name] = {k: v for e in gathered for k, v in e.items()}
         dist.barrier()
-    finish_worker(results, out_path)
+    return results
 
 
 if __name__ == "__main__":

@@ -2,17 +2,55 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import run_worker
+from conftest import torchrun
 
 pytestmark = pytest.mark.slow
 
 TOLERANCE = 1e-4
 LAYOUTS = "tp=1,tp=2,tp=2+sp=1,pp=2,pp=2+vpp=2,cp=2"
+JOBS = {  # name: (tiny model, layouts); "llama-mcore" also reads the mcore checkpoint the fixture exports
+    "qwen2": ("qwen2", LAYOUTS),
+    "qwen3": ("qwen3", LAYOUTS),
+    "llama": ("llama", LAYOUTS + ",tp=2+export=1,pp=2+export=1"),
+    "qwen3_moe": ("qwen3_moe", "ep=2,pp=2,tp=2+sp=1"),
+    "mixtral": ("mixtral", "ep=2+export=1,tp=2+sp=1+export=1"),
+    "qwen2_moe": ("qwen2_moe", "ep=2+export=1"),
+    "mistral": ("mistral", "tp=2,pp=2"),
+    "llama-mcore": ("llama", "pp=2+mcore=1,tp=2+sp=1+mcore=1"),
+}
+
+
+def export_llama_to_mcore_at_tp2(source: Path, output: Path) -> Path:
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from toolkit.contracts import ExportModel, ModelSource
+    from toolkit.plugins import get_plugin_manager
+
+    files = sorted(source.glob("*.safetensors"))
+    model = ExportModel(source=ModelSource(reference=str(source), directory=source, config=AutoConfig.from_pretrained(source),
+                                           tokenizer=None, weight_files=files),
+                        tensors=lambda: (item for f in files for item in load_file(f).items()))
+    return get_plugin_manager().create("exporter", "mcore").export(model, output, {"tp": 2})
+
+
+@pytest.fixture(scope="module")
+def bridge(tiny_models, tmp_path_factory):
+    """Every model and layout the tests compare, in one 2-rank launch (8 launches before: imports and the
+    process group are most of each one's cost); {job: {layout: entry}}, plus the mcore checkpoint it read."""
+    work = tmp_path_factory.mktemp("bridge")
+    mcore_dir = export_llama_to_mcore_at_tp2(tiny_models["llama"], work / "mcore")
+    jobs = [{"name": name, "hf_dir": str(tiny_models[arch]), "layouts": layouts,
+             **({"mcore_dir": str(mcore_dir)} if "mcore" in layouts else {})} for name, (arch, layouts) in JOBS.items()]
+    (work / "jobs.json").write_text(json.dumps(jobs))
+    torchrun("_bridge_worker.py", str(work / "jobs.json"), str(work / "result.json"), timeout=900)
+    return {**json.loads((work / "result.json").read_text()), "mcore_dir": mcore_dir}
 
 
 def _load(directory: Path) -> dict[str, torch.Tensor]:
@@ -31,16 +69,17 @@ def _assert_close(results: dict) -> None:
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_logits_match_hf_at_every_layout(arch, tiny_models, tmp_path):
-    results = run_worker("_bridge_worker.py", tmp_path, str(tiny_models[arch]), LAYOUTS)
+def test_logits_match_hf_at_every_layout(arch, bridge):
+    results = bridge[arch]
     assert set(results) == set(LAYOUTS.split(","))
     _assert_close(results)
 
 
-def test_llama_logits_and_round_trip_is_bit_exact(tiny_models, tmp_path):
+def test_llama_logits_and_round_trip_is_bit_exact(tiny_models, bridge):
     """Untied GQA llama at every layout; HF -> mcore (TP2 / PP2) -> HF gives identical tensors."""
     source = tiny_models["llama"]
-    results = run_worker("_bridge_worker.py", tmp_path, str(source), LAYOUTS + ",tp=2+export=1,pp=2+export=1")
+    results = bridge["llama"]
+    assert set(results) == set(JOBS["llama"][1].split(","))
     _assert_close(results)
     original = _load(source)
     for layout in ("tp=2+export=1", "pp=2+export=1"):
@@ -53,13 +92,15 @@ def test_llama_logits_and_round_trip_is_bit_exact(tiny_models, tmp_path):
             assert torch.equal(tensors[name], tensor), f"{layout}: {name} changed in the round trip"
 
 
-def test_moe_logits_and_round_trip_with_expert_parallelism(tiny_models, tmp_path):
+def test_moe_logits_and_round_trip_with_expert_parallelism(tiny_models, bridge):
     """Qwen3-MoE, Mixtral, Qwen2-MoE (shared expert): EP2, PP2, TP2+SP (experts split over expert-TP)
     equal HF; exports are bit-exact."""
-    _assert_close(run_worker("_bridge_worker.py", tmp_path / "q", str(tiny_models["qwen3_moe"]), "ep=2,pp=2,tp=2+sp=1"))
-    for arch, layouts in (("mixtral", "ep=2+export=1,tp=2+sp=1+export=1"), ("qwen2_moe", "ep=2+export=1")):
+    _assert_close(bridge["qwen3_moe"])
+    assert set(bridge["qwen3_moe"]) == {"ep=2", "pp=2", "tp=2+sp=1"}
+    for arch in ("mixtral", "qwen2_moe"):
         source = tiny_models[arch]
-        results = run_worker("_bridge_worker.py", tmp_path / arch, str(source), layouts)
+        results = bridge[arch]
+        assert set(results) == set(JOBS[arch][1].split(","))
         _assert_close(results)
         original = _load(source)
         for entry in results.values():
@@ -68,27 +109,20 @@ def test_moe_logits_and_round_trip_with_expert_parallelism(tiny_models, tmp_path
             assert all(torch.equal(tensors[n], t) for n, t in original.items()), arch
 
 
-def test_mistral_tp2(tiny_models, tmp_path):
-    _assert_close(run_worker("_bridge_worker.py", tmp_path, str(tiny_models["mistral"]), "tp=2,pp=2"))
+def test_mistral_tp2(bridge):
+    assert set(bridge["mistral"]) == {"tp=2", "pp=2"}
+    _assert_close(bridge["mistral"])
 
 
-def test_mcore_export_at_tp2_loads_at_pp2_and_back_to_hf(tiny_models, tmp_path):
-    from safetensors.torch import load_file
-    from transformers import AutoConfig
-
-    from toolkit.contracts import ExportModel, ModelSource
+def test_mcore_export_at_tp2_loads_at_pp2_and_back_to_hf(tiny_models, bridge):
     from toolkit.plugins import get_plugin_manager
 
     source = tiny_models["llama"]
-    files = sorted(source.glob("*.safetensors"))
-    model = ExportModel(source=ModelSource(reference=str(source), directory=source, config=AutoConfig.from_pretrained(source),
-                                           tokenizer=None, weight_files=files),
-                        tensors=lambda: (item for f in files for item in load_file(f).items()))
-    exporter = get_plugin_manager().create("exporter", "mcore")
-    mcore_dir = exporter.export(model, tmp_path / "mcore", {"tp": 2})
+    mcore_dir = bridge["mcore_dir"]  # export_llama_to_mcore_at_tp2, read back by the launch at PP2 and TP2+SP
     assert (mcore_dir / "toolkit_mcore.json").is_file()
 
-    results = run_worker("_bridge_worker.py", tmp_path, str(source), "pp=2+mcore=1,tp=2+sp=1+mcore=1", str(mcore_dir))
+    results = bridge["llama-mcore"]
+    assert set(results) == {"pp=2+mcore=1", "tp=2+sp=1+mcore=1"}
     _assert_close(results)
 
     resolved = get_plugin_manager().resolve_export_source(str(mcore_dir))
