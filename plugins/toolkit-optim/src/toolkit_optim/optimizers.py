@@ -119,8 +119,9 @@ class GaLore:
 
     name: ClassVar[str] = "galore"
     Config: ClassVar[type] = GaLoreConfig
-    # Each rank must see the whole gradient matrix for its SVD: no FSDP2 shards.
-    strategies: ClassVar[tuple[str, ...]] = ("local",)
+    # Under FSDP2 the gradients are DTensor shards: DTensor gathers a matrix for the SVD (every
+    # update_proj_gap steps) and keeps the projections' placements, so the steps equal one process's (tested).
+    strategies: ClassVar[tuple[str, ...]] = ("local", "fsdp")
 
     def __init__(self, config: Any = None):
         self.config = config or self.Config()
