@@ -93,6 +93,15 @@ def test_without_eval_dataset_the_calibration_tail_is_held_out(trained, tmp_path
     assert report["eval_dataset"].endswith("(last 10%)") and report["eval_tokens"] > 0
 
 
+def test_a_bundled_dataset_name_is_held_out_text_as_in_training(trained, tmp_path, cli_runner):
+    """--eval-dataset takes what --dataset takes: `demo-text` (bundled) as examples/quantize.yaml suggests."""
+    result = cli_runner.invoke(["export", str(trained / "run"), "--quantize", "bnb8", "--eval-dataset", "demo-text",
+                                "--output", str(tmp_path / "q")])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "q/quantization.json").read_text())
+    assert report["eval_dataset"] == "demo-text" and report["eval_tokens"] > 100
+
+
 @pytest.mark.parametrize("args, message", [
     (["--quantize", "bnb4"], "give --eval-dataset FILE"),
     (["--quantize", "gptq", "--eval-dataset", "EVAL"], "calibrates on your data: give --calibration-dataset FILE"),
