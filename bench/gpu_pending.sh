@@ -9,12 +9,15 @@
 #   bash bench/gpu_pending.sh moe        # nvidia-h200, ~9 min: MoE: hf vs toolkit-moe (pure bf16, blocks+logps); hf vs
 #                                        #   megatron grouped / sequential experts
 #   bash bench/gpu_pending.sh x2         # nvidia-h200-x2, ~9 min: MoE EP2 (toolkit-moe, megatron), 2-GPU layouts
+#   bash bench/gpu_pending.sh optim      # nvidia-h100-x1 or h200, ~5 min: optimizer state and peak memory of adamw-8bit,
+#                                        #   adafactor, galore (rank 512), lisa against AdamW on the 1.24B Llama
+#                                        #   (issue 28; .whl from WITH_BNB=1 bash bench/wheels.sh for adamw-8bit)
 #
 # Each command runs its baseline in the same script and has its own time limit, so one slow case cannot eat
 # the part; every JSON lands in $OUT (bench/results/ is where they are kept, renamed <kind>-<gpu>-<date>.json).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: bash bench/gpu_pending.sh speed|megatron|moe|x2}
+part=${1:?usage: bash bench/gpu_pending.sh speed|megatron|moe|x2|optim}
 : "${OUT:=/tmp/gpu_pending}"
 mkdir -p "$OUT"
 source bench/gpu_setup.sh
@@ -48,8 +51,11 @@ case "$part" in
     run 240 moe-ep2 python3 bench/moe.py --cases hf,toolkit-ep2,megatron-ep2 --timeout 100
     run 300 scaling-2gpu python3 bench/scaling.py --gpus 2 --no-speed --budget 240 --case-timeout 100
     ;;
+  optim)
+    run 420 optimizers python3 bench/optimizers.py
+    ;;
   *)
-    echo "unknown part '$part': use speed, megatron, moe or x2" >&2
+    echo "unknown part '$part': use speed, megatron, moe, x2 or optim" >&2
     exit 2
     ;;
 esac

@@ -133,12 +133,19 @@ def run_variant(name: str, args: argparse.Namespace, model_dir: Path, device: to
 
 
 def main() -> None:
+    from toolkit.errors import ToolkitError
+
     args = parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model_dir(args, Path(tmp))
-        rows = [run_variant(name, args, model_dir, device) for name in args.variants.split(",")]
+        rows = []
+        for name in args.variants.split(","):
+            try:
+                rows.append(run_variant(name, args, model_dir, device))
+            except ToolkitError as exc:  # e.g. bitsandbytes or galore-torch missing on the GPU image: say so, go on
+                print(f"{name}: skipped ({str(exc).splitlines()[0]})", file=sys.stderr)
     base = next((r for r in rows if r["run"] == "adamw"), rows[0])
     print(f"\noptimizer memory, {'tiny' if args.tiny else '1.24B'} Llama, seq {args.seq_len} x batch {args.batch}, {device}")
     print(f"{'run':12s} {'state GiB':>10s} {'vs adamw':>9s} {'grads GiB':>10s} {'peak GiB':>9s} {'s/step':>8s} {'loss':>8s}")

@@ -28,9 +28,11 @@ fi
 if ! ls .whl/trl-*.whl .whl/datasets-*.whl >/dev/null 2>&1; then
   "$PY" -m pip download -q --no-deps "${GPU_PLATFORM[@]}" -d .whl 'trl==1.16.0' 'datasets==5.2.0'
 fi
-# bitsandbytes (--tuner qlora) only when asked: its wheel is large (WITH_BNB=1 bash bench/wheels.sh)
+# bitsandbytes (--tuner qlora, --optimizer adamw-8bit) only when asked: its wheel is large (WITH_BNB=1 bash bench/wheels.sh)
 if [ "${WITH_BNB:-0}" = 1 ] && ! ls .whl/bitsandbytes-*.whl >/dev/null 2>&1; then
   "$PY" -m pip download -q --no-deps "${GPU_PLATFORM[@]}" -d .whl 'bitsandbytes==0.50.2'
 fi
-"$PY" -m pip download -q "${GPU_PLATFORM[@]}" -d .whl/deps dill multiprocess hjson msgpack einops py-cpuinfo 'pydantic>=2'
+# galore-torch (pure Python, a few KiB) for bench/optimizers.py's galore variant (bash bench/gpu_pending.sh optim)
+"$PY" -m pip download -q "${GPU_PLATFORM[@]}" -d .whl/deps dill multiprocess hjson msgpack einops py-cpuinfo 'pydantic>=2' \
+  'galore-torch==1.0'
 ls -la .whl .whl/deps

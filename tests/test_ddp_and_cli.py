@@ -128,3 +128,25 @@ def test_fsdp_equals_local_resumes_and_exports(tmp_path):
     with torch.no_grad():
         again = AutoModelForCausalLM.from_pretrained(tmp_path / "from-ckpt")(ids).logits
     torch.testing.assert_close(again, sharded, rtol=0, atol=0)
+
+
+def check_run_dir_then_write(output: str) -> str:
+    """Rank 1 looks at the output directory late: rank 0 must not have written this run's recipe.yaml by then."""
+    import torch.distributed as dist
+
+    from toolkit.recipe import resolve_recipe
+    from toolkit.train.runner import prepare_run_dir
+
+    if dist.get_rank() == 1:
+        time.sleep(2.0)
+    run_dir = prepare_run_dir(resolve_recipe({"output": output}), dist.get_rank() == 0)
+    if dist.get_rank() == 0:
+        (run_dir / "recipe.yaml").write_text("model: tiny-llama\n")
+    return "ok"
+
+
+@pytest.mark.slow
+def test_a_slower_rank_does_not_take_the_new_run_for_an_old_one(tmp_path):
+    from toolkit.testing import run_distributed
+
+    assert run_distributed(check_run_dir_then_write, nproc=2, args=(str(tmp_path / "run"),), timeout=120) == ["ok", "ok"]

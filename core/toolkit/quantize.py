@@ -27,9 +27,16 @@ def check_request(quantizer: Any, exporter: str, calibration: str | None, eval_d
     problems = []
     if exporter != "hf":
         problems.append(f"--quantize writes a Hugging Face directory: use it with --to hf, not --to {exporter}")
+    from toolkit.data.reading import resolve_dataset_path
+    from toolkit.errors import DataError
+
     for flag, path in (("--calibration-dataset", calibration), ("--eval-dataset", eval_dataset)):
-        if path and not Path(path).is_file():
-            problems.append(f"{flag} {path}: no such file (give a jsonl/json/parquet/csv file of text or chat records)")
+        try:
+            if path:
+                resolve_dataset_path(path)  # what --dataset takes: a file, a save_to_disk folder, a bundled name
+        except DataError:
+            problems.append(f"{flag} {path}: no such file (give a jsonl/json/parquet/csv file of text or chat records, "
+                            "a save_to_disk folder or a bundled dataset name)")
     if quantizer.needs_calibration and not calibration:
         problems.append(f"--quantize {quantizer.name} calibrates on your data: give --calibration-dataset FILE "
                         "(a few hundred records like those the model will see)")

@@ -60,6 +60,9 @@ def prepare_run_dir(recipe: Recipe, is_main: bool) -> Path:
     if existing.is_file() and not recipe.resume and not recipe.overwrite:
         raise ToolkitError(f"output directory {run_dir} already holds a run ({existing}). Pass --resume auto to continue it, "
                            "--overwrite to start over there, or choose another --output.")
+    from toolkit.train.distributed import barrier
+
+    barrier()  # every rank has looked before the main one writes: a slower rank would see this run's own recipe.yaml
     if is_main:
         if existing.is_file() and recipe.overwrite and not recipe.resume:
             for name in ("checkpoints", "metrics.jsonl", "export"):

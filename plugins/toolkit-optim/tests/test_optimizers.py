@@ -151,7 +151,7 @@ def test_galore_checkpoint_holds_tensors_only(tmp_path, cli_runner):
     assert projections and all(p.shape[-1] == 4 or p.shape[0] == 4 for p in projections)
 
 
-@pytest.mark.parametrize("name, strategy", [("galore", "fsdp"), ("adamw-8bit", "fsdp"), ("adafactor", "fsdp")])
+@pytest.mark.parametrize("name, strategy", [("adamw-8bit", "fsdp"), ("adafactor", "fsdp")])
 def test_strategies_that_cannot_run_an_optimizer_refuse_it(cli_runner, tmp_path, name, strategy):
     result = invoke(cli_runner, ["sft", "--model", "tiny-llama", "--max-steps", "1", "--optimizer", name, "--strategy", strategy,
                                 "--output", str(tmp_path / "run")], code=None)
@@ -186,3 +186,25 @@ def test_toolkit_plugins_lists_what_this_plugin_registers(cli_runner):
     (row,) = [r for r in json.loads(result.stdout) if r["name"] == "optim"]
     assert row["distribution"] == "toolkit-optim" and row["error"] is None
     assert row["registers"] == {"optimizer": ["adamw-8bit", "galore"], "tuner": ["lisa"]}
+
+
+@pytest.mark.parametrize("installed, refused", [("0.45.0", True), ("0.49.2", True), ("0.50.0", False)])
+def test_a_bitsandbytes_without_cpu_8bit_optimizers_is_refused_on_cpu(cli_runner, tmp_path, monkeypatch, installed,
+                                                                       refused):
+    """bitsandbytes runs its 8-bit optimizer on CPU from 0.50.0: an older one is named before the model loads."""
+    import importlib.metadata
+
+    from toolkit.recipe import Recipe
+    from toolkit_optim.optimizers import AdamW8bit
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: installed if name == "bitsandbytes" else real(name))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    message = f"--optimizer adamw-8bit without a CUDA GPU needs bitsandbytes >= 0.50 (its 8-bit optimizer runs on CPU " \
+              f"since 0.50.0), but {installed} is installed"
+    assert any(message in p for p in AdamW8bit().validate(Recipe(optimizer="adamw-8bit"))) == refused
+    if refused:
+        result = invoke(cli_runner, ["sft", "--model", "tiny-llama", "--max-steps", "1", "--optimizer", "adamw-8bit",
+                                     "--output", str(tmp_path / "run")], code=None)
+        assert result.exit_code != 0 and message in result.output, result.output
+        assert "Traceback" not in result.output and not (tmp_path / "run").exists()

@@ -93,6 +93,15 @@ def test_without_eval_dataset_the_calibration_tail_is_held_out(trained, tmp_path
     assert report["eval_dataset"].endswith("(last 10%)") and report["eval_tokens"] > 0
 
 
+def test_a_bundled_dataset_name_is_held_out_text_as_in_training(trained, tmp_path, cli_runner):
+    """--eval-dataset takes what --dataset takes: `demo-text` (bundled) as examples/quantize.yaml suggests."""
+    result = cli_runner.invoke(["export", str(trained / "run"), "--quantize", "bnb8", "--eval-dataset", "demo-text",
+                                "--output", str(tmp_path / "q")])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "q/quantization.json").read_text())
+    assert report["eval_dataset"] == "demo-text" and report["eval_tokens"] > 100
+
+
 @pytest.mark.parametrize("args, message", [
     (["--quantize", "bnb4"], "give --eval-dataset FILE"),
     (["--quantize", "gptq", "--eval-dataset", "EVAL"], "calibrates on your data: give --calibration-dataset FILE"),
@@ -107,3 +116,27 @@ def test_bad_requests_are_refused_before_anything_loads(trained, tmp_path, cli_r
     result = cli_runner.invoke(["export", str(trained / "run"), "--output", str(tmp_path / "q"), *args])
     assert result.exit_code != 0 and message in result.output, result
     assert "Traceback" not in result.output and not (tmp_path / "q").exists()
+
+
+
+@pytest.mark.parametrize("installed, refused", [("0.45.5", True), ("0.46.0", False), ("0.50.2", False)])
+def test_a_bitsandbytes_without_a_cpu_backend_is_refused_on_cpu(trained, tmp_path, cli_runner, monkeypatch, installed,
+                                                                 refused):
+    """bitsandbytes quantizes on CPU from 0.46.0: an older one is named, with the upgrade, before anything loads."""
+    import importlib.metadata
+
+    import toolkit.export as export
+    from toolkit_quantize.bnb import BnB4, BnB8
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: installed if name == "bitsandbytes" else real(name))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    message = f"without a CUDA GPU needs bitsandbytes >= 0.46 (its CPU backend came in 0.46.0), but {installed} is installed"
+    for cls in (BnB4, BnB8):
+        assert any(message in p for p in cls().validate()) == refused, cls.name
+    if refused:
+        monkeypatch.setattr(export, "resolve_export_source", lambda *a, **k: pytest.fail("the model was loaded"))
+        result = cli_runner.invoke(["export", str(trained / "run"), "--output", str(tmp_path / "q"), "--quantize", "bnb4",
+                                    "--eval-dataset", write_jsonl(tmp_path / "held.jsonl", TEXT)])
+        assert result.exit_code != 0 and f"--quantize bnb4 {message}" in result.output, result.output
+        assert "Traceback" not in result.output and not (tmp_path / "q").exists()

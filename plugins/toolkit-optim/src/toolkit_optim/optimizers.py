@@ -36,6 +36,31 @@ def missing(module: str, package: str, extra: str, what: str) -> list[str]:
     return []
 
 
+CPU_8BIT_OPTIMIZER = "0.50"
+"""bitsandbytes' 8-bit optimizer kernels run on CPU from 0.50.0; before, on CUDA and XPU only."""
+
+
+def bitsandbytes_cpu_problems(what: str) -> list[str]:
+    """On a machine without a CUDA GPU: a bitsandbytes too old to run its 8-bit optimizer there, named with its
+    version, before the model loads (older versions fail inside the first step)."""
+    import importlib.metadata
+
+    import torch
+    from packaging.version import Version
+
+    if torch.cuda.is_available():
+        return []
+    try:
+        installed = importlib.metadata.version("bitsandbytes")
+    except importlib.metadata.PackageNotFoundError:
+        return []  # `missing` names the install command
+    if Version(installed) >= Version(CPU_8BIT_OPTIMIZER):
+        return []
+    return [f"{what} without a CUDA GPU needs bitsandbytes >= {CPU_8BIT_OPTIMIZER} (its 8-bit optimizer runs on CPU "
+            f"since 0.50.0), but {installed} is installed: pip install -U 'bitsandbytes>={CPU_8BIT_OPTIMIZER}', or "
+            "use --optimizer adamw or adafactor here"]
+
+
 @dataclasses.dataclass(kw_only=True)
 class AdamW8bitConfig:
     min_8bit_size: int = option(4096, help="Tensors with fewer elements keep 32-bit states (bitsandbytes' default).")
@@ -46,7 +71,7 @@ class AdamW8bitConfig:
 
 class AdamW8bit:
     """bitsandbytes.optim.AdamW8bit: both moments stored in 8 bits (block-wise quantised), 2 bytes per
-    parameter instead of 8. Runs on CUDA and, with bitsandbytes >= 0.45, on CPU."""
+    parameter instead of 8. Runs on CUDA and, with bitsandbytes >= 0.50, on CPU."""
 
     name: ClassVar[str] = "adamw-8bit"
     Config: ClassVar[type] = AdamW8bitConfig
@@ -58,7 +83,8 @@ class AdamW8bit:
 
     def validate(self, recipe: Any) -> list[str]:
         return (strategy_problems(self.name, recipe, self.strategies)
-                + missing("bitsandbytes", "bitsandbytes", "bnb", f"--optimizer {self.name}"))
+                + missing("bitsandbytes", "bitsandbytes", "bnb", f"--optimizer {self.name}")
+                + bitsandbytes_cpu_problems(f"--optimizer {self.name}"))
 
     def build(self, named_params: list[tuple[str, Any]], recipe: Any) -> Any:
         bnb = require("bitsandbytes", "bitsandbytes", "bnb", f"--optimizer {self.name}")
@@ -93,8 +119,9 @@ class GaLore:
 
     name: ClassVar[str] = "galore"
     Config: ClassVar[type] = GaLoreConfig
-    # Each rank must see the whole gradient matrix for its SVD: no FSDP2 shards.
-    strategies: ClassVar[tuple[str, ...]] = ("local",)
+    # Under FSDP2 the gradients are DTensor shards: DTensor gathers a matrix for the SVD (every
+    # update_proj_gap steps) and keeps the projections' placements, so the steps equal one process's (tested).
+    strategies: ClassVar[tuple[str, ...]] = ("local", "fsdp")
 
     def __init__(self, config: Any = None):
         self.config = config or self.Config()

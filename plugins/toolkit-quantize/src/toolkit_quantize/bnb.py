@@ -5,16 +5,27 @@ with ``from_pretrained`` (the config carries its ``quantization_config``) and is
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import importlib.util
 from pathlib import Path
 from typing import Any, ClassVar
 
 from toolkit.plugins import install_hint
 
+CPU_QUANTIZATION = "0.46"
+"""bitsandbytes quantizes and runs 4-bit and 8-bit layers on CPU from 0.46.0 (before: CUDA only)."""
+
 
 def bitsandbytes_problems(name: str) -> list[str]:
     if importlib.util.find_spec("bitsandbytes") is None:
         return [f"--quantize {name} needs bitsandbytes, which is not installed: {install_hint('toolkit-quantize', 'bnb')}"]
+    import torch
+    from packaging.version import Version
+
+    installed = importlib.metadata.version("bitsandbytes")
+    if not torch.cuda.is_available() and Version(installed) < Version(CPU_QUANTIZATION):
+        return [f"--quantize {name} without a CUDA GPU needs bitsandbytes >= {CPU_QUANTIZATION} (its CPU backend came in "
+                f"0.46.0), but {installed} is installed: pip install -U 'bitsandbytes>={CPU_QUANTIZATION}'"]
     return []
 
 
