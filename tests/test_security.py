@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from toolkit.testing import CodePayload as Payload
-from toolkit.testing import point_dcp_entry_at
+from toolkit.testing import plant_model_code, point_dcp_entry_at
 from toolkit.testing import reseal_checkpoint as reseal
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -108,12 +108,7 @@ def remote_code_model(tmp_path):
     model = tmp_path / "model"
     shutil.copytree(materialize_preset("tiny-llama"), model)
     marker = tmp_path / "ran"
-    (model / "configuration_evil.py").write_text(
-        f"open({str(marker)!r}, 'w').write('ran')\nfrom transformers import LlamaConfig\n\n"
-        "class EvilConfig(LlamaConfig):\n    model_type = 'evil-llama'\n")
-    config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "model_type": "evil-llama",
-                                                   "auto_map": {"AutoConfig": "configuration_evil.EvilConfig"}}))
+    plant_model_code(model, "evil-llama", marker)
     return model, marker
 
 

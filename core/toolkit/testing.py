@@ -508,6 +508,20 @@ class CodePayload:
         return (exec, (f"open({self.marker!r}, 'w').write('ran')",))
 
 
+def plant_model_code(directory: Path, model_type: str, marker: Path) -> None:
+    """Make the HF ``config.json`` in ``directory`` name its own code (``auto_map``) for ``model_type``, a type
+    transformers lacks, so transformers asks whether to run it; importing that code writes ``marker``."""
+    import json
+
+    directory = Path(directory)
+    (directory / "configuration_evil.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\nfrom transformers import LlamaConfig\n\n"
+        f"class EvilConfig(LlamaConfig):\n    model_type = {model_type!r}\n")
+    config = json.loads((directory / "config.json").read_text())
+    config.update(model_type=model_type, auto_map={"AutoConfig": "configuration_evil.EvilConfig"})
+    (directory / "config.json").write_text(json.dumps(config))
+
+
 def reseal_checkpoint(checkpoint: Path) -> None:
     """Rewrite ``checkpoint``'s manifest.json after a test changed its files: whoever ships a checkpoint writes
     its manifest too, so the manifest is no defence against a crafted file."""

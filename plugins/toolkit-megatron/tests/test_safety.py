@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from toolkit.testing import CodePayload, point_dcp_entry_at, reseal_checkpoint
+from toolkit.testing import CodePayload, plant_model_code, point_dcp_entry_at, reseal_checkpoint
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 TRAIN = ["sft", "--model", "tiny-llama", "--dataset", "demo", "--seq-len", "64", "--micro-batch-size", "2",
@@ -74,17 +74,10 @@ def test_a_crafted_megatron_checkpoint_is_refused_in_one_line(megatron_run, tmp_
 
 
 def test_exporting_an_mcore_directory_that_names_its_own_code_runs_none_of_it(megatron_run, tmp_path):
-    import json
-
     mcore = tmp_path / "mcore"
     shutil.copytree(megatron_run / "checkpoints" / "step-2" / "mcore", mcore)
     marker = tmp_path / "ran"
-    (mcore / "configuration_evil.py").write_text(
-        f"open({str(marker)!r}, 'w').write('ran')\nfrom transformers import LlamaConfig\n\n"
-        "class EvilConfig(LlamaConfig):\n    model_type = 'evil'\n")
-    config = json.loads((mcore / "config.json").read_text())
-    config.update(model_type="evil", auto_map={"AutoConfig": "configuration_evil.EvilConfig"})
-    (mcore / "config.json").write_text(json.dumps(config))
+    plant_model_code(mcore, "evil", marker)
     done = subprocess.run([sys.executable, "-m", "toolkit", "export", str(mcore), "--to", "hf", "--output",
                            str(tmp_path / "out")], input="y\n", capture_output=True, text=True, env=ENV, timeout=400)
     refused(done, f"{mcore / 'config.json'} asks to run the model's own Python code (configuration_evil); it was not run")

@@ -159,22 +159,16 @@ def test_reward_model_scores_the_closed_conversation_like_the_classifier(tmp_pat
 
 def test_a_reward_model_with_its_own_code_is_refused_even_when_someone_answers_yes(tmp_path, monkeypatch):
     """--reward DIR whose config names its own code (auto_map): transformers would ask on the terminal."""
-    import json
-
     from transformers import LlamaConfig
 
     from toolkit.errors import ModelError
+    from toolkit.testing import plant_model_code
 
     directory = tmp_path / "rm"
     LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                 num_labels=1).save_pretrained(directory)
     marker = tmp_path / "ran"
-    (directory / "configuration_evil.py").write_text(
-        f"open({str(marker)!r}, 'w').write('ran')\nfrom transformers import LlamaConfig\n\n"
-        "class EvilConfig(LlamaConfig):\n    model_type = 'evil-rm'\n")
-    config = json.loads((directory / "config.json").read_text())
-    config.update(model_type="evil-rm", auto_map={"AutoConfig": "configuration_evil.EvilConfig"})
-    (directory / "config.json").write_text(json.dumps(config))
+    plant_model_code(directory, "evil-rm", marker)
     monkeypatch.setattr("builtins.input", lambda *args: "y")
     with pytest.raises(ModelError, match="asks to run the model's own Python code .configuration_evil.; it was not run"):
         built = rewards.build_rewards([str(directory)], recipe(), get_plugin_manager())
