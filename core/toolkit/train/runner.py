@@ -295,10 +295,11 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
     engine.set_total_steps(total_steps)
     start_step = 0
     checkpoint = agree_on_resume(run_dir, recipe.resume, engine, recipe.checkpoint_verify) if recipe.resume else None
+    saved = read_state(checkpoint) if checkpoint is not None else {}
     if checkpoint is not None:
         engine.load_checkpoint(checkpoint)
-        start_step = read_state(checkpoint)["step"]
-        batches.restore(read_state(checkpoint))
+        start_step = saved["step"]
+        batches.restore(saved)
         restore_rng(checkpoint, engine.dp_rank)
         if engine.is_main:
             print(f"toolkit: resumed from {checkpoint} at step {start_step}", file=sys.stderr)
@@ -311,11 +312,10 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
     guard = NonFiniteGuard.for_run(recipe, engine, run_dir)
     watchdog = start_watchdog(recipe.dist_timeout)
     if checkpoint is not None:
-        guard.restore(read_state(checkpoint))
-        evaluation.restore(read_state(checkpoint))
+        guard.restore(saved)
+        evaluation.restore(saved)
     log = _StepLog(recipe, engine, callbacks, total_steps, batches.steps_per_epoch, start_step)
-    if checkpoint is not None:
-        log.trained_total = log.trained_before = int(read_state(checkpoint).get("trained_tokens", 0))
+    log.trained_total = log.trained_before = int(saved.get("trained_tokens", 0))
     step, result, stopped = start_step, None, None
     with StopFlag() as stop:
         while step < total_steps:
