@@ -187,6 +187,15 @@ def leftovers(run_dir: Path, since: float = 0.0) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.name.startswith(".") and p.stat().st_ctime > since) if root.is_dir() else []
 
 
+def whole_checkpoints(run_dir: Path) -> int:
+    from toolkit.train.checkpoint import list_checkpoints
+
+    try:
+        return len(list_checkpoints(run_dir))
+    except OSError:  # a folder renamed or pruned while it was listed
+        return 0
+
+
 def corrupt_newest(run_dir: Path, rng: random.Random) -> Path | None:
     """Flip one byte in the biggest file of the newest whole checkpoint (the size stays the same)."""
     from toolkit.train.checkpoint import list_checkpoints
@@ -270,10 +279,17 @@ def run_kill_test(args: argparse.Namespace) -> dict[str, object]:
             pending_damaged = _check_damaged(text, pending_damaged, summary)
             continue
         moment = rng.choices(MOMENTS, weights=MOMENT_WEIGHTS)[0]
+        # the kill after which a checkpoint is damaged waits for a second whole one (damaging the only one is
+        # refused at resume), so how many are injected never depends on how fast this machine runs
+        corrupt_due = bool(args.corrupt_every) and (kills + 1) % args.corrupt_every == 0 and pending_damaged is None
+        if corrupt_due and moment == "startup":
+            moment = "training"
         if moment == "startup":
             alive = sleep_while_alive(process, rng.uniform(0.2, first_step_at))
         else:
             alive = wait_for(training_started(run_dir, since), process, args.timeout, poll=0.01)
+            if corrupt_due:
+                alive = alive and wait_for(lambda: whole_checkpoints(run_dir) >= 2, process, args.timeout, poll=0.05)
             # spread the kills over the run: on average each round gets 1/(kills left) of the way that remains
             remaining = (args.steps - resumed_step(log)) / args.steps
             share = min(0.9, 2 * remaining / (args.kills - kills))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 import urllib.error
 import urllib.request
@@ -71,14 +70,17 @@ class VLLMServerRollouts(HFRollouts):
         self.model_name = check_server(self.url)
         super().__init__(source, recipe, config, device)
         root = os.environ.get("TOOLKIT_VLLM_WEIGHTS_DIR") or None  # a directory the server reads too (shared storage)
-        self.weights_dir = Path(tempfile.mkdtemp(prefix="toolkit-rollout-weights-", dir=root))
+        # scratch space, not an output: removed at close, or at exit if the run dies before close
+        self._scratch = tempfile.TemporaryDirectory(prefix="toolkit-rollout-weights-", dir=root)
+        self.weights_dir = Path(self._scratch.name)
 
     def request(self, method: str, path: str, body: dict | None = None, *, what: str) -> Any:
         return request(self.url, method, path, body, what=what, timeout=self.timeout)
 
     def load_weights(self, tensors: Any) -> None:
         import torch.distributed as dist
-        from safetensors.torch import save_file
+
+        from toolkit.hfdir import write_safetensors_shards
 
         pairs = list(tensors)
         super().load_weights(pairs)
@@ -86,9 +88,8 @@ class VLLMServerRollouts(HFRollouts):
         # one server for every rank: the main rank updates it. The run's check after this call (an all-reduce of
         # failures, GRPORun.backend_call) keeps the other ranks from sampling before the server holds the new weights.
         if main:
-            partial = self.weights_dir / "model.safetensors.partial"
-            save_file({name: t.detach().to("cpu").contiguous() for name, t in pairs}, str(partial))
-            os.replace(partial, self.weights_dir / "model.safetensors")
+            # one shard, written under a hidden name and renamed over the last one: the server never reads half a file
+            write_safetensors_shards(pairs, self.weights_dir, max_shard_bytes=2**62)
             self.request("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(self.weights_dir)}},
                          what="loading the policy's weights")
             self.request("POST", "/reset_prefix_cache", {}, what="resetting its prefix cache")
@@ -113,4 +114,4 @@ class VLLMServerRollouts(HFRollouts):
 
     def close(self) -> None:
         super().close()
-        shutil.rmtree(self.weights_dir, ignore_errors=True)
+        self._scratch.cleanup()
