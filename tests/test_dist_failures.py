@@ -12,10 +12,11 @@ import nan_plugin
 import pytest
 from test_numerics import write_dataset
 
-from toolkit.testing import free_port, write_plugin_distribution
+from toolkit.testing import free_port, run_distributed, write_plugin_distribution
 
 TIMEOUT = 6
-STARTUP = 40  # seconds two CPU ranks may take to import torch and build the tiny model
+STARTUP = 240  # seconds two CPU ranks may take to import torch and build the tiny model on a loaded machine;
+# with the grace below, still under the 600 s a collective outside a step may wait (toolkit.train.distributed.STARTUP_TIMEOUT)
 
 
 def poisoned_position(data: Path) -> tuple[int, int]:
@@ -32,6 +33,36 @@ def poisoned_position(data: Path) -> tuple[int, int]:
                    for mb in batches.micro_batches(step)):
                 return step + 1, rank
     raise AssertionError("no poisoned sample")
+
+
+SKEWED = """
+import sys, time
+from toolkit.train.distributed import all_reduce_sum, barrier, init_world, start_watchdog
+world = init_world(2.0)  # --dist-timeout 2
+if world.rank == 1:
+    time.sleep(5)  # a rank that imports or loads slower than the others
+barrier()
+print("start-up ok", flush=True)
+start_watchdog(2.0).arm("step 1")
+if world.rank == 1:
+    time.sleep(5)  # within its own watchdog's limit (2 s + 5 s of grace)
+try:
+    all_reduce_sum([1.0])
+    print("step ok", flush=True)
+except Exception as exc:
+    print("step failed:", str(exc).splitlines()[0][:200], flush=True)
+sys.stdout.flush()
+import os
+os._exit(0)
+"""
+
+
+def test_start_up_waits_for_a_slow_rank_and_a_step_waits_dist_timeout():
+    """--dist-timeout bounds a training step's collectives; ranks that reach start-up's barrier seconds apart
+    (a loaded machine, rank 0 writing a cache the others wait for) are not a failure."""
+    results = run_distributed(["-c", SKEWED], nproc=2, timeout=120)
+    assert [r.stdout.count("start-up ok") for r in results] == [1, 1], [r.stdout + r.stderr[-2000:] for r in results]
+    assert "step failed:" in results[0].stdout and "step ok" not in results[0].stdout, results[0].stdout
 
 
 @pytest.fixture

@@ -109,7 +109,7 @@ class Recipe:
     run_name: str = option("", help="The run's name in trackers; default: the --output folder's name.")
     on_nan: Literal["stop", "skip", "rollback"] = option("stop", help="A step with a non-finite loss or gradient norm: stop (name the step, samples and last checkpoint), skip its update, or rollback to the last checkpoint and skip its batch.")
     max_nan_steps: int = option(3, help="With --on-nan skip or rollback: stop after this many non-finite steps in a row (0: never).")
-    dist_timeout: float = option(600.0, help="Seconds a collective may wait for the other ranks before the job ends naming the rank and the collective.")
+    dist_timeout: float = option(600.0, help="Seconds a collective of a training step may wait for the other ranks before the job ends naming the rank and the collective (start-up and checkpoint writes wait up to $TOOLKIT_DIST_STARTUP_TIMEOUT, 600 s, when longer).")
     export: str | None = option(None, help="Export at the end with this exporter (hf, vllm, ...).")
     trust_remote_code: bool = option(False, help="Allow model code from the model directory.")
     precompute_reference: bool = option(False, help="Losses with a reference model (dpo, kto...): compute reference "

@@ -36,7 +36,10 @@ _WORLD: World | None = None
 def init_world(timeout: float | None = None) -> World:
     """Initialise torch.distributed when launched by torchrun (gloo on CPU, NCCL on GPU).
 
-    ``timeout`` (seconds, ``--dist-timeout``) bounds how long any collective waits for the others.
+    ``timeout`` (seconds, ``--dist-timeout``) bounds how long a collective of a training step waits for the
+    others (the watchdog sets it when it arms). Until then, and while a checkpoint is written, collectives
+    wait up to :data:`STARTUP_TIMEOUT` at least: ranks that import, load or write at different speeds
+    (a loaded machine, rank 0 materialising a preset the others wait for) are not a failure.
     """
     global _WORLD
     if _WORLD is not None:
@@ -55,10 +58,33 @@ def init_world(timeout: float | None = None) -> World:
     else:
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
+        if timeout:
+            timeout = max(timeout, STARTUP_TIMEOUT) if _set_timeout_available() else timeout
         kwargs = {"timeout": timedelta(seconds=timeout)} if timeout else {}
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", **kwargs)
     _WORLD = World(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
     return _WORLD
+
+
+STARTUP_TIMEOUT = float(os.environ.get("TOOLKIT_DIST_STARTUP_TIMEOUT", "600"))
+"""Seconds a collective outside a training step (start-up, checkpoint writes) may wait, when that is longer
+than ``--dist-timeout``."""
+
+
+def _set_timeout_available() -> bool:
+    from torch.distributed import distributed_c10d
+
+    return hasattr(distributed_c10d, "_set_pg_timeout")
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """How long the default process group's collectives wait from now on (no-op on one process)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and _set_timeout_available():
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
 
 
 def one_process_group(device: Any = None) -> bool:
@@ -166,6 +192,8 @@ class Watchdog:
         self._thread: threading.Thread | None = None
 
     def arm(self, activity: str) -> None:
+        if self._deadline is None:  # a step's collectives wait --dist-timeout; start-up's and a save's longer
+            set_collective_timeout(self.timeout)
         self.activity = activity
         self._deadline = time.monotonic() + self.limit
         self.report()
@@ -174,6 +202,8 @@ class Watchdog:
             self._thread.start()
 
     def disarm(self) -> None:
+        if self._deadline is not None:
+            set_collective_timeout(max(self.timeout, STARTUP_TIMEOUT))
         self._deadline = None
 
     def note(self, collective: str) -> None:

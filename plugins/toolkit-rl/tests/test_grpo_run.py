@@ -122,7 +122,7 @@ def test_a_dying_rollout_backend_names_itself_and_the_run_saves_and_resumes_exac
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 
-def test_dynamic_sampling_drops_equal_groups_and_every_batch_stays_full(tmp_path, monkeypatch):
+def test_dynamic_sampling_drops_equal_groups_and_every_batch_stays_full(tmp_path, monkeypatch, capfd):
     """DAPO's dynamic sampling: groups whose rewards are all equal are dropped and more prompts drawn (up to 4
     draws); a batch those draws do not fill is topped up, so every rank's step has the same completions."""
     from toolkit.train.checkpoint import read_state
@@ -149,6 +149,9 @@ def test_dynamic_sampling_drops_equal_groups_and_every_batch_stays_full(tmp_path
     assert read_state(out / "checkpoints" / "step-2")["rl"]["draws"] == 8
     first = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()][:4]
     assert [r["reward"] for r in first] == [0.0, 1.0, 2.0, 3.0]  # the kept group comes first
+    err = capfd.readouterr().err  # one line per step that stayed short, with the run's counts
+    assert err.count("draws held") == 2
+    assert "step 1: 4 draws held 1 of 2 groups" in err and "step 2: 4 draws held 0 of 2 groups" in err
 
 
 def write(path, lines):

@@ -164,11 +164,15 @@ class GRPORun:
             if not dynamic or self.engine.all_reduce_sum([0.0 if full else 1.0])[0] == 0:
                 break
         stats = {"rollout_time": seconds, "groups_dropped": len(dropped) / max(drawn, 1)}
-        missing = c.prompts_per_rollout - len(kept)
-        if missing > 0:  # MAX_DRAWS draws held too few groups with unequal rewards: only the KL term moves for the rest
-            print(f"toolkit: step {step + 1}: {MAX_DRAWS} draws held {len(kept)} of {c.prompts_per_rollout} groups "
-                  f"with unequal rewards (dynamic sampling); {missing} groups of equal rewards (advantage 0) fill the batch",
-                  file=sys.stderr)
+        missing = max(0, c.prompts_per_rollout - len(kept))
+        if dynamic:  # MAX_DRAWS draws held too few groups with unequal rewards: only the KL term moves for the rest
+            # one line for the run (every rank's count), printed by the main rank
+            held, wanted = dp_sum(self.engine, [float(min(len(kept), c.prompts_per_rollout)), float(c.prompts_per_rollout)])
+            if held < wanted and self.engine.is_main:
+                print(f"toolkit: step {step + 1}: {MAX_DRAWS} draws held {int(held)} of {int(wanted)} groups with unequal "
+                      f"rewards (dynamic sampling); {int(wanted - held)} groups of equal rewards (advantage 0) fill the batch",
+                      file=sys.stderr)
+        if missing:
             kept += dropped[-missing:]
         return kept[: c.prompts_per_rollout], stats
 
