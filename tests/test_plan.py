@@ -45,6 +45,10 @@ TINY_CONFIGS = {
     "qwen3_moe": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=160, moe_intermediate_size=48,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
                       num_experts_per_tok=2, vocab_size=300, tie_word_embeddings=False),
+    # dense MLPs between MoE layers: layer 0 (sparse step 2), 2 (mlp_only_layers) and 4 are dense, 1 and 3 MoE
+    "qwen3_moe_mixed": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=160, moe_intermediate_size=48,
+                            num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
+                            num_experts_per_tok=2, decoder_sparse_step=2, mlp_only_layers=[2], vocab_size=300),
 }
 
 
@@ -55,6 +59,20 @@ def test_parameter_count_matches_transformers(family):
     model = transformers.AutoModelForCausalLM.from_config(config)
     expected = sum(p.numel() for p in model.parameters())  # tied weights are counted once
     assert shape_from_config(config.to_dict()).total_params == expected
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_moe_mixed", "mixtral", "llama"])
+def test_active_parameters_per_token_match_transformers_modules(family):
+    """The matmul weights one token meets (the planner's FLOPs are 6 x this), counted on the modules transformers
+    builds: every linear, the routed experts at top-k / E, the LM head; embeddings and norms do no matmul."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.for_model(**TINY_CONFIGS[family])
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 1)
+    share = config.num_experts_per_tok / experts if experts > 1 else 1.0
+    expected = sum(p.numel() * (share if ".experts." in name else 1.0) for name, p in model.named_parameters()
+                   if "norm" not in name and "embed_tokens" not in name)
+    assert shape_from_config(config.to_dict()).active_matmul_params == pytest.approx(expected, rel=1e-12)
 
 
 def test_example_configs_have_the_published_sizes():
