@@ -259,4 +259,5 @@ def architecture_for(model_type: str) -> type[DenseArchitecture]:
                 return cls
     raise ModelError(f"the Megatron bridge has no architecture for model_type {model_type!r}; "
                      f"supported: {', '.join(sorted(known)) or 'none'}. A plugin can add one with "
-                     f"toolkit_register_architectures (a DenseArchitecture subclass named 'megatron:{model_type}').")
+                     f"toolkit_register_architectures (a DenseArchitecture subclass named 'megatron:{model_type}' whose "
+                     f"families hold {model_type!r}; docs/megatron.md, 'Adding a family', shows a plugin doing it).")
