@@ -61,6 +61,29 @@ def test_parameter_count_matches_transformers(family):
     assert shape_from_config(config.to_dict()).total_params == expected
 
 
+@pytest.mark.parametrize(("pp", "vpp"), [(2, 1), (2, 2), (4, 1)])
+def test_each_pipeline_stage_holds_the_parameters_of_its_own_layers(pp, vpp):
+    """Dense layers first, MoE layers last (``mlp_only_layers``): the first and last stages' weights are the
+    parameters of the very layers Megatron gives them, counted on transformers' modules (not an average stage)."""
+    transformers = pytest.importorskip("transformers")
+    from toolkit.plan.memory import params_on_stage, stage_layers
+
+    values = dict(TINY_CONFIGS["qwen3_moe"], num_hidden_layers=8, mlp_only_layers=[0, 1, 2, 3, 4])
+    config = transformers.AutoConfig.for_model(**values)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    shape = shape_from_config(config.to_dict())
+    layout = Layout("megatron", pp=pp, vpp=vpp, dp=1)
+    for rank, first, last, ends in ((0, True, False, ("model.embed_tokens.",)), (pp - 1, False, True, ("lm_head.", "model.norm."))):
+        held = stage_layers(shape, layout, rank)
+        assert len(held) == 8 // pp and (vpp == 1) == (held == list(range(rank * 8 // pp, (rank + 1) * 8 // pp)))
+        expected = sum(p.numel() for name, p in model.named_parameters()
+                       if name.startswith(ends) or (name.startswith("model.layers.") and int(name.split(".")[2]) in held))
+        dense, expert = params_on_stage(shape, layout, first, last)
+        assert dense + expert == pytest.approx(expected)
+        assert expert == pytest.approx(sum(p.numel() for name, p in model.named_parameters()
+                                           if ".experts." in name and int(name.split(".")[2]) in held))
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_moe_mixed", "mixtral", "llama"])
 def test_active_parameters_per_token_match_transformers_modules(family):
     """The matmul weights one token meets (the planner's FLOPs are 6 x this), counted on the modules transformers
