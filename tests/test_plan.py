@@ -84,6 +84,20 @@ def test_each_pipeline_stage_holds_the_parameters_of_its_own_layers(pp, vpp):
                                            if ".experts." in name and int(name.split(".")[2]) in held))
 
 
+def test_lora_on_dense_layers_of_an_moe_model_matches_peft():
+    """The adapters PEFT puts on attention and on the dense layers' MLPs (``mlp_only_layers``) are what the planner
+    counts besides its expert adapters (PEFT adapts transformers' fused experts in its own way: not compared)."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    config = transformers.AutoConfig.for_model(**TINY_CONFIGS["qwen3_moe_mixed"])
+    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(config), peft.LoraConfig(
+        r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    outside_experts = sum(p.numel() for name, p in model.named_parameters() if "lora_" in name and ".experts" not in name)
+    shape = shape_from_config(config.to_dict())
+    experts = shape.moe_layers * shape.experts * 4 * (3 * shape.hidden + 3 * shape.expert_ffn)
+    assert shape.lora_params(4) - experts == outside_experts
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_moe_mixed", "mixtral", "llama"])
 def test_active_parameters_per_token_match_transformers_modules(family):
     """The matmul weights one token meets (the planner's FLOPs are 6 x this), counted on the modules transformers

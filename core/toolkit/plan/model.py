@@ -122,20 +122,25 @@ class ModelShape:
             return sum(self.moe_pattern[i] for i in layers)
         return self.moe_layers * len(layers) / self.layers
 
-    def linear_params_per_layer(self) -> dict[str, tuple[int, int]]:
-        """(in, out) features of the linears LoRA adapts in one dense layer (MoE: per expert)."""
-        ffn = self.expert_ffn if self.is_moe else self.ffn
+    def linear_params_per_layer(self, moe: bool | None = None) -> dict[str, tuple[int, int]]:
+        """(in, out) features of the linears LoRA adapts in one layer: its dense MLP's, or (``moe``, the default
+        for an MoE model) one expert's."""
+        ffn = self.expert_ffn if (self.is_moe if moe is None else moe) else self.ffn
         return {"q_proj": (self.hidden, self.q_dim), "k_proj": (self.hidden, self.kv_dim),
                 "v_proj": (self.hidden, self.kv_dim), "o_proj": (self.q_dim, self.hidden),
                 "gate_proj": (self.hidden, ffn), "up_proj": (self.hidden, ffn), "down_proj": (ffn, self.hidden)}
 
     def lora_params(self, rank: int) -> int:
-        """Adapter parameters for LoRA on every attention and MLP linear (experts included)."""
-        per_layer = 0
-        for name, (fan_in, fan_out) in self.linear_params_per_layer().items():
-            copies = self.experts if (self.is_moe and name.endswith(("gate_proj", "up_proj", "down_proj"))) else 1
-            per_layer += copies * rank * (fan_in + fan_out)
-        return self.layers * per_layer
+        """Adapter parameters for LoRA on every attention and MLP linear (experts included; dense layers of an
+        MoE model adapt their own MLP)."""
+        def per_layer(moe: bool) -> int:
+            total = 0
+            for name, (fan_in, fan_out) in self.linear_params_per_layer(moe).items():
+                copies = self.experts if (moe and name.endswith(("gate_proj", "up_proj", "down_proj"))) else 1
+                total += copies * rank * (fan_in + fan_out)
+            return total
+
+        return self.moe_layers * per_layer(True) + self.dense_layers * per_layer(False)
 
     def describe(self) -> str:
         kind = (f"MoE {self.experts} experts top-{self.experts_per_token}, expert FFN {self.expert_ffn}"
