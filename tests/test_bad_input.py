@@ -170,12 +170,98 @@ def test_tool_calls_and_tools_render_as_the_template_defines_them(tmp_path, toke
 
 
 def test_a_template_without_tool_support_is_refused_not_trained_without_the_calls(tmp_path, tokenizer):
+    from toolkit.data.template import CHATML
+
+    tokenizer.chat_template = CHATML  # plain ChatML: no tools, no calls
     record = {"messages": [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "", "tool_calls": [
         {"type": "function", "function": {"name": "weather", "arguments": {}}}]}, {"role": "assistant", "content": "ok"}]}
     path = write_jsonl(tmp_path / "tools.jsonl", record)
-    assert "message 1 has tool_calls, but the tokenizer's chat template does not render tool calls" in refusal(path, tokenizer)
+    assert (f"{path}, line 1: message 1 has tool_calls, but the tokenizer's chat template does not render tool calls"
+            in refusal(path, tokenizer))
     path = write_jsonl(tmp_path / "tools2.jsonl", {**GOOD, "tools": TOOLS})
     assert f"{path}, line 1: the record has 'tools', but the tokenizer's chat template does not render tools" in refusal(path, tokenizer)
+
+
+def _reference_messages(record: dict) -> list[dict]:
+    """The record as transformers' chat templates take it: the system column first, JSON arguments parsed."""
+    import json
+
+    messages = [{"role": "system", "content": record["system"]}] if "system" in record else []
+    for message in record["messages"]:
+        calls = [{**call, "function": {**call["function"], "arguments": json.loads(call["function"]["arguments"])
+                                       if isinstance(call["function"]["arguments"], str) else call["function"]["arguments"]}}
+                 for call in message.get("tool_calls", [])]
+        messages.append({**message, "content": message["content"] or "", **({"tool_calls": calls} if calls else {})})
+    return messages
+
+
+def test_agent_data_renders_through_the_presets_template_as_transformers_does(tokenizer):
+    """examples/agent-tools.jsonl through the bundled tokenizer's template (the tiny presets'): the ids are those of
+    transformers' own ``apply_chat_template(messages, tools=...)``; exactly the assistant turns train (content, every
+    tool call, the end marker), never the tools block, the user turns or the tool results."""
+    import json
+    import re
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "agent-tools.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    examples = load(str(path), tokenizer)
+    assert len(examples) == len(records) == 3
+    for record, example in zip(records, examples, strict=True):
+        text = tokenizer.apply_chat_template(_reference_messages(record), tools=record["tools"], tokenize=False)
+        sequence = example.sequences[0]
+        assert sequence.input_ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+        turns = re.findall(r"<\|im_start\|>assistant\n(.*?<\|im_end\|>)", text, re.S)  # from transformers' text
+        assert len(turns) == sum(m["role"] == "assistant" for m in record["messages"])
+        trained = tokenizer.decode([label for label in sequence.labels if label >= 0])
+        assert trained == "".join(turns)
+        assert '<tool_call>\n{"name": "' in trained and "<tools>" in text and "<tools>" not in trained
+    assert '"arguments": {"city": "Oslo"}}' in tokenizer.decode(examples[1].sequences[0].input_ids)  # parallel calls
+
+
+def load(path, tokenizer):
+    from toolkit.data.pipeline import load_examples
+
+    return load_examples([path], tokenizer, seq_len=4096)[0]
+
+
+CALL = {"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}
+
+
+@pytest.mark.parametrize(("message", "expected"), [
+    ({"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": "{city: Paris"}}]},
+     "message 1, tool call 0 'arguments' is not valid JSON: '{city: Paris'"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": "[1]"}}]},
+     "message 1, tool call 0 'arguments' must be a JSON object, got list"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"arguments": "{}"}}]},
+     'message 1, tool call 0 needs {"type": "function", "function": {"name": ..., "arguments": ...}}'),
+    ({"role": "assistant", "content": None, "tool_calls": CALL}, "message 1 'tool_calls' must be a list, got dict"),
+    ({"role": "user", "content": "hi", "tool_calls": [CALL]}, "message 1 has tool_calls, which only an assistant message can make"),
+    ({"role": "assistant", "content": None}, "message 1 'content' must be text, got null"),
+])
+def test_malformed_tool_calls_are_refused_naming_file_line_and_call(tmp_path, tokenizer, message, expected):
+    good = {"messages": [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                         {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}], "tools": TOOLS}
+    bad = {**good, "messages": [good["messages"][0], message, *good["messages"][2:]]}
+    path = write_jsonl(tmp_path / "agent.jsonl", good, bad)
+    assert f"{path}, line 2: {expected}" in refusal(path, tokenizer)
+
+
+def test_a_tools_column_that_is_not_json_is_refused_with_file_and_line(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "agent.jsonl", {**GOOD, "tools": TOOLS}, {**GOOD, "tools": '[{"type": "function",'})
+    assert f"{path}, line 2: column 'tools' is not valid JSON" in refusal(path, tokenizer)
+
+
+def test_data_inspect_brackets_the_tool_calls_not_the_tool_results(cli_runner):
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "agent-tools.jsonl"
+    result = cli_runner.invoke("data", "inspect", str(path), "--model", "tiny-qwen2", "--seq-len", "2048", "-n", "1")
+    assert result.exit_code == 0, result.output
+    sample = result.stdout.split("--- sample 0", 1)[1]
+    assert '[[<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call><|im_end|>]]' in sample
+    assert '<|im_start|>tool\n{"temperature": 18, "sky": "cloudy"}<|im_end|>' in sample  # the tool's answer: not trained
+    assert "[[It is 18 °C and cloudy in Paris.<|im_end|>]]" in sample and sample.count("[[") == 2
 
 
 def test_a_chat_template_escaping_the_sandbox_is_a_one_line_refusal(tmp_path, tokenizer):

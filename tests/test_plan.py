@@ -45,6 +45,10 @@ TINY_CONFIGS = {
     "qwen3_moe": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=160, moe_intermediate_size=48,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
                       num_experts_per_tok=2, vocab_size=300, tie_word_embeddings=False),
+    # dense MLPs between MoE layers: layer 0 (sparse step 2), 2 (mlp_only_layers) and 4 are dense, 1 and 3 MoE
+    "qwen3_moe_mixed": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=160, moe_intermediate_size=48,
+                            num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
+                            num_experts_per_tok=2, decoder_sparse_step=2, mlp_only_layers=[2], vocab_size=300),
 }
 
 
@@ -55,6 +59,63 @@ def test_parameter_count_matches_transformers(family):
     model = transformers.AutoModelForCausalLM.from_config(config)
     expected = sum(p.numel() for p in model.parameters())  # tied weights are counted once
     assert shape_from_config(config.to_dict()).total_params == expected
+
+
+@pytest.mark.parametrize(("pp", "vpp"), [(2, 1), (2, 2), (4, 1)])
+def test_each_pipeline_stage_holds_the_parameters_of_its_own_layers(pp, vpp):
+    """Dense layers first, MoE layers last (``mlp_only_layers``): the first and last stages' weights are the
+    parameters of the very layers Megatron gives them, counted on transformers' modules (not an average stage)."""
+    transformers = pytest.importorskip("transformers")
+    from toolkit.plan.memory import params_on_stage, stage_layers
+
+    values = dict(TINY_CONFIGS["qwen3_moe"], num_hidden_layers=8, mlp_only_layers=[0, 1, 2, 3, 4])
+    config = transformers.AutoConfig.for_model(**values)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    shape = shape_from_config(config.to_dict())
+    layout = Layout("megatron", pp=pp, vpp=vpp, dp=1)
+    for rank, first, last, ends in ((0, True, False, ("model.embed_tokens.",)), (pp - 1, False, True, ("lm_head.", "model.norm."))):
+        held = stage_layers(shape, layout, rank)
+        assert len(held) == 8 // pp and (vpp == 1) == (held == list(range(rank * 8 // pp, (rank + 1) * 8 // pp)))
+        expected = sum(p.numel() for name, p in model.named_parameters()
+                       if name.startswith(ends) or (name.startswith("model.layers.") and int(name.split(".")[2]) in held))
+        dense, expert = params_on_stage(shape, layout, first, last)
+        assert dense + expert == pytest.approx(expected)
+        assert expert == pytest.approx(sum(p.numel() for name, p in model.named_parameters()
+                                           if ".experts." in name and int(name.split(".")[2]) in held))
+
+
+def test_lora_on_dense_layers_of_an_moe_model_matches_peft():
+    """Besides its expert adapters the planner counts PEFT's adapters on the attention and on the dense layers' MLPs
+    (``mlp_only_layers``). PEFT adapts the dense MLPs here one module at a time: on the whole model it would move
+    their targets onto the fused experts (toolkit-peft refuses that, test_tuners.py); experts are not compared."""
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    config = transformers.AutoConfig.for_model(**TINY_CONFIGS["qwen3_moe_mixed"])
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    shape = shape_from_config(config.to_dict())
+    dense_mlps = torch.nn.ModuleList(model.model.layers[i].mlp for i, moe in enumerate(shape.moe_pattern) if not moe)
+    assert len(dense_mlps) == 3  # a container without a config: PEFT's MoE conversion does not apply
+    peft.inject_adapter_in_model(peft.LoraConfig(r=4, target_modules=["gate_proj", "up_proj", "down_proj"]), dense_mlps)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    adapters = sum(p.numel() for name, p in model.named_parameters() if "lora_" in name)
+    experts = shape.moe_layers * shape.experts * 4 * (3 * shape.hidden + 3 * shape.expert_ffn)
+    assert shape.lora_params(4) - experts == adapters
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_moe_mixed", "mixtral", "llama"])
+def test_active_parameters_per_token_match_transformers_modules(family):
+    """The matmul weights one token meets (the planner's FLOPs are 6 x this), counted on the modules transformers
+    builds: every linear, the routed experts at top-k / E, the LM head; embeddings and norms do no matmul."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.for_model(**TINY_CONFIGS[family])
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 1)
+    share = config.num_experts_per_tok / experts if experts > 1 else 1.0
+    expected = sum(p.numel() * (share if ".experts." in name else 1.0) for name, p in model.named_parameters()
+                   if "norm" not in name and "embed_tokens" not in name)
+    assert shape_from_config(config.to_dict()).active_matmul_params == pytest.approx(expected, rel=1e-12)
 
 
 def test_example_configs_have_the_published_sizes():

@@ -73,7 +73,9 @@ def materialize_preset(name: str, directory: Path | None = None, seed: int = 0, 
     """
     spec = {"preset": PRESETS.get(name), "overrides": overrides, "seed": seed, "v": 2}
     encoded = json.dumps(spec, sort_keys=True)
-    digest = hashlib.sha256(encoded.encode() + (TOKENIZER_DIR / "tokenizer.json").read_bytes()).hexdigest()[:12]
+    # the tokenizer's files, its chat template included, are part of the preset: a changed one is a new cache entry
+    tokenizer = b"".join((TOKENIZER_DIR / name).read_bytes() for name in ("tokenizer.json", "tokenizer_config.json"))
+    digest = hashlib.sha256(encoded.encode() + tokenizer).hexdigest()[:12]
     target = directory or cache_root() / "presets" / f"{name}-{digest}"
     if (target / PRESET_MANIFEST).is_file():
         return _checked_preset(target, encoded)

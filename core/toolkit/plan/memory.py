@@ -369,16 +369,32 @@ def megatron_fused_loss_bytes(shape: ModelShape, layout: Layout, workload: Workl
 
 
 def params_on_stage(shape: ModelShape, layout: Layout, first: bool, last: bool) -> tuple[float, float]:
-    """(dense parameters, expert parameters) held by one GPU of a pipeline stage."""
+    """(dense parameters, expert parameters) held by one GPU of a pipeline stage (the first, or the last)."""
     split = layout.tp if layout.strategy == "megatron" else 1
-    dense = shape.layer_params_nonexpert / (layout.pp * split)
+    layers = stage_layers(shape, layout, 0 if first else layout.pp - 1)
+    if layers is None:  # planned as an average stage
+        count, moe = shape.layers / layout.pp, shape.moe_layers / layout.pp
+    else:
+        count, moe = len(layers), shape.moe_layers_among(layers)
+    dense = (count * shape.attention_params + (count - moe) * shape.dense_mlp_params
+             + moe * shape.moe_shared_params_per_layer) / split
     if first:
         dense += shape.embedding_params / split
     if last:
         head = shape.output_params if layout.pp == 1 else shape.embedding_params
         dense += (head + shape.hidden) / split
-    expert = shape.expert_params / (layout.pp * (layout.ep if layout.strategy == "megatron" else 1))
+    expert = moe * shape.expert_params_per_layer / (layout.ep if layout.strategy == "megatron" else 1)
     return dense, expert
+
+
+def stage_layers(shape: ModelShape, layout: Layout, rank: int) -> list[int] | None:
+    """The layer indices pipeline rank ``rank`` holds: Megatron's even split into ``pp x vpp`` chunks, rank r taking
+    chunks r, r + pp, ... (``None`` where the layers do not split evenly)."""
+    chunks = layout.pp * layout.vpp
+    if shape.layers % chunks:
+        return None
+    size = shape.layers // chunks
+    return [chunk * size + i for chunk in range(rank, chunks, layout.pp) for i in range(size)]
 
 
 def in_flight_layers(shape: ModelShape, layout: Layout, micro_batches: int, first: bool) -> float:

@@ -38,6 +38,9 @@ class ModelShape:
     expert_ffn: int = 0
     shared_expert_ffn: int = 0
     moe_layers: int = 0
+    moe_pattern: tuple[bool, ...] = ()
+    """Per layer, whether its MLP is MoE, where dense and MoE layers mix (``mlp_only_layers``,
+    ``decoder_sparse_step``); empty when every layer is alike."""
 
     # ------------------------------------------------------------------ parameter counts
     @property
@@ -113,24 +116,37 @@ class ModelShape:
                                  + 3 * self.hidden * self.shared_expert_ffn + self.hidden * self.experts)
         return attention + dense + moe + self.vocab * self.hidden
 
-    def linear_params_per_layer(self) -> dict[str, tuple[int, int]]:
-        """(in, out) features of the linears LoRA adapts in one dense layer (MoE: per expert)."""
-        ffn = self.expert_ffn if self.is_moe else self.ffn
+    def moe_layers_among(self, layers: list[int]) -> float:
+        """How many of ``layers`` (indices) are MoE (without a pattern: their share of ``moe_layers``)."""
+        if self.moe_pattern:
+            return sum(self.moe_pattern[i] for i in layers)
+        return self.moe_layers * len(layers) / self.layers
+
+    def linear_params_per_layer(self, moe: bool | None = None) -> dict[str, tuple[int, int]]:
+        """(in, out) features of the linears LoRA adapts in one layer: its dense MLP's, or (``moe``, the default
+        for an MoE model) one expert's."""
+        ffn = self.expert_ffn if (self.is_moe if moe is None else moe) else self.ffn
         return {"q_proj": (self.hidden, self.q_dim), "k_proj": (self.hidden, self.kv_dim),
                 "v_proj": (self.hidden, self.kv_dim), "o_proj": (self.q_dim, self.hidden),
                 "gate_proj": (self.hidden, ffn), "up_proj": (self.hidden, ffn), "down_proj": (ffn, self.hidden)}
 
     def lora_params(self, rank: int) -> int:
-        """Adapter parameters for LoRA on every attention and MLP linear (experts included)."""
-        per_layer = 0
-        for name, (fan_in, fan_out) in self.linear_params_per_layer().items():
-            copies = self.experts if (self.is_moe and name.endswith(("gate_proj", "up_proj", "down_proj"))) else 1
-            per_layer += copies * rank * (fan_in + fan_out)
-        return self.layers * per_layer
+        """Adapter parameters for LoRA on every attention and MLP linear (experts included; dense layers of an
+        MoE model adapt their own MLP)."""
+        def per_layer(moe: bool) -> int:
+            total = 0
+            for name, (fan_in, fan_out) in self.linear_params_per_layer(moe).items():
+                copies = self.experts if (moe and name.endswith(("gate_proj", "up_proj", "down_proj"))) else 1
+                total += copies * rank * (fan_in + fan_out)
+            return total
+
+        return self.moe_layers * per_layer(True) + self.dense_layers * per_layer(False)
 
     def describe(self) -> str:
         kind = (f"MoE {self.experts} experts top-{self.experts_per_token}, expert FFN {self.expert_ffn}"
                 if self.is_moe else f"dense, FFN {self.ffn}")
+        if self.is_moe and self.dense_layers:
+            kind += f" in {self.moe_layers} of {self.layers} layers (the others dense, FFN {self.ffn})"
         return (f"{self.name}: {self.total_params / 1e9:.2f}B parameters ({self.active_matmul_params / 1e9:.2f}B active "
                 f"per token), {self.layers} layers, hidden {self.hidden}, {self.heads} heads / {self.kv_heads} KV, "
                 f"vocab {self.vocab}, {kind}")
@@ -177,11 +193,13 @@ def shape_from_config(config: dict[str, Any], name: str = "model", where: str | 
         experts = _need(config, key, where)
         step = config.get("decoder_sparse_step", 1) or 1
         dense_only = set(config.get("mlp_only_layers") or [])
-        moe_layers = sum(1 for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
+        pattern = tuple(i not in dense_only and (i + 1) % step == 0 for i in range(layers))  # as transformers builds them
+        moe_layers = sum(pattern)
         return ModelShape(**common, ffn=config.get("intermediate_size") or _need(config, "moe_intermediate_size", where),
                           experts=experts, experts_per_token=_need(config, "num_experts_per_tok", where),
                           expert_ffn=_need(config, "moe_intermediate_size", where),
-                          shared_expert_ffn=config.get("shared_expert_intermediate_size", 0) or 0, moe_layers=moe_layers)
+                          shared_expert_ffn=config.get("shared_expert_intermediate_size", 0) or 0, moe_layers=moe_layers,
+                          moe_pattern=pattern if not all(pattern) else ())
     if model_type not in DENSE_FAMILIES and "num_experts" in config:
         raise ModelError(f"{where}: MoE model_type {model_type!r} is not known to the planner; known MoE families: "
                          f"{', '.join(MOE_FAMILIES)}")

@@ -112,8 +112,16 @@ def test_toolkit_plugins_lists_this_plugin():
     assert result.returncode == 0, result.stderr
     (row,) = [r for r in json.loads(result.stdout) if r["name"] == "example"]
     assert (row["distribution"], row["version"], row["error"]) == ("toolkit-example", "0.1.0", None)
-    assert row["registers"] == {"loss": ["focal"], "reward": ["sentence"], "command": ["example"]}
-    assert row["hooks"] == ["toolkit_register_commands", "toolkit_register_losses", "toolkit_register_rewards"]
+    assert row["registers"] == {"loss": ["focal"], "reward": ["sentence"], "command": ["example"],
+                                **({"architecture": ["megatron:iquestcoder"]} if megatron_installed() else {})}
+    assert row["hooks"] == ["toolkit_register_architectures", "toolkit_register_commands", "toolkit_register_losses",
+                            "toolkit_register_rewards"]
+
+
+def megatron_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("toolkit_megatron") is not None
 
 
 def test_the_command(toolkit_manager, cli_runner):

@@ -20,6 +20,10 @@ def tiny_config(arch: str):
         return MixtralConfig(vocab_size=301, hidden_size=128, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                              num_key_value_heads=2, head_dim=32, max_position_embeddings=256, num_local_experts=4,
                              num_experts_per_tok=2, sliding_window=None)
+    if arch == "qwen3_moe_mixed":  # dense MLPs at layers 0 and 3: each PP2 stage holds one dense and one MoE layer
+        return Qwen3MoeConfig(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, num_experts=4,
+                              num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0, 3])
     if arch == "qwen3_moe":
         return Qwen3MoeConfig(vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                               num_key_value_heads=2, head_dim=32, max_position_embeddings=256, num_experts=4,
@@ -54,7 +58,8 @@ def save_tiny_model(arch: str, directory: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    return {arch: save_tiny_model(arch, root / arch) for arch in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe")}
+    return {arch: save_tiny_model(arch, root / arch) for arch in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe",
+                                                                   "qwen3_moe_mixed")}
 
 
 @pytest.fixture(scope="module")

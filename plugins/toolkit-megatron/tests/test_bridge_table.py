@@ -74,3 +74,28 @@ def test_each_mapping_round_trips_through_every_tensor_parallel_split(checkpoint
 def test_unknown_parameters_have_no_mapping():
     assert mapping_of("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", 0) is None
     assert mapping_of("something.else", None) is None
+
+
+@pytest.mark.parametrize(("family", "overrides"), [
+    ("qwen3_moe", {"mlp_only_layers": [0, 3]}), ("qwen3_moe", {"decoder_sparse_step": 2}),
+    ("qwen3_moe", {"decoder_sparse_step": 2, "mlp_only_layers": [1]}), ("qwen2_moe", {"decoder_sparse_step": 3}),
+    ("qwen2_moe", {}), ("mixtral", {}),
+])
+def test_moe_layer_pattern_is_the_one_transformers_builds(family, overrides):
+    """Which layers hold experts (``mlp_only_layers``, ``decoder_sparse_step``), against the modules transformers
+    itself creates from the config; Megatron gets the pattern as ``moe_layer_freq`` (left at 1 when every layer is MoE)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from toolkit_megatron.architectures import MixtralArchitecture, Qwen2MoeArchitecture, Qwen3MoeArchitecture
+
+    arch = {"qwen3_moe": Qwen3MoeArchitecture, "qwen2_moe": Qwen2MoeArchitecture, "mixtral": MixtralArchitecture}[family]
+    sizes = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1,
+                 head_dim=8, vocab_size=32, num_experts_per_tok=2)
+    sizes.update({"num_local_experts": 2} if family == "mixtral" else {"num_experts": 2, "moe_intermediate_size": 8,
+                                                                       "shared_expert_intermediate_size": 8})
+    config = AutoConfig.for_model(family, **sizes, **overrides)
+    model = AutoModelForCausalLM.from_config(config)
+    built = [hasattr(getattr(layer, "mlp", None) or layer.block_sparse_moe, "experts") for layer in model.model.layers]
+    assert arch.moe_layers(config) == built
+    freq = arch.transformer_options(config).get("moe_layer_freq", 1)
+    assert freq == ([int(b) for b in built] if not all(built) else 1)

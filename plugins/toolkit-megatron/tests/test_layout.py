@@ -68,6 +68,26 @@ def test_third_party_architecture_is_found():
         set_plugin_manager(previous)
 
 
+def test_an_unknown_family_is_refused_first_by_training_and_export(tmp_path):
+    """Before the layout check reads sizes the config may not have (GPT-2 has no intermediate_size), before any
+    process group: one line listing the known families and the hook that adds one."""
+    from types import SimpleNamespace
+
+    from transformers import GPT2Config
+
+    from toolkit.contracts import ExportModel
+    from toolkit.plugins import get_plugin_manager
+    from toolkit_megatron.strategy import MegatronEngine
+
+    source = SimpleNamespace(config=GPT2Config(n_layer=2, n_embd=64, n_head=4), directory=tmp_path)
+    refusal = r"no architecture for model_type 'gpt2'; supported: (.*, )?llama, .*qwen3_moe.*toolkit_register_architectures"
+    with pytest.raises(ModelError, match=refusal):
+        MegatronEngine(source, None, None, None, None)
+    with pytest.raises(ModelError, match=refusal):
+        get_plugin_manager().create("exporter", "mcore").export(ExportModel(source=source, tensors=iter), tmp_path / "out", {"tp": 1})
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU layer is inactive with CUDA")
 def test_cpu_compat_redirects_cuda_sites_only_inside():
     from toolkit_megatron.compat import cpu_compat, redirected_sites

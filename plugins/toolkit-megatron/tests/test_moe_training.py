@@ -1,7 +1,8 @@
 """MoE training under --strategy megatron: EP2, TP2+SP+ETP2 and TP2+SP+ETP1 equal EP1 (alltoall and allgather
 dispatchers; EP2 resumed after step 3), the megatron engine equals the local one without router
 losses and equals local + toolkit-moe with them, and the HF export after training (also from the
-checkpoint) reloads in transformers."""
+checkpoint) reloads in transformers; a model with dense layers between MoE layers (``mlp_only_layers``) trains
+like ``local``."""
 
 from __future__ import annotations
 
@@ -80,10 +81,12 @@ def test_ep2_equals_ep1_and_export_reloads(preset, dispatcher, layout, tmp_path,
 
 
 def test_equals_local_without_router_losses(tmp_path):
-    """With the aux coefficient at 0 both engines optimise the same objective (the definitions differ)."""
+    """With the aux coefficient at 0 both engines optimise the same objective (the definitions differ). The
+    model mixes a dense MLP (``mlp_only_layers``) between two MoE layers, so both kinds train under EP2."""
     from toolkit.models import materialize_preset
 
-    model = materialize_preset("tiny-qwen3-moe", tmp_path / "model", router_aux_loss_coef=0.0)
+    model = materialize_preset("tiny-qwen3-moe", tmp_path / "model", router_aux_loss_coef=0.0, num_hidden_layers=3,
+                               mlp_only_layers=[1])
     args = ["sft", "--model", str(model), *COMMON]
     toolkit(*args, "--output", str(tmp_path / "local"))
     toolkit(*args, "--output", str(tmp_path / "ep2"), "--strategy", "megatron", "--ep", "2", nproc=2)

@@ -15,6 +15,7 @@ FAMILY_CASES = [
     ("qwen2_moe", {"norm_topk_prob": False}),
     ("qwen2_moe", {"norm_topk_prob": True}),
     ("mixtral", {}),
+    ("qwen3_moe", {"num_hidden_layers": 3, "mlp_only_layers": [1]}),  # a dense MLP between two MoE layers
 ]
 
 
@@ -43,8 +44,9 @@ def test_patched_model_matches_hf(family: str, overrides: dict, backend: str) ->
 
     reference = _hf_model(family, **overrides)
     ours = copy.deepcopy(reference)
-    assert patch_moe_blocks(ours, experts_backend=backend) == reference.config.num_hidden_layers
-    assert all(isinstance(layer.mlp, MoeBlock) for layer in ours.model.layers)
+    sparse = [hasattr(layer.mlp, "experts") for layer in reference.model.layers]  # as transformers built them
+    assert patch_moe_blocks(ours, experts_backend=backend) == sum(sparse)
+    assert [isinstance(layer.mlp, MoeBlock) for layer in ours.model.layers] == sparse
     assert dict(ours.state_dict()).keys() == dict(reference.state_dict()).keys()
 
     ids = torch.randint(0, reference.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))

@@ -182,6 +182,35 @@ def test_target_matching_nothing_lists_the_linear_layers(source, load_base):
     assert len(too_wide) == 1 and "model.layers.0.mlp.act_fn" in too_wide[0] and "cannot take an adapter" in too_wide[0]
 
 
+@pytest.mark.parametrize(("overrides", "targets", "refused"), [
+    ({"num_hidden_layers": 3, "mlp_only_layers": [1]}, ["all-linear"], True),
+    ({"num_hidden_layers": 3, "mlp_only_layers": [1]}, ["q_proj", "gate_proj", "up_proj", "down_proj"], True),
+    ({"num_hidden_layers": 3, "mlp_only_layers": [1]}, ["q_proj", "k_proj", "v_proj", "o_proj"], False),
+    ({}, ["all-linear"], False),  # every layer MoE: the MLP targets all land on experts
+])
+def test_dense_mlps_between_moe_layers_that_peft_would_skip_are_refused(overrides, targets, refused):
+    """PEFT itself (get_peft_model on the real model) leaves the dense MLPs of a mixed Qwen3-MoE without adapters
+    when gate/up/down_proj are targeted; validate() says so before the model loads instead of training without them."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.contracts import ModelSource
+    from toolkit.models import preset_config
+
+    config = preset_config("tiny-qwen3-moe", **overrides)
+    tuner = LoRATuner(LoRAConfig(target_modules=targets))
+    problems = tuner.validate(None, ModelSource(reference="mixed", directory=None, config=config, tokenizer=None,
+                                                                  weight_files=[]))
+    model = peft.get_peft_model(AutoModelForCausalLM.from_config(config), peft.LoraConfig(
+        r=2, target_modules="all-linear" if targets == ["all-linear"] else targets))
+    adapted = {name.split(".lora_")[0] for name, _ in model.named_parameters() if "lora_" in name}
+    assert refused == bool(problems), problems
+    if refused:  # what PEFT really does: the dense layer's MLP, targeted, gets no adapter (its experts' layers do)
+        assert not any(".layers.1.mlp." in name for name in adapted) and any(".layers.0.mlp.experts" in n for n in adapted)
+        assert "PEFT would give no adapter to model.layers.1.mlp.gate_proj" in problems[0]
+        assert "--lora-target-modules q_proj,k_proj,v_proj,o_proj" in problems[0]
+
+
 def test_bad_options_are_reported_together(source):
     config = LoRAConfig(rank=0, dropout=1.5, init="eva", target_modules=["re:(["])
     problems = LoRATuner(config).validate(None, source)

@@ -137,7 +137,8 @@ class Qwen3Architecture(DenseArchitecture):
 
 
 class MoEArchitecture(DenseArchitecture):
-    """A decoder whose every MLP is a top-k routed mixture of SwiGLU experts (no shared expert)."""
+    """A decoder whose MLPs are top-k routed mixtures of SwiGLU experts (no shared expert); the layers
+    :meth:`moe_layers` leaves out keep a dense SwiGLU MLP of ``intermediate_size``."""
 
     moe: ClassVar[bool] = True
     router: ClassVar[str] = "model.layers.{i}.mlp.gate.weight"
@@ -158,15 +159,20 @@ class MoEArchitecture(DenseArchitecture):
         return bool(getattr(hf_config, "norm_topk_prob", True))
 
     @classmethod
-    def check(cls, hf_config: Any) -> None:
-        super().check(hf_config)
-        if getattr(hf_config, "mlp_only_layers", None) or getattr(hf_config, "decoder_sparse_step", 1) != 1:
-            raise ModelError(f"{hf_config.model_type}: dense layers between MoE layers (mlp_only_layers, "
-                             "decoder_sparse_step) are not supported by the Megatron bridge")
+    def moe_layers(cls, hf_config: Any) -> list[bool]:
+        """Per decoder layer, whether its MLP routes through experts, as transformers builds Qwen-MoE models:
+        layer ``i`` is sparse unless listed in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0``
+        (families without those settings, such as Mixtral, are sparse everywhere)."""
+        dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
+        step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+        return [i not in dense and (i + 1) % step == 0 for i in range(hf_config.num_hidden_layers)]
 
     @classmethod
     def transformer_options(cls, hf_config: Any) -> dict[str, Any]:
         options = super().transformer_options(hf_config)
+        pattern = cls.moe_layers(hf_config)
+        if not all(pattern):  # Megatron's per-layer pattern (1 = MoE, 0 = dense MLP of ffn_hidden_size)
+            options["moe_layer_freq"] = [int(sparse) for sparse in pattern]
         options.update(
             num_moe_experts=cls.num_experts(hf_config),
             moe_router_topk=hf_config.num_experts_per_tok,
@@ -253,4 +259,5 @@ def architecture_for(model_type: str) -> type[DenseArchitecture]:
                 return cls
     raise ModelError(f"the Megatron bridge has no architecture for model_type {model_type!r}; "
                      f"supported: {', '.join(sorted(known)) or 'none'}. A plugin can add one with "
-                     f"toolkit_register_architectures (a DenseArchitecture subclass named 'megatron:{model_type}').")
+                     f"toolkit_register_architectures (a DenseArchitecture subclass named 'megatron:{model_type}' whose "
+                     f"families hold {model_type!r}; docs/megatron.md, 'Adding a family', shows a plugin doing it).")

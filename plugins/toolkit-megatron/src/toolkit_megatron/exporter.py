@@ -38,10 +38,13 @@ class McoreExporter:
 
     def export(self, model: Any, output: Path, options: Any = None) -> Path:
         from toolkit.parallel import ParallelLayout
+        from toolkit_megatron.architectures import architecture_for
 
         config = _as_config(options) if options is not None else self.config
+        architecture = architecture_for(model.source.config.model_type)  # an unknown family is refused first
+        architecture.check(model.source.config)
         layout = ParallelLayout(tensor=config.tp, pipeline=config.pp, virtual=config.vpp, expert=config.ep,
-                                sequence_parallel=config.tp > 1 and _is_moe(model.source.config))
+                                sequence_parallel=config.tp > 1 and architecture.moe)
         world = layout.tensor * layout.pipeline * layout.expert
         layout.check(model.source.config, world)
         output = Path(output)
@@ -51,12 +54,6 @@ class McoreExporter:
             hf_dir = save_hf_checkpoint(model.tensors(), model.source.config, Path(staging) / "hf")
             _spawn(world, _export_worker, (str(hf_dir), str(output), layout, config.dtype, str(model.source.directory)))
         return output
-
-
-def _is_moe(hf_config: Any) -> bool:
-    from toolkit_megatron.architectures import architecture_for
-
-    return architecture_for(hf_config.model_type).moe
 
 
 def _as_config(options: Any) -> McoreExportConfig:

@@ -86,7 +86,11 @@ def layer_spec(hf_config: Any, config: Any, attention: AttentionKind = "sdpa", v
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules, get_num_layers_to_build
-    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+    from megatron.core.transformer.transformer_layer import (
+        TransformerLayer,
+        TransformerLayerSubmodules,
+        get_transformer_layer_offset,
+    )
 
     from toolkit_megatron.attention import LocalAttention, Rope, SDPAAttention
     from toolkit_megatron.norm import RMSNorm
@@ -95,32 +99,40 @@ def layer_spec(hf_config: Any, config: Any, attention: AttentionKind = "sdpa", v
     core = {"sdpa": SDPAAttention, "local": LocalAttention}[attention]
     norm = ModuleSpec(module=RMSNorm, params={"kernel_ops": kernel_ops})
     qk_norm = norm if arch.qk_norm else IdentityOp
-    layer = ModuleSpec(
-        module=TransformerLayer,
-        submodules=TransformerLayerSubmodules(
-            input_layernorm=norm,
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=ColumnParallelLinear,
-                    core_attention=ModuleSpec(module=core, params={
-                        "rope": Rope.from_hf_config(hf_config), "sliding_window": arch.sliding_window(hf_config),
-                        "compiled_rope": compiled_rope, "packed_flex": packed_flex}),
-                    linear_proj=RowParallelLinear,
-                    q_layernorm=qk_norm,
-                    k_layernorm=qk_norm,
+    dense_mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+
+    def layer_with(mlp: Any) -> Any:
+        return ModuleSpec(
+            module=TransformerLayer,
+            submodules=TransformerLayerSubmodules(
+                input_layernorm=norm,
+                self_attention=ModuleSpec(
+                    module=SelfAttention,
+                    params={"attn_mask_type": AttnMaskType.causal},
+                    submodules=SelfAttentionSubmodules(
+                        linear_qkv=ColumnParallelLinear,
+                        core_attention=ModuleSpec(module=core, params={
+                            "rope": Rope.from_hf_config(hf_config), "sliding_window": arch.sliding_window(hf_config),
+                            "compiled_rope": compiled_rope, "packed_flex": packed_flex}),
+                        linear_proj=RowParallelLinear,
+                        q_layernorm=qk_norm,
+                        k_layernorm=qk_norm,
+                    ),
                 ),
+                self_attn_bda=get_bias_dropout_add,
+                pre_mlp_layernorm=norm,
+                mlp=mlp,
+                mlp_bda=get_bias_dropout_add,
             ),
-            self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=norm,
-            mlp=_moe_spec(config, experts) if arch.moe else ModuleSpec(
-                module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
-            mlp_bda=get_bias_dropout_add,
-        ),
-    )
-    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=norm))
+        )
+
+    dense = layer_with(dense_mlp)
+    sparse = layer_with(_moe_spec(config, experts)) if arch.moe else dense
+    moe_layers = arch.moe_layers(hf_config) if arch.moe else [False] * config.num_layers
+    # this stage's layers, each dense or MoE as the model's own layer index says (mlp_only_layers, ...)
+    first = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    specs = [sparse if moe_layers[first + i] else dense for i in range(get_num_layers_to_build(config, vp_stage=vp_stage))]
+    return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm))
 
 
 def _moe_spec(config: Any, experts: ExpertsKind = "grouped") -> Any:

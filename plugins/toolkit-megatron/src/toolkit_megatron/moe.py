@@ -99,7 +99,7 @@ def pop_router_metrics(config: Any, share: float, tp_cp: int) -> dict[str, float
     """This rank's router-loss contributions of the last schedule run (then cleared).
 
     ``aux_loss``: the weighted router losses as added to the objective (load balancing + z);
-    ``load_balancing_loss`` / ``z_loss``: unweighted, averaged over layers. Every value is this
+    ``load_balancing_loss`` / ``z_loss``: unweighted, averaged over the MoE layers. Every value is this
     rank's part; summed over all ranks they give the step's values (SP/CP ranks hold partial
     sums, pipeline stages hold disjoint layers, data-parallel ranks carry ``share``).
     """
@@ -116,6 +116,14 @@ def pop_router_metrics(config: Any, share: float, tp_cp: int) -> dict[str, float
         value = float(tracker[name]["values"].sum()) * share if name in tracker else 0.0
         # the tracker stores z-loss / (coeff / tp_cp) per TP/CP rank: each holds its tokens' mean
         metrics["aux_loss"] += value * float(coeff) / per_rank
-        metrics[name] = value / per_rank / config.num_layers
+        metrics[name] = value / per_rank / moe_layer_count(config)
     clear_aux_losses_tracker()
     return metrics
+
+
+def moe_layer_count(config: Any) -> int:
+    """How many layers route through experts (dense layers of ``moe_layer_freq``'s pattern record no router loss)."""
+    pattern = config.moe_layer_freq
+    if isinstance(pattern, int):
+        return sum(1 for i in range(config.num_layers) if i % pattern == 0)
+    return max(1, sum(pattern))

@@ -172,9 +172,14 @@ class MegatronEngine(EngineBase):
         from megatron.core import parallel_state as ps
 
         from toolkit.train.distributed import init_world
+        from toolkit_megatron.architectures import architecture_for
         from toolkit_megatron.bridge import SafetensorsReader, load_hf_weights
         from toolkit_megatron.model import build_model, initialize_parallel
 
+        # a family the bridge does not know, or a config it cannot convert, is refused before anything else
+        architecture = architecture_for(source.config.model_type)
+        architecture.check(source.config)
+        self.moe = architecture.moe
         self.world = init_world()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         from toolkit.train.distributed import one_process_group
@@ -183,9 +188,6 @@ class MegatronEngine(EngineBase):
         self.recipe, self.source, self.config, self.tuner = recipe, source, config, tuner
         self.layout = ParallelLayout.from_recipe(recipe)
         self.layout.check(source.config, torch.distributed.get_world_size(), recipe.seq_len)
-        from toolkit_megatron.architectures import architecture_for
-
-        self.moe = architecture_for(source.config.model_type).moe
         if loss.needs_reference and not recipe.precompute_reference:
             from toolkit.errors import ConfigError
 

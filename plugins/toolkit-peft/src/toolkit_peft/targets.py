@@ -73,12 +73,44 @@ def target_problems(config: LoRAConfig, source: ModelSource | None = None, model
         for name in config.target_modules:
             if name != "all-linear" and not any(_matches(name, key) for key in linears):
                 problems.append(f"target_modules: {name!r} matches no linear layer; {available}")
+    dropped = [] if problems else dropped_by_peft(config, model)
+    if dropped:
+        problems.append(f"PEFT would give no adapter to {', '.join(dropped[:3])}{' and more' if len(dropped) > 3 else ''}, "
+                        "which target_modules names: for this MoE family it moves gate_proj/up_proj/down_proj targets onto "
+                        "the experts transformers fuses, so the dense MLPs between MoE layers (mlp_only_layers, "
+                        "decoder_sparse_step) would not train. Adapt the attention only (--lora-target-modules "
+                        "q_proj,k_proj,v_proj,o_proj) or train fully (--tuner full)")
     module_names = [key for key, _ in model.named_modules() if key]
     for name in config.modules_to_save:
         if not any(_matches(name, key) for key in module_names):
             tops = sorted({k.rsplit(".", 1)[-1] for k in module_names if not re.search(r"\.\d+(\.|$)", k)})
             problems.append(f"modules_to_save: {name!r} matches no module; modules outside the layers: {', '.join(tops)}")
     return problems
+
+
+def dropped_by_peft(config: LoRAConfig, model: torch.nn.Module) -> list[str]:
+    """Linear layers the targets name that PEFT would leave without an adapter, asked of PEFT's own conversion of
+    the config for transformers 5 (for MoE families whose experts transformers fuses, it rewrites MLP targets
+    into targets of the fused experts, dropping every other module of those names)."""
+    import copy
+
+    try:
+        from peft.tuners.tuners_utils import check_target_module_exists
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except ImportError:  # a PEFT without that conversion drops nothing
+        return []
+    from toolkit_peft.adapters import peft_lora_config
+
+    wanted = peft_lora_config(config, use_dora=False)
+    converted = copy.deepcopy(wanted)
+    convert_peft_config_for_transformers(converted, model=model, conversions=None)
+    if converted.target_modules == wanted.target_modules:
+        return []
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    heads = {name for name, module in model.named_modules() if head is not None and module is head}
+    named = [key for key in linear_layer_names(model) if key not in heads
+             and (wanted.target_modules == "all-linear" or check_target_module_exists(wanted, key))]
+    return [key for key in named if not check_target_module_exists(converted, key)]
 
 
 def meta_model(source: ModelSource | None) -> Any:
