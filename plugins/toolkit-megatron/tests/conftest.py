@@ -30,10 +30,24 @@ def tiny_config(arch: str):
         return Qwen2MoeConfig(vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                               num_key_value_heads=2, max_position_embeddings=256, num_experts=4, num_experts_per_tok=2,
                               moe_intermediate_size=64, shared_expert_intermediate_size=96)
+    if arch == "llama3":  # Llama 3.1's rope scaling; original context 8 so the 16-token test spans both bands
+        return LlamaConfig(vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                           rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8})
+    if arch == "qwen2_yarn":  # Qwen2.5 long-context YaRN (attention scaling != 1)
+        return Qwen2Config(vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
+                           rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                            "original_max_position_embeddings": 64})
     cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
     return cls(vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, head_dim=32, max_position_embeddings=256, tie_word_embeddings=arch == "qwen3",
                **({"sliding_window": None} if arch == "mistral" else {}))
+
+
+EXTRA_FAMILIES = ("llama3", "qwen2_yarn")
+"""Fixtures beyond the tiny presets: rope scaling and the families added for issue 27."""
 
 
 def save_tiny_model(arch: str, directory: Path) -> Path:
@@ -54,7 +68,8 @@ def save_tiny_model(arch: str, directory: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    return {arch: save_tiny_model(arch, root / arch) for arch in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe")}
+    return {arch: save_tiny_model(arch, root / arch) for arch in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe",
+                                                                  *EXTRA_FAMILIES)}
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,8 @@ JOBS = {  # name: (tiny model, layouts); "llama-mcore" also reads the mcore chec
     "qwen2_moe": ("qwen2_moe", "ep=2+export=1"),
     "mistral": ("mistral", "tp=2,pp=2"),
     "llama-mcore": ("llama", "pp=2+mcore=1,tp=2+sp=1+mcore=1"),
+    "llama3": ("llama3", "tp=2,cp=2"),  # rope_type llama3 (Llama 3.1+)
+    "qwen2_yarn": ("qwen2_yarn", "pp=2,cp=2"),  # rope_type yarn (Qwen long context)
 }
 
 
@@ -107,6 +109,13 @@ def test_moe_logits_and_round_trip_with_expert_parallelism(tiny_models, bridge):
             tensors = _load(Path(entry["export_dir"]))
             assert sorted(tensors) == sorted(original)
             assert all(torch.equal(tensors[n], t) for n, t in original.items()), arch
+
+
+@pytest.mark.parametrize("job", ["llama3", "qwen2_yarn"])
+def test_scaled_rope_logits_match_hf(job, bridge):
+    """Llama 3.x rope scaling and YaRN (attention factor != 1): the bridge's RoPE is HF's, at TP2, PP2, CP2."""
+    assert set(bridge[job]) == set(JOBS[job][1].split(","))
+    _assert_close(bridge[job])
 
 
 def test_mistral_tp2(bridge):

@@ -22,6 +22,8 @@ class DenseArchitecture:
     """``None``: read ``attention_bias`` from the HF config."""
     qk_norm: ClassVar[bool] = False
     moe: ClassVar[bool] = False
+    rope_interleaved: ClassVar[bool] = False
+    """RoPE pairs dims (0, 1), (2, 3)... (GLM) instead of the two halves of each head (Llama)."""
 
     # HF names; ``{i}`` is the global layer index.
     embedding: ClassVar[str] = "model.embed_tokens.weight"
@@ -59,6 +61,14 @@ class DenseArchitecture:
         return None
 
     @classmethod
+    def rope(cls, hf_config: Any) -> Any:
+        """The :class:`~toolkit_megatron.attention.Rope` HF applies (refuses rope types whose frequencies change
+        with the sequence length in ways the bridge does not follow)."""
+        from toolkit_megatron.attention import Rope
+
+        return Rope.from_hf_config(hf_config, cls.rope_interleaved)
+
+    @classmethod
     def check(cls, hf_config: Any) -> None:
         problems = []
         if getattr(hf_config, "mlp_bias", False):
@@ -69,6 +79,7 @@ class DenseArchitecture:
             problems.append(f"hidden_act={hf_config.hidden_act!r} (only silu/SwiGLU)")
         if problems:
             raise ModelError(f"{hf_config.model_type} config not supported by the Megatron bridge: {'; '.join(problems)}")
+        cls.rope(hf_config)
 
     @classmethod
     def transformer_options(cls, hf_config: Any) -> dict[str, Any]:

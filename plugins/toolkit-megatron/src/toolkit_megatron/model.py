@@ -88,7 +88,7 @@ def layer_spec(hf_config: Any, config: Any, attention: AttentionKind = "sdpa", v
     from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-    from toolkit_megatron.attention import LocalAttention, Rope, SDPAAttention
+    from toolkit_megatron.attention import LocalAttention, SDPAAttention
     from toolkit_megatron.norm import RMSNorm
 
     arch = architecture_for(hf_config.model_type)
@@ -105,7 +105,7 @@ def layer_spec(hf_config: Any, config: Any, attention: AttentionKind = "sdpa", v
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear,
                     core_attention=ModuleSpec(module=core, params={
-                        "rope": Rope.from_hf_config(hf_config), "sliding_window": arch.sliding_window(hf_config),
+                        "rope": arch.rope(hf_config), "sliding_window": arch.sliding_window(hf_config),
                         "compiled_rope": compiled_rope, "packed_flex": packed_flex}),
                     linear_proj=RowParallelLinear,
                     q_layernorm=qk_norm,

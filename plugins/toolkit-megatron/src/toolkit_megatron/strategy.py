@@ -185,7 +185,9 @@ class MegatronEngine(EngineBase):
         self.layout.check(source.config, torch.distributed.get_world_size(), recipe.seq_len)
         from toolkit_megatron.architectures import architecture_for
 
-        self.moe = architecture_for(source.config.model_type).moe
+        architecture = architecture_for(source.config.model_type)
+        architecture.check(source.config)  # an unsupported config is refused before process groups and weights
+        self.moe = architecture.moe
         if loss.needs_reference and not recipe.precompute_reference:
             from toolkit.errors import ConfigError
 
