@@ -40,13 +40,22 @@ def tiny_config(arch: str):
                            num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
                            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                             "original_max_position_embeddings": 64})
+    if arch == "phi3":  # Phi-4-mini's shape: fused qkv/gate_up, partial rotary 0.75, longrope (long factors past 4)
+        from transformers import Phi3Config
+
+        return Phi3Config(vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=256, original_max_position_embeddings=4, pad_token_id=0,
+                          rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                           "original_max_position_embeddings": 4,
+                                           "short_factor": [1.0 + i / 8 for i in range(12)],
+                                           "long_factor": [1.5 + i for i in range(12)]})
     cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
     return cls(vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, head_dim=32, max_position_embeddings=256, tie_word_embeddings=arch == "qwen3",
                **({"sliding_window": None} if arch == "mistral" else {}))
 
 
-EXTRA_FAMILIES = ("llama3", "qwen2_yarn")
+EXTRA_FAMILIES = ("llama3", "qwen2_yarn", "phi3")
 """Fixtures beyond the tiny presets: rope scaling and the families added for issue 27."""
 
 
@@ -62,6 +71,25 @@ def save_tiny_model(arch: str, directory: Path) -> Path:
             if "norm" in name or "bias" in name:
                 param.add_(torch.randn_like(param) * 0.1)
     model.save_pretrained(directory)
+    return directory
+
+
+def cli_model_dir(arch: str, directory: Path) -> Path:
+    """A tiny model of ``arch`` with the vocabulary of the bundled tokenizer, and that tokenizer: an HF directory
+    ``toolkit sft --model`` trains like a downloaded one."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.models import TOKENIZER_DIR
+
+    config = tiny_config(arch)
+    config.vocab_size, config.eos_token_id, config.pad_token_id, config.bos_token_id = 768, 2, 3, None
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    for path in TOKENIZER_DIR.iterdir():
+        shutil.copy(path, directory / path.name)
     return directory
 
 

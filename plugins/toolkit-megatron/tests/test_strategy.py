@@ -43,6 +43,20 @@ def assert_same_steps(expected, got):
         assert abs(a["grad_norm"] - b["grad_norm"]) <= TOLERANCE * max(1.0, a["grad_norm"]), (a, b)
 
 
+@pytest.mark.parametrize(("family", "tuner"), [("phi3", "lora")])
+def test_added_family_sft_steps_equal_local(family, tuner, tmp_path):
+    """A family added to the bridge trains as `local` does (one process: the bridge's model, RoPE and fused
+    weights; Phi-3 with LoRA on its fused qkv_proj / gate_up_proj; layouts are held to HF's logits in
+    test_bridge.py)."""
+    from conftest import cli_model_dir
+
+    model = cli_model_dir(family, tmp_path / family)
+    args = ["--model", str(model), *COMMON[2:], "--tuner", tuner, "--lr", "1e-2", "--max-steps", "3"]
+    toolkit("sft", *args, "--output", str(tmp_path / "local"))
+    toolkit("sft", *args, "--output", str(tmp_path / "megatron"), "--strategy", "megatron")
+    assert_same_steps(metrics(tmp_path / "local"), metrics(tmp_path / "megatron"))
+
+
 @pytest.fixture(scope="module")
 def local_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("local") / "run"

@@ -147,6 +147,32 @@ class Qwen3Architecture(DenseArchitecture):
         return Qwen2Architecture.sliding_window(hf_config)
 
 
+class Phi3Architecture(DenseArchitecture):
+    """Phi-3 / Phi-4 (mini): Llama-shaped with fused ``qkv_proj`` and ``gate_up_proj`` weights (the bridge reads
+    and writes the parts of one tensor), every layer windowed when ``sliding_window`` is set, ``longrope`` and
+    partial rotary from the config."""
+
+    name = "megatron:phi3"
+    families = ("phi3",)
+    qkv_bias = False
+    layer = {**DenseArchitecture.layer,
+             **dict.fromkeys(("q", "k", "v"), "model.layers.{i}.self_attn.qkv_proj"),
+             **dict.fromkeys(("gate", "up"), "model.layers.{i}.mlp.gate_up_proj.weight")}
+
+    @classmethod
+    def sliding_window(cls, hf_config: Any) -> int | None:
+        return getattr(hf_config, "sliding_window", None)
+
+    @classmethod
+    def check(cls, hf_config: Any) -> None:
+        super().check(hf_config)
+        dropped = [f"{key}={getattr(hf_config, key)}" for key in ("resid_pdrop", "embd_pdrop")
+                   if getattr(hf_config, key, 0.0)]
+        if dropped:
+            raise ModelError(f"phi3 config not supported by the Megatron bridge: {', '.join(dropped)} (residual/embedding "
+                             "dropout); set them to 0.0 in config.json or train with --strategy local")
+
+
 class MoEArchitecture(DenseArchitecture):
     """A decoder whose every MLP is a top-k routed mixture of SwiGLU experts (no shared expert)."""
 
@@ -247,8 +273,8 @@ class MixtralArchitecture(MoEArchitecture):
         return getattr(hf_config, "sliding_window", None)
 
 
-BUILTIN = (DenseArchitecture, MistralArchitecture, Qwen2Architecture, Qwen3Architecture, Qwen2MoeArchitecture,
-           Qwen3MoeArchitecture, MixtralArchitecture)
+BUILTIN = (DenseArchitecture, MistralArchitecture, Qwen2Architecture, Qwen3Architecture, Phi3Architecture,
+           Qwen2MoeArchitecture, Qwen3MoeArchitecture, MixtralArchitecture)
 
 
 def architecture_for(model_type: str) -> type[DenseArchitecture]:

@@ -26,7 +26,6 @@ import torch.nn.functional as F
 
 from toolkit_megatron.compat import cpu_compat
 
-
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 """Rope types whose frequencies do not depend on the sequence (``longrope`` picks one of two sets by length)."""
 
