@@ -40,22 +40,28 @@ def tiny_config(arch: str):
                            num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
                            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                             "original_max_position_embeddings": 64})
-    if arch == "phi3":  # Phi-4-mini's shape: fused qkv/gate_up, partial rotary 0.75, longrope (long factors past 4)
+    if arch == "phi3":  # Phi-4-mini's shape: fused qkv/gate_up, partial rotary 0.75, longrope (long factors past 4), window 8
         from transformers import Phi3Config
 
         return Phi3Config(vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, max_position_embeddings=256, original_max_position_embeddings=4, pad_token_id=0,
+                          sliding_window=8,
                           rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
                                            "original_max_position_embeddings": 4,
                                            "short_factor": [1.0 + i / 8 for i in range(12)],
                                            "long_factor": [1.5 + i for i in range(12)]})
+    if arch == "glm4":  # QKV bias, fused gate_up, half-rotary interleaved RoPE, post-sublayer norms
+        from transformers import Glm4Config
+
+        return Glm4Config(vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=32, max_position_embeddings=256, pad_token_id=0)
     cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
     return cls(vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, head_dim=32, max_position_embeddings=256, tie_word_embeddings=arch == "qwen3",
                **({"sliding_window": None} if arch == "mistral" else {}))
 
 
-EXTRA_FAMILIES = ("llama3", "qwen2_yarn", "phi3")
+EXTRA_FAMILIES = ("llama3", "qwen2_yarn", "phi3", "glm4")
 """Fixtures beyond the tiny presets: rope scaling and the families added for issue 27."""
 
 

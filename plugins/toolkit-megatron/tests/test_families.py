@@ -30,6 +30,7 @@ ROPES = {
         "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 8,
         "short_factor": [1.0 + i / 10 for i in range(12)], "long_factor": [2.0 + i for i in range(12)],
         "partial_rotary_factor": 0.75})),
+    "glm4-partial-interleaved": ("glm4", dict(partial_rotary_factor=0.5)),
 }
 
 

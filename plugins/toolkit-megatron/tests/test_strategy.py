@@ -43,7 +43,7 @@ def assert_same_steps(expected, got):
         assert abs(a["grad_norm"] - b["grad_norm"]) <= TOLERANCE * max(1.0, a["grad_norm"]), (a, b)
 
 
-@pytest.mark.parametrize(("family", "tuner"), [("phi3", "lora")])
+@pytest.mark.parametrize(("family", "tuner"), [("phi3", "lora"), ("glm4", "full")])
 def test_added_family_sft_steps_equal_local(family, tuner, tmp_path):
     """A family added to the bridge trains as `local` does (one process: the bridge's model, RoPE and fused
     weights; Phi-3 with LoRA on its fused qkv_proj / gate_up_proj; layouts are held to HF's logits in
@@ -51,7 +51,7 @@ def test_added_family_sft_steps_equal_local(family, tuner, tmp_path):
     from conftest import cli_model_dir
 
     model = cli_model_dir(family, tmp_path / family)
-    args = ["--model", str(model), *COMMON[2:], "--tuner", tuner, "--lr", "1e-2", "--max-steps", "3"]
+    args = ["--model", str(model), *COMMON[2:], "--tuner", tuner, "--max-steps", "3", *(["--lr", "1e-2"] if tuner == "lora" else [])]
     toolkit("sft", *args, "--output", str(tmp_path / "local"))
     toolkit("sft", *args, "--output", str(tmp_path / "megatron"), "--strategy", "megatron")
     assert_same_steps(metrics(tmp_path / "local"), metrics(tmp_path / "megatron"))

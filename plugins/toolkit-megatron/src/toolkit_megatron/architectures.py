@@ -24,6 +24,9 @@ class DenseArchitecture:
     moe: ClassVar[bool] = False
     rope_interleaved: ClassVar[bool] = False
     """RoPE pairs dims (0, 1), (2, 3)... (GLM) instead of the two halves of each head (Llama)."""
+    sublayer_post_norms: ClassVar[bool] = False
+    """An RMSNorm on each sublayer's output before the residual add (GLM-4's ``post_self_attn_layernorm`` and
+    ``post_mlp_layernorm``: the ``post_attn_out_norm`` / ``post_mlp_out_norm`` names below)."""
 
     # HF names; ``{i}`` is the global layer index.
     embedding: ClassVar[str] = "model.embed_tokens.weight"
@@ -41,6 +44,8 @@ class DenseArchitecture:
         "down": "model.layers.{i}.mlp.down_proj.weight",
         "input_norm": "model.layers.{i}.input_layernorm.weight",
         "post_norm": "model.layers.{i}.post_attention_layernorm.weight",
+        "post_attn_out_norm": "model.layers.{i}.post_self_attn_layernorm.weight",
+        "post_mlp_out_norm": "model.layers.{i}.post_mlp_layernorm.weight",
     }
 
     Config: ClassVar[type] = None  # set below: architectures take no options
@@ -173,6 +178,17 @@ class Phi3Architecture(DenseArchitecture):
                              "dropout); set them to 0.0 in config.json or train with --strategy local")
 
 
+class Glm4Architecture(DenseArchitecture):
+    """GLM-4 (``glm4``): QKV bias, fused ``gate_up_proj``, partial rotary (half of each head by default) with
+    interleaved pairs, and an RMSNorm on the attention and MLP outputs before each residual add."""
+
+    name = "megatron:glm4"
+    families = ("glm4",)
+    rope_interleaved = True
+    sublayer_post_norms = True
+    layer = {**DenseArchitecture.layer, **dict.fromkeys(("gate", "up"), "model.layers.{i}.mlp.gate_up_proj.weight")}
+
+
 class MoEArchitecture(DenseArchitecture):
     """A decoder whose every MLP is a top-k routed mixture of SwiGLU experts (no shared expert)."""
 
@@ -274,7 +290,7 @@ class MixtralArchitecture(MoEArchitecture):
 
 
 BUILTIN = (DenseArchitecture, MistralArchitecture, Qwen2Architecture, Qwen3Architecture, Phi3Architecture,
-           Qwen2MoeArchitecture, Qwen3MoeArchitecture, MixtralArchitecture)
+           Glm4Architecture, Qwen2MoeArchitecture, Qwen3MoeArchitecture, MixtralArchitecture)
 
 
 def architecture_for(model_type: str) -> type[DenseArchitecture]:

@@ -132,6 +132,8 @@ PER_LAYER: dict[str, Mapping] = {
     "self_attention.k_layernorm.weight": Mapping(("k_norm",)),
     "input_layernorm.weight": Mapping(("input_norm",)),
     "pre_mlp_layernorm.weight": Mapping(("post_norm",)),
+    "self_attn_bda.weight": Mapping(("post_attn_out_norm",)),  # GLM-4's norms on the sublayer outputs
+    "mlp_bda.weight": Mapping(("post_mlp_out_norm",)),
     "mlp.linear_fc1.weight": Mapping(("gate", "up"), "gate_up"),
     "mlp.linear_fc2.weight": Mapping(("down",), "row"),
     "mlp.router.weight": Mapping(("router",), "none", "router"),

@@ -89,12 +89,14 @@ def layer_spec(hf_config: Any, config: Any, attention: AttentionKind = "sdpa", v
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
     from toolkit_megatron.attention import LocalAttention, SDPAAttention
-    from toolkit_megatron.norm import RMSNorm
+    from toolkit_megatron.norm import NormedBiasDropoutAdd, RMSNorm
 
     arch = architecture_for(hf_config.model_type)
     core = {"sdpa": SDPAAttention, "local": LocalAttention}[attention]
     norm = ModuleSpec(module=RMSNorm, params={"kernel_ops": kernel_ops})
     qk_norm = norm if arch.qk_norm else IdentityOp
+    post_norm = ModuleSpec(module=NormedBiasDropoutAdd, params={"config": config, "hidden_size": config.hidden_size,
+                                                                "eps": config.layernorm_epsilon, "kernel_ops": kernel_ops})
     layer = ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -112,11 +114,11 @@ def layer_spec(hf_config: Any, config: Any, attention: AttentionKind = "sdpa", v
                     k_layernorm=qk_norm,
                 ),
             ),
-            self_attn_bda=get_bias_dropout_add,
+            self_attn_bda=post_norm if arch.sublayer_post_norms else get_bias_dropout_add,
             pre_mlp_layernorm=norm,
             mlp=_moe_spec(config, experts) if arch.moe else ModuleSpec(
                 module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
-            mlp_bda=get_bias_dropout_add,
+            mlp_bda=post_norm if arch.sublayer_post_norms else get_bias_dropout_add,
         ),
     )
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
