@@ -99,3 +99,11 @@ def test_fused_hf_tensors_split_and_refuse_bit_exactly(tmp_path, tp):
         "self_attention.linear_qkv.weight"], 1), Geometry(heads, groups, head_dim, ffn, 10, 10, 1, 0))
     fused = tensors["model.layers.1.self_attn.qkv_proj.weight"]
     assert torch.equal(qkv[2 * head_dim:3 * head_dim], fused[heads * head_dim:(heads + 1) * head_dim])  # k head 0
+
+
+@pytest.mark.parametrize(("model_type", "piece"), [("gemma2", "attention logit soft-capping"),
+                                                   ("gemma3_text", "embedding scale"), ("mamba", "supported: ")])
+def test_families_the_bridge_cannot_build_are_refused_naming_the_missing_piece(model_type, piece):
+    with pytest.raises(ModelError, match=piece) as caught:
+        architecture_for(model_type)
+    assert "--strategy local" in str(caught.value) or "toolkit_register_architectures" in str(caught.value)

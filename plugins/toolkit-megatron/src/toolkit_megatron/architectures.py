@@ -293,6 +293,19 @@ BUILTIN = (DenseArchitecture, MistralArchitecture, Qwen2Architecture, Qwen3Archi
            Glm4Architecture, Qwen2MoeArchitecture, Qwen3MoeArchitecture, MixtralArchitecture)
 
 
+_EMBEDDING_SCALE = "the sqrt(hidden_size) embedding scale (GPTModel has no embedding multiplier)"
+REFUSED: dict[str, str] = {
+    "gemma": f"{_EMBEDDING_SCALE}, the (1 + weight) RMSNorm and the GeGLU MLP",
+    "gemma2": f"attention logit soft-capping (attn_logit_softcapping) and final logit soft-capping "
+              f"(final_logit_softcapping); {_EMBEDDING_SCALE}; alternating sliding-window and full layers; the "
+              "(1 + weight) RMSNorm and post-sublayer norms",
+    "gemma3_text": f"{_EMBEDDING_SCALE}; sliding-window and full layers with a RoPE base each (rope_parameters per layer "
+                   "type); the (1 + weight) RMSNorm and post-sublayer norms",
+    "gemma3": "a vision-language wrapper (its text model, gemma3_text, is not bridged either)",
+}
+"""Families the bridge refuses by name, with the pieces it lacks (``--strategy local`` trains them)."""
+
+
 def architecture_for(model_type: str) -> type[DenseArchitecture]:
     """The registered ``megatron:*`` architecture covering ``model_type`` (plugins included)."""
     from toolkit.plugins import get_plugin_manager
@@ -304,6 +317,10 @@ def architecture_for(model_type: str) -> type[DenseArchitecture]:
             known.append(name.split(":", 1)[1])
             if model_type in getattr(cls, "families", ()):
                 return cls
+    if model_type in REFUSED:
+        raise ModelError(f"the Megatron bridge does not support {model_type}: megatron-core (so the bridge) lacks "
+                         f"{REFUSED[model_type]}. "
+                         "Train it with --strategy local (or fsdp/deepspeed), which run the HF model itself.")
     raise ModelError(f"the Megatron bridge has no architecture for model_type {model_type!r}; "
                      f"supported: {', '.join(sorted(known)) or 'none'}. A plugin can add one with "
                      f"toolkit_register_architectures (a DenseArchitecture subclass named 'megatron:{model_type}').")
