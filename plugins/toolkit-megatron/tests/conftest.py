@@ -55,13 +55,19 @@ def tiny_config(arch: str):
 
         return Glm4Config(vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, head_dim=32, max_position_embeddings=256, pad_token_id=0)
+    if arch == "internlm3":  # transformers' own InternLM3 (a Llama config, LlamaForCausalLM)
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model("internlm3", vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                                    pad_token_id=0)
     cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
     return cls(vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, head_dim=32, max_position_embeddings=256, tie_word_embeddings=arch == "qwen3",
                **({"sliding_window": None} if arch == "mistral" else {}))
 
 
-EXTRA_FAMILIES = ("llama3", "qwen2_yarn", "phi3", "glm4")
+EXTRA_FAMILIES = ("llama3", "qwen2_yarn", "phi3", "glm4", "internlm3")
 """Fixtures beyond the tiny presets: rope scaling and the families added for issue 27."""
 
 

@@ -27,6 +27,7 @@ JOBS = {  # name: (tiny model, layouts); "llama-mcore" also reads the mcore chec
     "qwen2_yarn": ("qwen2_yarn", "pp=2,cp=2"),  # rope_type yarn (Qwen long context)
     "phi3": ("phi3", "tp=2+export=1,pp=2+export=1,cp=2"),  # fused qkv_proj / gate_up_proj, longrope, partial rotary
     "glm4": ("glm4", "tp=2+sp=1+export=1,pp=2+export=1,cp=2"),  # interleaved half rotary, post-sublayer norms
+    "internlm3": ("internlm3", "tp=2+export=1"),  # transformers' InternLM3: Llama weights under its own model_type
 }
 
 
@@ -120,7 +121,7 @@ def test_scaled_rope_logits_match_hf(job, bridge):
     _assert_close(bridge[job])
 
 
-@pytest.mark.parametrize("job", ["phi3", "glm4"])
+@pytest.mark.parametrize("job", ["phi3", "glm4", "internlm3"])
 def test_added_dense_family_logits_and_round_trip(job, tiny_models, bridge):
     """Families whose HF weights are laid out differently from Llama's: logits equal HF at TP2, PP2, CP2 and
     the TP2 / PP2 exports give back the very tensors of the checkpoint (fused ones re-fused bit for bit)."""

@@ -107,3 +107,15 @@ def test_families_the_bridge_cannot_build_are_refused_naming_the_missing_piece(m
     with pytest.raises(ModelError, match=piece) as caught:
         architecture_for(model_type)
     assert "--strategy local" in str(caught.value) or "toolkit_register_architectures" in str(caught.value)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "internlm3"])
+def test_attention_bias_that_reaches_o_proj_is_refused(model_type):
+    """These families' ``attention_bias`` biases o_proj too (GLM-4's does not): the bridge has no such bias."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type, hidden_size=64, num_attention_heads=4, attention_bias=True,
+                                  **({"mlp_bias": True} if model_type == "internlm3" else {}))
+    with pytest.raises(ModelError, match="o_proj bias"):
+        architecture_for(model_type).check(config)
+    architecture_for("glm4").check(AutoConfig.for_model("glm4", hidden_size=64, num_attention_heads=4, attention_bias=True))

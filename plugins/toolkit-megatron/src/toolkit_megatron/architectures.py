@@ -20,6 +20,9 @@ class DenseArchitecture:
     families: ClassVar[tuple[str, ...]] = ("llama",)
     qkv_bias: ClassVar[bool | None] = None
     """``None``: read ``attention_bias`` from the HF config."""
+    attention_bias_on_output: ClassVar[bool] = True
+    """HF's ``attention_bias`` puts a bias on ``o_proj`` too (Llama, Qwen3, InternLM3; not GLM-4); the bridge has none
+    there, so such a config is refused."""
     qk_norm: ClassVar[bool] = False
     moe: ClassVar[bool] = False
     rope_interleaved: ClassVar[bool] = False
@@ -78,7 +81,7 @@ class DenseArchitecture:
         problems = []
         if getattr(hf_config, "mlp_bias", False):
             problems.append("mlp_bias=true (biases on MLP projections)")
-        if cls.qkv_bias is None and getattr(hf_config, "attention_bias", False) and cls.families[0] == "llama":
+        if cls.qkv_bias is None and getattr(hf_config, "attention_bias", False) and cls.attention_bias_on_output:
             problems.append("attention_bias=true (o_proj bias)")
         if getattr(hf_config, "hidden_act", "silu") != "silu":
             problems.append(f"hidden_act={hf_config.hidden_act!r} (only silu/SwiGLU)")
@@ -152,6 +155,14 @@ class Qwen3Architecture(DenseArchitecture):
         return Qwen2Architecture.sliding_window(hf_config)
 
 
+class InternLM3Architecture(DenseArchitecture):
+    """InternLM 3 as transformers ships it (``internlm3``: a Llama config and LlamaForCausalLM, no remote code).
+    InternLM 2 exists only as remote code: the bridge refuses it like any unknown family."""
+
+    name = "megatron:internlm3"
+    families = ("internlm3",)
+
+
 class Phi3Architecture(DenseArchitecture):
     """Phi-3 / Phi-4 (mini): Llama-shaped with fused ``qkv_proj`` and ``gate_up_proj`` weights (the bridge reads
     and writes the parts of one tensor), every layer windowed when ``sliding_window`` is set, ``longrope`` and
@@ -184,6 +195,7 @@ class Glm4Architecture(DenseArchitecture):
 
     name = "megatron:glm4"
     families = ("glm4",)
+    attention_bias_on_output = False
     rope_interleaved = True
     sublayer_post_norms = True
     layer = {**DenseArchitecture.layer, **dict.fromkeys(("gate", "up"), "model.layers.{i}.mlp.gate_up_proj.weight")}
@@ -289,7 +301,7 @@ class MixtralArchitecture(MoEArchitecture):
         return getattr(hf_config, "sliding_window", None)
 
 
-BUILTIN = (DenseArchitecture, MistralArchitecture, Qwen2Architecture, Qwen3Architecture, Phi3Architecture,
+BUILTIN = (DenseArchitecture, MistralArchitecture, Qwen2Architecture, Qwen3Architecture, InternLM3Architecture, Phi3Architecture,
            Glm4Architecture, Qwen2MoeArchitecture, Qwen3MoeArchitecture, MixtralArchitecture)
 
 
