@@ -52,9 +52,16 @@ def test_added_family_sft_steps_equal_local(family, tuner, tmp_path):
 
     model = cli_model_dir(family, tmp_path / family)
     args = ["--model", str(model), *COMMON[2:], "--tuner", tuner, "--max-steps", "3", *(["--lr", "1e-2"] if tuner == "lora" else [])]
-    toolkit("sft", *args, "--output", str(tmp_path / "local"))
-    toolkit("sft", *args, "--output", str(tmp_path / "megatron"), "--strategy", "megatron")
+    from transformers import AutoModelForCausalLM
+
+    toolkit("sft", *args, "--output", str(tmp_path / "local"), "--export", "hf")
+    toolkit("sft", *args, "--output", str(tmp_path / "megatron"), "--strategy", "megatron", "--export", "hf")
     assert_same_steps(metrics(tmp_path / "local"), metrics(tmp_path / "megatron"))
+    ids = torch.arange(5, 40)[None]  # the exports (LoRA merged into the fused weights) give the same logits
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(tmp_path / "local" / "export")(ids).logits
+        exported = AutoModelForCausalLM.from_pretrained(tmp_path / "megatron" / "export")(ids).logits
+    torch.testing.assert_close(exported, expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.fixture(scope="module")
