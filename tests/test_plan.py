@@ -75,7 +75,8 @@ def test_parameter_count_matches_transformers(family):
 
 
 def test_example_configs_have_the_published_sizes():
-    sizes = {"llama-70b": 70.55, "qwen2-72b": 72.71, "mixtral-8x22b": 140.6, "qwen3-30b-a3b": 30.5, "llama-3.2-1b": 1.24}
+    sizes = {"llama-70b": 70.55, "qwen2-72b": 72.71, "mixtral-8x22b": 140.6, "qwen3-30b-a3b": 30.5, "llama-3.2-1b": 1.24,
+             "phi-4-mini": 3.84, "glm-4-9b": 9.40}
     for name, billions in sizes.items():
         assert load_shape(CONFIGS / f"{name}.json").total_params / 1e9 == pytest.approx(billions, abs=0.06)
 
