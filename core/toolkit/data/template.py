@@ -101,7 +101,10 @@ class ChatTemplate:
             self._closing = ""
             turns = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
             follow = [{"role": "user", "content": "z"}]
-            ended, continued, alone = self.render(turns), self.render(turns + follow), self.render(follow)
+            try:
+                ended, continued, alone = self.render(turns), self.render(turns + follow), self.render(follow)
+            except DataError:  # a template that refuses this probe (a required system turn...): nothing to take off
+                return self._closing
             head = continued[:-len(alone)] if continued.endswith(alone) else None
             if head is not None and ended.startswith(head) and len(ended) > len(head):
                 self._closing = ended[len(head):]
