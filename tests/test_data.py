@@ -30,6 +30,38 @@ def test_sft_trains_only_on_assistant_replies(tokenizer, tmp_path):
     assert all(seq.labels[t] in (IGNORE_INDEX, seq.input_ids[t + 1]) for t in range(len(seq.labels) - 1))
 
 
+# Family templates as their tokenizer_config.json ships them (whitespace aside)
+PHI3_TEMPLATE = (  # microsoft/Phi-3-mini-4k-instruct: the conversation's end adds eos_token, a following turn does not
+    "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\n' + message['content'] + '<|end|>\n'}}"
+    "{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + '<|end|>\n'}}"
+    "{% elif message['role'] == 'assistant' %}{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}")
+GEMMA_TEMPLATE = (  # google/gemma-2-9b-it: bos, role "model", no system role
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for message in messages %}{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}"
+    "{% set role = message['role'] %}{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + "
+    "'<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}")
+
+
+@pytest.mark.parametrize(("template", "expected"), [
+    (PHI3_TEMPLATE, "Hello there.<|end|>Yes indeed.<|end|>\n<|im_end|>"),
+    (GEMMA_TEMPLATE, "Hello there.<end_of_turn>Yes indeed.<end_of_turn>"),
+], ids=["phi3", "gemma"])
+def test_family_templates_train_only_on_assistant_replies(tokenizer, tmp_path, template, expected):
+    """Phi-3's template writes eos_token only after the last turn: an earlier reply's span stopped that many
+    characters into the next user turn (which then trained) before the closing suffix was taken off."""
+    from toolkit.data.template import ChatTemplate
+
+    tokenizer = type(tokenizer).from_pretrained(tokenizer.name_or_path)
+    tokenizer.chat_template = template
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [
+        {"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello there."},
+        {"role": "user", "content": "Again?"}, {"role": "assistant", "content": "Yes indeed."}]}])
+    (example,), _ = load_examples([path], tokenizer, train_on="assistant")
+    assert trained_text(tokenizer, example) == expected
+    assert ChatTemplate(tokenizer).closing_suffix() == ("<|im_end|>" if template is PHI3_TEMPLATE else "")
+
+
 def test_pt_trains_on_every_token(tokenizer, tmp_path):
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Ok."}]}])
     (example,), _ = load_examples([path], tokenizer, train_on="all")

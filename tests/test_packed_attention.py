@@ -94,6 +94,36 @@ def test_flex_equals_masked_sdpa_and_hf_per_sample(tiny_model_factory, cpu_flex_
     assert_grads_close(flex_grads, reference_grads, "flex vs HF per sample")
 
 
+WINDOWED = {  # model_type: config the masked-SDPA path must hand its own mask (HF uses a 4-D mask as given)
+    # eager attention (soft-capping): an additive 0/-inf mask; a final soft-cap low enough to bend these logits
+    "gemma2": dict(head_dim=16, sliding_window=4, final_logit_softcapping=0.5),
+    "gemma3_text": dict(head_dim=16, sliding_window=4),  # 5 windowed : 1 full layers, a mask per layer type
+    "phi3": dict(sliding_window=4),  # every layer windowed
+    "llama": dict(attn_implementation="eager"),
+}
+
+
+@pytest.mark.parametrize("model_type", list(WINDOWED))
+def test_packed_rows_of_windowed_and_eager_models_equal_hf_per_sample(model_type):
+    """Packed rows on the masked path keep each layer's sliding window and work under eager attention (before,
+    a boolean mask added to eager scores masked nothing and windows were dropped for packed rows); Gemma 2's
+    final logit soft-capping is in the trained log-probs."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra = dict(WINDOWED[model_type])
+    implementation = extra.pop("attn_implementation", None)
+    config = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+                                  num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, **extra)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, **({"attn_implementation": implementation} if implementation else {}))
+    model = model.float().train()
+    batch = make_batch(ROWS, model.config.vocab_size)
+    reference, reference_grads = per_sample_logps_and_grads(model, batch)
+    masked, masked_grads = engine_logps_and_grads(model, batch, "sdpa-mask")
+    torch.testing.assert_close(masked, reference, rtol=1e-5, atol=1e-5)
+    assert_grads_close(masked_grads, reference_grads, f"{model_type} masked SDPA vs HF per sample")
+
+
 def test_plain_rows_never_build_a_block_mask(tiny_model_factory, monkeypatch, flex_calls):
     model = tiny_model_factory("llama").eval()
     batch = make_batch([[LENGTH], [LENGTH]], model.config.vocab_size)
@@ -187,6 +217,8 @@ def test_auto_is_flex_on_cuda_unless_something_stands_in_the_way(tiny_model_fact
     assert attention.apply_packed_attention("auto", dropout, torch.device("cuda"), "--local-packed-attention") == "sdpa-mask"
     eager = tiny_model_factory("llama", attn_implementation="eager")
     assert attention.apply_packed_attention("auto", eager, torch.device("cuda"), "--local-packed-attention") == "sdpa-mask"
+    windowed = tiny_model_factory("mistral", sliding_window=16)  # the document BlockMask has no window
+    assert attention.apply_packed_attention("auto", windowed, torch.device("cuda"), "--local-packed-attention") == "sdpa-mask"
 
 
 def test_forced_flex_that_cannot_run_is_a_clear_error(tiny_model_factory, monkeypatch):

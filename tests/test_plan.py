@@ -49,7 +49,24 @@ TINY_CONFIGS = {
     "qwen3_moe_mixed": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=160, moe_intermediate_size=48,
                             num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
                             num_experts_per_tok=2, decoder_sparse_step=2, mlp_only_layers=[2], vocab_size=300),
+    # issue 27: fused linears (phi3, glm4), post-sublayer norms (glm4, gemma2/3), QK norm (gemma3)
+    **{family: dict(model_type=family, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=300, pad_token_id=0, **extra)
+       for family, extra in (("phi3", {}), ("glm4", {"head_dim": 16}), ("gemma2", {"head_dim": 16}),
+                             ("gemma3_text", {"head_dim": 32}), ("internlm3", {}))},
 }
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3", "glm4", "gemma3_text"])
+def test_lora_parameter_count_matches_peft(family):
+    """LoRA on every linear: PEFT's trainable parameters, fused Phi-3/GLM-4 modules (one adapter each) included."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    config = transformers.AutoConfig.for_model(**TINY_CONFIGS[family])
+    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(config),
+                                peft.LoraConfig(r=4, target_modules="all-linear"))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert shape_from_config(config.to_dict()).lora_params(4) == trainable
 
 
 @pytest.mark.parametrize("family", sorted(TINY_CONFIGS))
@@ -119,7 +136,8 @@ def test_active_parameters_per_token_match_transformers_modules(family):
 
 
 def test_example_configs_have_the_published_sizes():
-    sizes = {"llama-70b": 70.55, "qwen2-72b": 72.71, "mixtral-8x22b": 140.6, "qwen3-30b-a3b": 30.5, "llama-3.2-1b": 1.24}
+    sizes = {"llama-70b": 70.55, "qwen2-72b": 72.71, "mixtral-8x22b": 140.6, "qwen3-30b-a3b": 30.5, "llama-3.2-1b": 1.24,
+             "phi-4-mini": 3.84, "glm-4-9b": 9.40}
     for name, billions in sizes.items():
         assert load_shape(CONFIGS / f"{name}.json").total_params / 1e9 == pytest.approx(billions, abs=0.06)
 
@@ -350,6 +368,18 @@ def test_infeasible_layouts_are_rejected_with_reasons():
     from toolkit.plan.report import render
 
     assert "no layout fits" in render(result)
+
+
+def test_megatron_layouts_need_a_family_the_bridge_knows():
+    """Gemma 2 (soft-capping) is refused by the Megatron bridge: the plan offers the strategies that train it."""
+    pytest.importorskip("toolkit_megatron")
+    config = dict(TINY_CONFIGS["gemma2"], hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, head_dim=128,
+                  num_attention_heads=16, num_key_value_heads=8)
+    result = plan(shape_from_config(config), make_cluster(2, 1, "80GiB"), WORK, ("local", "fsdp", "megatron"))
+    assert result.ranked and all(c.layout.strategy != "megatron" for c in result.ranked)
+    assert all("no architecture for gemma2" in c.rejected for c in result.rejected if c.layout.strategy == "megatron")
+    glm4 = plan(shape_from_config(dict(config, model_type="glm4")), make_cluster(2, 1, "80GiB"), WORK, ("megatron",))
+    assert glm4.ranked
 
 
 def test_small_model_on_one_gpu_fits_everywhere():

@@ -10,7 +10,7 @@ a template that would drop them is refused rather than trained on a conversation
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from toolkit.contracts import IGNORE_INDEX
@@ -31,6 +31,7 @@ class ChatTemplate:
     tokenizer: Any
     train_on: str = "assistant"
     """``assistant``: only assistant replies train; ``all``: every token (continued pre-training)."""
+    _closing: str | None = field(default=None, init=False, repr=False)
 
     @property
     def template(self) -> str:
@@ -69,6 +70,7 @@ class ChatTemplate:
         """The rendered text and the character spans of each assistant reply (with its end marker)."""
         if tools or any(m.get("tool_calls") for m in messages):
             self.check_renders_tools(messages, tools)
+        full = self.render(messages, tools=tools)
         spans = []
         for index, message in enumerate(messages):
             if message["role"] != "assistant":
@@ -81,10 +83,32 @@ class ChatTemplate:
                                 "cannot locate assistant replies for label masking"
                                 + (" (the conversation starts with an assistant message)" if not index else ""))
             reply = upto[len(prefix):]
+            closing = self.closing_suffix()
+            if closing and index < len(messages) - 1 and reply.endswith(closing):
+                reply = reply[:-len(closing)]  # written only after the last turn (Phi-3's eos_token)
             # The reply span ends after the template's end-of-turn marker but not its trailing newline.
             stripped = reply.rstrip("\n")
+            if full[len(prefix):len(prefix) + len(stripped)] != stripped:
+                raise DataError(f"the chat template renders assistant message {index} differently when the conversation "
+                                "goes on; cannot locate assistant replies for label masking")
             spans.append((len(prefix), len(prefix) + len(stripped)))
-        return self.render(messages, tools=tools), spans
+        return full, spans
+
+    def closing_suffix(self) -> str:
+        """What the template writes only after a conversation's last turn ('' for most; Phi-3's ``eos_token``):
+        ``render([u, a]) = P + closing`` where ``render([u, a, u2]) = P + render([u2])``."""
+        if self._closing is None:
+            self._closing = ""
+            turns = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+            follow = [{"role": "user", "content": "z"}]
+            try:
+                ended, continued, alone = self.render(turns), self.render(turns + follow), self.render(follow)
+            except DataError:  # a template that refuses this probe (a required system turn...): nothing to take off
+                return self._closing
+            head = continued[:-len(alone)] if continued.endswith(alone) else None
+            if head is not None and ended.startswith(head) and len(ended) > len(head):
+                self._closing = ended[len(head):]
+        return self._closing
 
     def generation_prompt(self) -> str:
         """What the template adds to open an assistant turn (templates refuse to render an empty conversation)."""

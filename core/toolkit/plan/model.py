@@ -14,7 +14,14 @@ from typing import Any
 from toolkit.errors import ModelError
 
 # model_type -> how its MoE fields are spelled; dense families need nothing special.
-DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo", "olmo2", "granite")
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "glm4", "internlm3", "olmo",
+                  "olmo2", "granite")
+# model_type -> hidden-sized RMSNorms per layer beyond the two every family has (post-sublayer norms)
+EXTRA_NORMS = {"glm4": 2, "gemma2": 2, "gemma3_text": 2}
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "gemma3_text")
+# model_type -> HF linears that hold several projections (LoRA adapts the fused module: one A for all its parts)
+FUSED_LINEARS = {"phi3": {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")},
+                 "glm4": {"gate_up_proj": ("gate_proj", "up_proj")}}
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
@@ -65,8 +72,8 @@ class ModelShape:
         h = self.hidden
         weights = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
         bias = (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
-        qk_norm = 2 * self.head_dim if self.model_type in ("qwen3", "qwen3_moe") else 0
-        return weights + bias + qk_norm + 2 * h
+        qk_norm = 2 * self.head_dim if self.model_type in QK_NORM_FAMILIES else 0
+        return weights + bias + qk_norm + (2 + EXTRA_NORMS.get(self.model_type, 0)) * h
 
     @property
     def dense_mlp_params(self) -> int:
@@ -124,11 +131,14 @@ class ModelShape:
 
     def linear_params_per_layer(self, moe: bool | None = None) -> dict[str, tuple[int, int]]:
         """(in, out) features of the linears LoRA adapts in one layer: its dense MLP's, or (``moe``, the default
-        for an MoE model) one expert's."""
+        for an MoE model) one expert's; a family's fused linears (Phi-3's qkv_proj, gate_up_proj) as one."""
         ffn = self.expert_ffn if (self.is_moe if moe is None else moe) else self.ffn
-        return {"q_proj": (self.hidden, self.q_dim), "k_proj": (self.hidden, self.kv_dim),
-                "v_proj": (self.hidden, self.kv_dim), "o_proj": (self.q_dim, self.hidden),
-                "gate_proj": (self.hidden, ffn), "up_proj": (self.hidden, ffn), "down_proj": (ffn, self.hidden)}
+        linears = {"q_proj": (self.hidden, self.q_dim), "k_proj": (self.hidden, self.kv_dim),
+                   "v_proj": (self.hidden, self.kv_dim), "o_proj": (self.q_dim, self.hidden),
+                   "gate_proj": (self.hidden, ffn), "up_proj": (self.hidden, ffn), "down_proj": (ffn, self.hidden)}
+        for fused, parts in FUSED_LINEARS.get(self.model_type, {}).items():
+            linears[fused] = (linears[parts[0]][0], sum(linears.pop(part)[1] for part in parts))
+        return linears
 
     def lora_params(self, rank: int) -> int:
         """Adapter parameters for LoRA on every attention and MLP linear (experts included; dense layers of an

@@ -96,6 +96,15 @@ def _megatron_layouts(shape: ModelShape, cluster: Cluster, workload: Workload, r
     return out
 
 
+def megatron_families() -> frozenset[str]:
+    """The model types of the registered ``megatron:*`` architectures (toolkit-megatron's bridge and plugins'),
+    empty when no plugin registers one (the plan is then made for a machine that will have it)."""
+    from toolkit.plugins import get_plugin_manager
+
+    registry = get_plugin_manager().registry("architecture")
+    return frozenset(family for name, cls in registry.items() if name.startswith("megatron:") for family in cls.families)
+
+
 def structural_problem(shape: ModelShape, layout: Layout, workload: Workload, global_rows: int) -> str | None:
     """Why ``layout`` cannot be built for this model at all (None when it can): first the rules of
     :class:`toolkit.parallel.ParallelLayout`, which the engines enforce, then the planner's own."""
@@ -110,6 +119,9 @@ def structural_problem(shape: ModelShape, layout: Layout, workload: Workload, gl
     if global_rows % (layout.dp * workload.micro_batch_size):
         return (f"global batch {global_rows} rows is not a multiple of DP{layout.dp} x micro-batch "
                 f"{workload.micro_batch_size}")
+    if layout.strategy == "megatron" and (bridged := megatron_families()) and shape.model_type not in bridged:
+        return (f"the Megatron bridge has no architecture for {shape.model_type} (it has: {', '.join(sorted(bridged))}); "
+                "local, fsdp and deepspeed run the HF model itself")
     if workload.tuner == "qlora" and (layout.strategy == "megatron" or layout.zero >= 3):
         return "QLoRA's 4-bit base weights cannot be sharded by Megatron TP/PP or ZeRO-3 here"
     if workload.tuner != "full" and (layout.zero >= 1 and layout.strategy != "megatron" and layout.dp == 1):

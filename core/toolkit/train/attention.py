@@ -60,6 +60,9 @@ def flex_problems(model: Any, device: torch.device) -> list[str]:
         problems.append(f"the model runs attn_implementation {implementation!r}; FlexAttention replaces sdpa only")
     elif hasattr(model, "_can_set_attn_implementation") and not model._can_set_attn_implementation():
         problems.append(f"{type(model).__name__} does not dispatch attention through HF's AttentionInterface")
+    layer_types = getattr(config, "layer_types", None) or ()
+    if getattr(config, "sliding_window", None) and (not layer_types or "sliding_attention" in layer_types):
+        problems.append(f"sliding_window {config.sliding_window} is set; the document BlockMask has no window")
     if float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
         problems.append(f"attention_dropout {config.attention_dropout} is set; FlexAttention has no dropout")
     if flex_backward_refused(device):

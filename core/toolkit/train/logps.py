@@ -33,13 +33,15 @@ def plain_causal(sequence_ids: torch.Tensor) -> bool:
             and bool((own[:, 1:] <= own[:, :-1]).all()))
 
 
-def attention_mask_for(sequence_ids: torch.Tensor, plain: bool | None = None, packed: str = "sdpa-mask") -> Any:
+def attention_mask_for(sequence_ids: torch.Tensor, plain: bool | None = None, packed: str = "sdpa-mask",
+                       config: Any = None) -> Any:
     """Block-causal boolean mask ``[B, 1, T, T]`` from sequence ids; ``None`` when plain causal suffices.
 
     Padding positions (-1) attend only to themselves so no row of the softmax is empty. ``plain``:
     the answer of :func:`plain_causal` when the caller already knows it. ``packed="flex"``: the same
     pattern as a FlexAttention ``BlockMask`` (:mod:`toolkit.train.attention`; the model must run its
-    attention implementation), for rows that are not plain.
+    attention implementation), for rows that are not plain. ``config``: the HF config of the model the
+    mask is for (:func:`mask_for_model`).
     """
     if plain if plain is not None else plain_causal(sequence_ids):
         return None
@@ -52,7 +54,29 @@ def attention_mask_for(sequence_ids: torch.Tensor, plain: bool | None = None, pa
     causal = torch.ones(length, length, dtype=torch.bool, device=sequence_ids.device).tril()
     mask = same & causal & (sequence_ids[:, :, None] >= 0)
     mask |= torch.eye(length, dtype=torch.bool, device=sequence_ids.device)
-    return mask[:, None, :, :]
+    return mask_for_model(mask[:, None, :, :], config)
+
+
+def mask_for_model(mask: torch.Tensor, config: Any) -> Any:
+    """``mask`` as the model of ``config`` must be handed it: HF uses a 4-D mask as given for every layer.
+
+    So sliding-window layers get their window here (``sliding_window``; a dict by layer type for models that mix
+    windowed and full layers, Gemma 2/3), and eager attention, which adds the mask to the scores, gets 0 / -inf.
+    """
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or ()
+    eager = getattr(config, "_attn_implementation", None) == "eager"
+
+    def finish(m: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(m.shape, device=m.device).masked_fill(~m, torch.finfo(torch.float32).min) if eager else m
+
+    if not window or (layer_types and "sliding_attention" not in layer_types):
+        return finish(mask)
+    index = torch.arange(mask.shape[-1], device=mask.device)
+    windowed = mask & ((index[:, None] - index[None, :]) < window)
+    if layer_types:
+        return {"full_attention": finish(mask), "sliding_attention": finish(windowed)}
+    return finish(windowed)
 
 
 def _chunk_logps(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -179,6 +203,18 @@ def label_logps(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chu
     return torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)
 
 
+class SoftcappedHead(nn.Module):
+    """The output head with Gemma 2's final logit soft-capping, ``cap * tanh(logits / cap)``, as HF's forward
+    applies it after ``lm_head`` (:func:`label_logps` then takes its generic, recomputing path)."""
+
+    def __init__(self, head: nn.Module, cap: float):
+        super().__init__()
+        self.head, self.cap = head, float(cap)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.head(hidden) / self.cap) * self.cap
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The HF ``*ForCausalLM`` under DDP/PEFT wrappers."""
     while True:
@@ -216,6 +252,9 @@ class CausalLMLogps(nn.Module):
         """
         inner = unwrap(self.model)
         decoder, head = inner.get_decoder(), inner.get_output_embeddings()
+        cap = getattr(inner.config, "final_logit_softcapping", None)
+        if head is not None and cap:
+            head = SoftcappedHead(head, cap)
         if head is None and isinstance(getattr(inner, "score", None), nn.Module):
             return self._scores(inner, decoder, input_ids, labels, position_ids, sequence_ids)
         device_type = input_ids.device.type
@@ -226,7 +265,7 @@ class CausalLMLogps(nn.Module):
             if patched_aux is None and getattr(inner.config, "output_router_logits", None) is not None and hasattr(inner.config, "router_aux_loss_coef"):
                 kwargs["output_router_logits"] = True
             out = decoder(input_ids=input_ids, position_ids=position_ids,
-                          attention_mask=attention_mask_for(sequence_ids, plain, self.packed_attention),
+                          attention_mask=attention_mask_for(sequence_ids, plain, self.packed_attention, inner.config),
                           use_cache=False, **kwargs)
             hidden = out.last_hidden_state
             if label_index is None:
@@ -244,7 +283,7 @@ class CausalLMLogps(nn.Module):
         enabled = self.autocast_dtype is not None
         with torch.autocast(device_type=input_ids.device.type, dtype=self.autocast_dtype or torch.bfloat16, enabled=enabled):
             hidden = decoder(input_ids=input_ids, position_ids=position_ids,
-                             attention_mask=attention_mask_for(sequence_ids, None, self.packed_attention),
+                             attention_mask=attention_mask_for(sequence_ids, None, self.packed_attention, inner.config),
                              use_cache=False).last_hidden_state
         flat = sequence_ids.flatten()
         valid = flat >= 0

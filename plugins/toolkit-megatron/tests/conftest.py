@@ -34,10 +34,45 @@ def tiny_config(arch: str):
         return Qwen2MoeConfig(vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                               num_key_value_heads=2, max_position_embeddings=256, num_experts=4, num_experts_per_tok=2,
                               moe_intermediate_size=64, shared_expert_intermediate_size=96)
+    if arch == "llama3":  # Llama 3.1's rope scaling; original context 8 so the 16-token test spans both bands
+        return LlamaConfig(vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                           rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8})
+    if arch == "qwen2_yarn":  # Qwen2.5 long-context YaRN (attention scaling != 1)
+        return Qwen2Config(vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
+                           rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                            "original_max_position_embeddings": 64})
+    if arch == "phi3":  # Phi-4-mini's shape: fused qkv/gate_up, partial rotary 0.75, longrope (long factors past 4), window 8
+        from transformers import Phi3Config
+
+        return Phi3Config(vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=256, original_max_position_embeddings=4, pad_token_id=0,
+                          sliding_window=8,
+                          rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                           "original_max_position_embeddings": 4,
+                                           "short_factor": [1.0 + i / 8 for i in range(12)],
+                                           "long_factor": [1.5 + i for i in range(12)]})
+    if arch == "glm4":  # QKV bias, fused gate_up, half-rotary interleaved RoPE, post-sublayer norms
+        from transformers import Glm4Config
+
+        return Glm4Config(vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=32, max_position_embeddings=256, pad_token_id=0)
+    if arch == "internlm3":  # transformers' own InternLM3 (a Llama config, LlamaForCausalLM)
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model("internlm3", vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                                    pad_token_id=0)
     cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
     return cls(vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, head_dim=32, max_position_embeddings=256, tie_word_embeddings=arch == "qwen3",
                **({"sliding_window": None} if arch == "mistral" else {}))
+
+
+EXTRA_FAMILIES = ("llama3", "qwen2_yarn", "phi3", "glm4", "internlm3")
+"""Fixtures beyond the tiny presets: rope scaling and the families added for issue 27."""
 
 
 def save_tiny_model(arch: str, directory: Path) -> Path:
@@ -55,11 +90,30 @@ def save_tiny_model(arch: str, directory: Path) -> Path:
     return directory
 
 
+def cli_model_dir(arch: str, directory: Path) -> Path:
+    """A tiny model of ``arch`` with the vocabulary of the bundled tokenizer, and that tokenizer: an HF directory
+    ``toolkit sft --model`` trains like a downloaded one."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.models import TOKENIZER_DIR
+
+    config = tiny_config(arch)
+    config.vocab_size, config.eos_token_id, config.pad_token_id, config.bos_token_id = 768, 2, 3, None
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    for path in TOKENIZER_DIR.iterdir():
+        shutil.copy(path, directory / path.name)
+    return directory
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     return {arch: save_tiny_model(arch, root / arch) for arch in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe",
-                                                                   "qwen3_moe_mixed")}
+                                                                   "qwen3_moe_mixed", *EXTRA_FAMILIES)}
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,11 @@ JOBS = {  # name: (tiny model, layouts); "llama-mcore" also reads the mcore chec
     "qwen3_moe_mixed": ("qwen3_moe_mixed", "ep=2+export=1,pp=2+export=1,tp=2+sp=1"),  # mlp_only_layers: dense + MoE layers
     "mistral": ("mistral", "tp=2,pp=2"),
     "llama-mcore": ("llama", "pp=2+mcore=1,tp=2+sp=1+mcore=1"),
+    "llama3": ("llama3", "tp=2,cp=2"),  # rope_type llama3 (Llama 3.1+)
+    "qwen2_yarn": ("qwen2_yarn", "pp=2,cp=2"),  # rope_type yarn (Qwen long context)
+    "phi3": ("phi3", "tp=2+export=1,pp=2+export=1,cp=2"),  # fused qkv_proj / gate_up_proj, longrope, partial rotary
+    "glm4": ("glm4", "tp=2+sp=1+export=1,pp=2+export=1,cp=2"),  # interleaved half rotary, post-sublayer norms
+    "internlm3": ("internlm3", "tp=2+export=1"),  # transformers' InternLM3: Llama weights under its own model_type
 }
 
 
@@ -111,6 +116,29 @@ def test_moe_logits_and_round_trip_with_expert_parallelism(tiny_models, bridge):
             tensors = _load(Path(entry["export_dir"]))
             assert sorted(tensors) == sorted(original)
             assert all(torch.equal(tensors[n], t) for n, t in original.items()), arch
+
+
+@pytest.mark.parametrize("job", ["llama3", "qwen2_yarn"])
+def test_scaled_rope_logits_match_hf(job, bridge):
+    """Llama 3.x rope scaling and YaRN (attention factor != 1): the bridge's RoPE is HF's, at TP2, PP2, CP2."""
+    assert set(bridge[job]) == set(JOBS[job][1].split(","))
+    _assert_close(bridge[job])
+
+
+@pytest.mark.parametrize("job", ["phi3", "glm4", "internlm3"])
+def test_added_dense_family_logits_and_round_trip(job, tiny_models, bridge):
+    """Families whose HF weights are laid out differently from Llama's: logits equal HF at TP2, PP2, CP2 and
+    the TP2 / PP2 exports give back the very tensors of the checkpoint (fused ones re-fused bit for bit)."""
+    results = bridge[job]
+    assert set(results) == set(JOBS[job][1].split(","))
+    _assert_close(results)
+    original = _load(tiny_models[JOBS[job][0]])
+    for layout, entry in results.items():
+        if "export" in layout:
+            tensors = _load(Path(entry["export_dir"]))
+            assert sorted(tensors) == sorted(original), layout
+            for name, tensor in original.items():
+                assert torch.equal(tensors[name], tensor), f"{layout}: {name} changed in the round trip"
 
 
 def test_mistral_tp2(bridge):

@@ -40,6 +40,18 @@ def test_adapters_come_from_initial_adapters_and_are_grouped_per_projection(monk
     assert torch.equal(adapters[(1, "q_proj")]["A"], a) and torch.equal(adapters[(1, "q_proj")]["B"], b)
 
 
+def test_adapters_on_fused_linears_map_to_megatron_fused_parameters():
+    """Phi-3's qkv_proj / gate_up_proj: one adapter each, on linear_qkv / linear_fc1 (their rows reordered
+    when wrapped; tests/test_families.py checks the order against the bridge's)."""
+    from toolkit_megatron.lora import _HF_TO_PARTS
+
+    state = {f"model.layers.0.{where}.lora_{m}.default.weight": torch.zeros(2, 8)
+             for where in ("self_attn.qkv_proj", "mlp.gate_up_proj") for m in "AB"}
+    adapters, _ = hf_adapters("SOURCE", _Tuner(state), "RECIPE")
+    assert set(adapters) == {(0, "qkv_proj"), (0, "gate_up_proj")}
+    assert _HF_TO_PARTS["qkv_proj"] == ("linear_qkv", "qkv") and _HF_TO_PARTS["gate_up_proj"] == ("linear_fc1", "gate_up")
+
+
 def test_a_tuner_without_initial_adapters_is_refused_by_name():
     class Plain:
         name = "mylora"

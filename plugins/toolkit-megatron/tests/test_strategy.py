@@ -43,6 +43,27 @@ def assert_same_steps(expected, got):
         assert abs(a["grad_norm"] - b["grad_norm"]) <= TOLERANCE * max(1.0, a["grad_norm"]), (a, b)
 
 
+@pytest.mark.parametrize(("family", "tuner"), [("phi3", "lora"), ("glm4", "full")])
+def test_added_family_sft_steps_equal_local(family, tuner, tmp_path):
+    """A family added to the bridge trains as `local` does (one process: the bridge's model, RoPE and fused
+    weights; Phi-3 with LoRA on its fused qkv_proj / gate_up_proj; layouts are held to HF's logits in
+    test_bridge.py)."""
+    from conftest import cli_model_dir
+
+    model = cli_model_dir(family, tmp_path / family)
+    args = ["--model", str(model), *COMMON[2:], "--tuner", tuner, "--max-steps", "3", *(["--lr", "1e-2"] if tuner == "lora" else [])]
+    from transformers import AutoModelForCausalLM
+
+    toolkit("sft", *args, "--output", str(tmp_path / "local"), "--export", "hf")
+    toolkit("sft", *args, "--output", str(tmp_path / "megatron"), "--strategy", "megatron", "--export", "hf")
+    assert_same_steps(metrics(tmp_path / "local"), metrics(tmp_path / "megatron"))
+    ids = torch.arange(5, 40)[None]  # the exports (LoRA merged into the fused weights) give the same logits
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(tmp_path / "local" / "export")(ids).logits
+        exported = AutoModelForCausalLM.from_pretrained(tmp_path / "megatron" / "export")(ids).logits
+    torch.testing.assert_close(exported, expected, rtol=1e-4, atol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def local_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("local") / "run"

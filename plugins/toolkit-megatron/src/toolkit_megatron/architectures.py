@@ -20,8 +20,16 @@ class DenseArchitecture:
     families: ClassVar[tuple[str, ...]] = ("llama",)
     qkv_bias: ClassVar[bool | None] = None
     """``None``: read ``attention_bias`` from the HF config."""
+    attention_bias_on_output: ClassVar[bool] = True
+    """HF's ``attention_bias`` puts a bias on ``o_proj`` too (Llama, Qwen3, InternLM3; not GLM-4); the bridge has none
+    there, so such a config is refused."""
     qk_norm: ClassVar[bool] = False
     moe: ClassVar[bool] = False
+    rope_interleaved: ClassVar[bool] = False
+    """RoPE pairs dims (0, 1), (2, 3)... (GLM) instead of the two halves of each head (Llama)."""
+    sublayer_post_norms: ClassVar[bool] = False
+    """An RMSNorm on each sublayer's output before the residual add (GLM-4's ``post_self_attn_layernorm`` and
+    ``post_mlp_layernorm``: the ``post_attn_out_norm`` / ``post_mlp_out_norm`` names below)."""
 
     # HF names; ``{i}`` is the global layer index.
     embedding: ClassVar[str] = "model.embed_tokens.weight"
@@ -39,6 +47,8 @@ class DenseArchitecture:
         "down": "model.layers.{i}.mlp.down_proj.weight",
         "input_norm": "model.layers.{i}.input_layernorm.weight",
         "post_norm": "model.layers.{i}.post_attention_layernorm.weight",
+        "post_attn_out_norm": "model.layers.{i}.post_self_attn_layernorm.weight",
+        "post_mlp_out_norm": "model.layers.{i}.post_mlp_layernorm.weight",
     }
 
     Config: ClassVar[type] = None  # set below: architectures take no options
@@ -59,16 +69,25 @@ class DenseArchitecture:
         return None
 
     @classmethod
+    def rope(cls, hf_config: Any) -> Any:
+        """The :class:`~toolkit_megatron.attention.Rope` HF applies (refuses rope types whose frequencies change
+        with the sequence length in ways the bridge does not follow)."""
+        from toolkit_megatron.attention import Rope
+
+        return Rope.from_hf_config(hf_config, cls.rope_interleaved)
+
+    @classmethod
     def check(cls, hf_config: Any) -> None:
         problems = []
         if getattr(hf_config, "mlp_bias", False):
             problems.append("mlp_bias=true (biases on MLP projections)")
-        if cls.qkv_bias is None and getattr(hf_config, "attention_bias", False) and cls.families[0] == "llama":
+        if cls.qkv_bias is None and getattr(hf_config, "attention_bias", False) and cls.attention_bias_on_output:
             problems.append("attention_bias=true (o_proj bias)")
         if getattr(hf_config, "hidden_act", "silu") != "silu":
             problems.append(f"hidden_act={hf_config.hidden_act!r} (only silu/SwiGLU)")
         if problems:
             raise ModelError(f"{hf_config.model_type} config not supported by the Megatron bridge: {'; '.join(problems)}")
+        cls.rope(hf_config)
 
     @classmethod
     def transformer_options(cls, hf_config: Any) -> dict[str, Any]:
@@ -134,6 +153,52 @@ class Qwen3Architecture(DenseArchitecture):
     @classmethod
     def sliding_window(cls, hf_config: Any) -> int | None:
         return Qwen2Architecture.sliding_window(hf_config)
+
+
+class InternLM3Architecture(DenseArchitecture):
+    """InternLM 3 as transformers ships it (``internlm3``: a Llama config and LlamaForCausalLM, no remote code).
+    InternLM 2 exists only as remote code: the bridge refuses it like any unknown family."""
+
+    name = "megatron:internlm3"
+    families = ("internlm3",)
+
+
+class Phi3Architecture(DenseArchitecture):
+    """Phi-3 / Phi-4 (mini): Llama-shaped with fused ``qkv_proj`` and ``gate_up_proj`` weights (the bridge reads
+    and writes the parts of one tensor), every layer windowed when ``sliding_window`` is set, ``longrope`` and
+    partial rotary from the config."""
+
+    name = "megatron:phi3"
+    families = ("phi3",)
+    qkv_bias = False
+    layer = {**DenseArchitecture.layer,
+             **dict.fromkeys(("q", "k", "v"), "model.layers.{i}.self_attn.qkv_proj"),
+             **dict.fromkeys(("gate", "up"), "model.layers.{i}.mlp.gate_up_proj.weight")}
+
+    @classmethod
+    def sliding_window(cls, hf_config: Any) -> int | None:
+        return getattr(hf_config, "sliding_window", None)
+
+    @classmethod
+    def check(cls, hf_config: Any) -> None:
+        super().check(hf_config)
+        dropped = [f"{key}={getattr(hf_config, key)}" for key in ("resid_pdrop", "embd_pdrop")
+                   if getattr(hf_config, key, 0.0)]
+        if dropped:
+            raise ModelError(f"phi3 config not supported by the Megatron bridge: {', '.join(dropped)} (residual/embedding "
+                             "dropout); set them to 0.0 in config.json or train with --strategy local")
+
+
+class Glm4Architecture(DenseArchitecture):
+    """GLM-4 (``glm4``): QKV bias, fused ``gate_up_proj``, partial rotary (half of each head by default) with
+    interleaved pairs, and an RMSNorm on the attention and MLP outputs before each residual add."""
+
+    name = "megatron:glm4"
+    families = ("glm4",)
+    attention_bias_on_output = False
+    rope_interleaved = True
+    sublayer_post_norms = True
+    layer = {**DenseArchitecture.layer, **dict.fromkeys(("gate", "up"), "model.layers.{i}.mlp.gate_up_proj.weight")}
 
 
 class MoEArchitecture(DenseArchitecture):
@@ -242,8 +307,21 @@ class MixtralArchitecture(MoEArchitecture):
         return getattr(hf_config, "sliding_window", None)
 
 
-BUILTIN = (DenseArchitecture, MistralArchitecture, Qwen2Architecture, Qwen3Architecture, Qwen2MoeArchitecture,
-           Qwen3MoeArchitecture, MixtralArchitecture)
+BUILTIN = (DenseArchitecture, MistralArchitecture, Qwen2Architecture, Qwen3Architecture, InternLM3Architecture, Phi3Architecture,
+           Glm4Architecture, Qwen2MoeArchitecture, Qwen3MoeArchitecture, MixtralArchitecture)
+
+
+_EMBEDDING_SCALE = "the sqrt(hidden_size) embedding scale (GPTModel has no embedding multiplier)"
+REFUSED: dict[str, str] = {
+    "gemma": f"{_EMBEDDING_SCALE}, the (1 + weight) RMSNorm and the GeGLU MLP",
+    "gemma2": f"attention logit soft-capping (attn_logit_softcapping) and final logit soft-capping "
+              f"(final_logit_softcapping); {_EMBEDDING_SCALE}; alternating sliding-window and full layers; the "
+              "(1 + weight) RMSNorm and post-sublayer norms",
+    "gemma3_text": f"{_EMBEDDING_SCALE}; sliding-window and full layers with a RoPE base each (rope_parameters per layer "
+                   "type); the (1 + weight) RMSNorm and post-sublayer norms",
+    "gemma3": "a vision-language wrapper (its text model, gemma3_text, is not bridged either)",
+}
+"""Families the bridge refuses by name, with the pieces it lacks (``--strategy local`` trains them)."""
 
 
 def architecture_for(model_type: str) -> type[DenseArchitecture]:
@@ -257,6 +335,10 @@ def architecture_for(model_type: str) -> type[DenseArchitecture]:
             known.append(name.split(":", 1)[1])
             if model_type in getattr(cls, "families", ()):
                 return cls
+    if model_type in REFUSED:
+        raise ModelError(f"the Megatron bridge does not support {model_type}: megatron-core (so the bridge) lacks "
+                         f"{REFUSED[model_type]}. "
+                         "Train it with --strategy local (or fsdp/deepspeed), which run the HF model itself.")
     raise ModelError(f"the Megatron bridge has no architecture for model_type {model_type!r}; "
                      f"supported: {', '.join(sorted(known)) or 'none'}. A plugin can add one with "
                      f"toolkit_register_architectures (a DenseArchitecture subclass named 'megatron:{model_type}' whose "

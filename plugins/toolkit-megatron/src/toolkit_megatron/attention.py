@@ -26,27 +26,50 @@ import torch.nn.functional as F
 
 from toolkit_megatron.compat import cpu_compat
 
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+"""Rope types whose frequencies do not depend on the sequence (``longrope`` picks one of two sets by length)."""
+
 
 @dataclass(frozen=True)
 class Rope:
-    """RoPE as Hugging Face computes it: inverse frequencies and the cos/sin scaling."""
+    """RoPE as Hugging Face computes it: inverse frequencies, the cos/sin scaling and which dims rotate.
+
+    ``inv_freq`` covers the first ``2 * len(inv_freq)`` dims of each head (partial rotary: the rest pass
+    through); ``interleaved``: pairs are (0, 1), (2, 3)... (GLM) instead of the two halves (Llama).
+    ``long_inv_freq`` (``longrope``): used instead when the micro-batch's largest position id plus one exceeds ``long_after``.
+    """
 
     inv_freq: tuple[float, ...]
     scaling: float = 1.0
+    interleaved: bool = False
+    long_inv_freq: tuple[float, ...] | None = None
+    long_after: int = 0
 
     @classmethod
-    def from_hf_config(cls, hf_config: Any) -> Rope:
+    def from_hf_config(cls, hf_config: Any, interleaved: bool = False) -> Rope:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        from toolkit.errors import ModelError
 
         params = getattr(hf_config, "rope_parameters", None) or {}
         rope_type = params.get("rope_type", "default")
+        if rope_type not in (*STATIC_ROPE_TYPES, "longrope"):
+            raise ModelError(f"{hf_config.model_type}: rope_type {rope_type!r} is not supported by the Megatron bridge "
+                             f"(its frequencies change with the sequence length); supported: "
+                             f"{', '.join((*STATIC_ROPE_TYPES, 'longrope'))}. Train it with --strategy local.")
         if rope_type == "default":
             base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-            dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-            return cls(tuple(inv_freq.tolist()))
+            head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+            dim = int(head_dim * params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)))
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+            return cls(tuple(inv_freq.tolist()), interleaved=interleaved)
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
-        return cls(tuple(inv_freq.float().tolist()), float(scaling))
+        long = None
+        if rope_type == "longrope":  # HF: the long factors once max(position_ids) + 1 > original_max_position_embeddings
+            original = params["original_max_position_embeddings"]
+            long = tuple(ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu", seq_len=original + 1)[0].float().tolist())
+            return cls(tuple(inv_freq.float().tolist()), float(scaling), interleaved, long, original)
+        return cls(tuple(inv_freq.float().tolist()), float(scaling), interleaved)
 
 
 def load_balanced_indices(tokens: int, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -64,13 +87,25 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Rotate ``x [s, b, h, d]`` by ``positions [b, s]``; cos/sin cast to ``x``'s dtype before multiplying, like HF."""
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
+               interleaved: bool = False) -> torch.Tensor:
+    """Rotate ``x [s, b, h, d]`` by ``positions [b, s]``; cos/sin cast to ``x``'s dtype before multiplying, like HF.
+    Only the first ``2 * len(inv_freq)`` dims rotate (partial rotary); ``interleaved``: GLM's pairing of dims."""
     freqs = positions.t()[..., None].float() * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)
+    if interleaved:
+        emb = freqs.repeat_interleave(2, dim=-1)
+    else:
+        emb = torch.cat((freqs, freqs), dim=-1)
     cos = (emb.cos() * scaling).to(x.dtype)[:, :, None, :]
     sin = (emb.sin() * scaling).to(x.dtype)[:, :, None, :]
-    return x * cos + _rotate_half(x) * sin
+    rotary = emb.shape[-1]
+    rot, rest = (x, None) if rotary == x.shape[-1] else (x[..., :rotary], x[..., rotary:])
+    if interleaved:
+        turned = torch.stack((-rot[..., 1::2], rot[..., 0::2]), dim=-1).flatten(-2)
+    else:
+        turned = _rotate_half(rot)
+    out = rot * cos + turned * sin
+    return out if rest is None else torch.cat([out, rest], dim=-1)
 
 
 _compiled_rope: Any = None
@@ -121,12 +156,18 @@ class SDPAAttention(torch.nn.Module):
         self.packed_flex = packed_flex
         self.register_buffer("inv_freq", torch.tensor(rope.inv_freq, dtype=torch.float32) if rope else None,
                              persistent=False)
+        self.register_buffer("long_inv_freq", torch.tensor(rope.long_inv_freq, dtype=torch.float32)
+                             if rope and rope.long_inv_freq else None, persistent=False)
         self.cp_size = config.context_parallel_size
         self.cp_group = parallel_state.get_context_parallel_group() if self.cp_size > 1 else None
         self.cp_rank = parallel_state.get_context_parallel_rank() if self.cp_size > 1 else 0
 
-    def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.rope_fn(x, positions, self.inv_freq.to(x.device), self.rope.scaling)
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor, longest: int) -> torch.Tensor:
+        """``longest``: the largest position id of the micro-batch plus one (HF's ``longrope`` switch)."""
+        inv_freq = self.inv_freq
+        if self.long_inv_freq is not None and longest > self.rope.long_after:
+            inv_freq = self.long_inv_freq
+        return self.rope_fn(x, positions, inv_freq.to(x.device), self.rope.scaling, self.rope.interleaved)
 
     def _mask(self, index_q: torch.Tensor, index_k: torch.Tensor, meta: torch.Tensor | None) -> torch.Tensor:
         """Boolean ``[b, 1, sq, sk]`` mask: causal by token index within equal sequence ids."""
@@ -156,7 +197,8 @@ class SDPAAttention(torch.nn.Module):
         index_q = load_balanced_indices(total, self.cp_size, self.cp_rank).to(query.device)
         positions = meta[0][:, index_q] if meta is not None else index_q[None].expand(batch, -1)
         if self.rope is not None:
-            query, key = self._rotate(query, positions), self._rotate(key, positions)
+            longest = int(meta[0].max()) + 1 if self.long_inv_freq is not None and meta is not None else total
+            query, key = self._rotate(query, positions, longest), self._rotate(key, positions, longest)
         index_k = index_q
         if self.cp_size > 1:
             key = _AllGatherSeq.apply(key, self.cp_group)
@@ -214,6 +256,7 @@ class LocalAttention(SDPAAttention):
         index = torch.arange(local, device=query.device)
         positions = meta[0] if meta is not None else index[None].expand(batch, -1)
         if self.rope is not None:
-            query, key = self._rotate(query, positions), self._rotate(key, positions)
+            longest = int(positions.max()) + 1 if self.long_inv_freq is not None else local
+            query, key = self._rotate(query, positions, longest), self._rotate(key, positions, longest)
         blocked = ~self._mask(index, index, meta).expand(batch, 1, local, local)  # Megatron masks where True
         return self.kernel(query, key, value, blocked)

@@ -132,6 +132,8 @@ PER_LAYER: dict[str, Mapping] = {
     "self_attention.k_layernorm.weight": Mapping(("k_norm",)),
     "input_layernorm.weight": Mapping(("input_norm",)),
     "pre_mlp_layernorm.weight": Mapping(("post_norm",)),
+    "self_attn_bda.weight": Mapping(("post_attn_out_norm",)),  # GLM-4's norms on the sublayer outputs
+    "mlp_bda.weight": Mapping(("post_mlp_out_norm",)),
     "mlp.linear_fc1.weight": Mapping(("gate", "up"), "gate_up"),
     "mlp.linear_fc2.weight": Mapping(("down",), "row"),
     "mlp.router.weight": Mapping(("router",), "none", "router"),
@@ -187,6 +189,11 @@ def _part(total: int, size: int, rank: int) -> tuple[int, int]:
     return rank * total // size, (rank + 1) * total // size
 
 
+def fused(names: list[str]) -> bool:
+    """Several parts stored in one HF tensor, stacked in order (Phi-3's ``qkv_proj``, ``gate_up_proj``)."""
+    return len(names) > 1 and len(set(names)) == 1
+
+
 def read_local(reader: SafetensorsReader, mapping: Mapping, names: list[str], geo: Geometry) -> torch.Tensor:
     """This rank's shard of the Megatron parameter, read from the HF checkpoint (HF -> Megatron)."""
     size, rank = _split_group(mapping, geo)
@@ -199,9 +206,11 @@ def read_local(reader: SafetensorsReader, mapping: Mapping, names: list[str], ge
         per_group = geo.heads // geo.groups
         groups = geo.groups // size
         g0 = rank * groups
+        # fused (Phi-3's qkv_proj): one tensor of all query rows, then all key rows, then all value rows
+        k_at, v_at = (geo.heads * geo.head_dim, (geo.heads + geo.groups) * geo.head_dim) if fused(names) else (0, 0)
         q = reader.slice(q_name)[g0 * per_group * geo.head_dim:(g0 + groups) * per_group * geo.head_dim]
-        k = reader.slice(k_name)[g0 * geo.head_dim:(g0 + groups) * geo.head_dim]
-        v = reader.slice(v_name)[g0 * geo.head_dim:(g0 + groups) * geo.head_dim]
+        k = reader.slice(k_name)[k_at + g0 * geo.head_dim:k_at + (g0 + groups) * geo.head_dim]
+        v = reader.slice(v_name)[v_at + g0 * geo.head_dim:v_at + (g0 + groups) * geo.head_dim]
         tail = q.shape[1:]
         q = q.reshape(groups, per_group * geo.head_dim, *tail)
         k = k.reshape(groups, geo.head_dim, *tail)
@@ -209,8 +218,10 @@ def read_local(reader: SafetensorsReader, mapping: Mapping, names: list[str], ge
         return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
     if mapping.split == "gate_up":
         gate, up = names
-        start, stop = _part(reader.slice(gate).get_shape()[0], size, rank)
-        return torch.cat([reader.slice(gate)[start:stop], reader.slice(up)[start:stop]])
+        rows = reader.slice(gate).get_shape()[0] // (2 if fused(names) else 1)  # fused gate_up_proj: [gate; up]
+        up_at = rows if fused(names) else 0
+        start, stop = _part(rows, size, rank)
+        return torch.cat([reader.slice(gate)[start:stop], reader.slice(up)[up_at + start:up_at + stop]])
     if mapping.split == "row":
         start, stop = _part(reader.slice(names[0]).get_shape()[1], size, rank)
         return reader.slice(names[0])[:, start:stop]
@@ -228,10 +239,14 @@ def hf_from_full(mapping: Mapping, names: list[str], full: torch.Tensor, geo: Ge
         q = grouped[:, :per_group].reshape(-1, *tail)
         k = grouped[:, per_group].reshape(-1, *tail)
         v = grouped[:, per_group + 1].reshape(-1, *tail)
-        return list(zip(names, (q, k, v), strict=True))
-    if mapping.split == "gate_up":
-        return list(zip(names, (full[0], full[1]), strict=True))
-    return [(names[0], full)]
+        parts = (q, k, v)
+    elif mapping.split == "gate_up":
+        parts = (full[0], full[1])
+    else:
+        return [(names[0], full)]
+    if fused(names):
+        return [(names[0], torch.cat(parts))]
+    return list(zip(names, parts, strict=True))
 
 
 def gather_full(mapping: Mapping, local: torch.Tensor, geo: Geometry) -> torch.Tensor:
@@ -352,7 +367,7 @@ def export_hf_tensors(models: list[Any], hf_config: Any) -> Iterator[tuple[str, 
         for name, _ in _named_params(model):
             mapping, names = _lookup(arch, name, _layer_of(inner, name), geo)
             plan.append((name, mapping, [] if tied and name == "output_layer.weight" else names))
-    local_entries = [hf_name for name, _, names in plan if owns(name) for hf_name in names]
+    local_entries = [hf_name for name, _, names in plan if owns(name) for hf_name in dict.fromkeys(names)]
     everyone: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, (rank, local_entries))
     order = [(r, hf) for r, entries in everyone for hf in entries]

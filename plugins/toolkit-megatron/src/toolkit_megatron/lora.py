@@ -20,7 +20,9 @@ from toolkit.errors import ConfigError
 
 _HF_TO_PARTS = {"q_proj": ("linear_qkv", "q"), "k_proj": ("linear_qkv", "k"), "v_proj": ("linear_qkv", "v"),
                 "gate_proj": ("linear_fc1", "gate"), "up_proj": ("linear_fc1", "up"),
-                "o_proj": ("linear_proj", "o"), "down_proj": ("linear_fc2", "down")}
+                "o_proj": ("linear_proj", "o"), "down_proj": ("linear_fc2", "down"),
+                # one HF linear for several parts (Phi-3): one adapter whose B rows are reordered as Megatron's
+                "qkv_proj": ("linear_qkv", "qkv"), "gate_up_proj": ("linear_fc1", "gate_up")}
 _NAME = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_(A|B|magnitude_vector)(?:\.default)?(?:\.weight)?$")
 
 
@@ -80,6 +82,21 @@ class _ReplicatedA(torch.autograd.Function):
         return grad_x, grad_weight.to(weight.dtype), None
 
 
+def _megatron_rows(part: str, rows: torch.Tensor, geo: Any, tp: int) -> torch.Tensor:
+    """The output rows of a fused HF linear's adapter (``B``, DoRA's magnitude) in Megatron's order, so that each
+    TP rank's contiguous slice is its shard: ``qkv`` ([all q; all k; all v]) interleaved per query group,
+    ``gate_up`` ([gate; up]) as each rank's ``[gate shard; up shard]`` in rank order. Other parts: unchanged."""
+    if part == "qkv":
+        per_group, tail = geo.heads // geo.groups, rows.shape[1:]
+        q, k, v = rows.split([geo.heads * geo.head_dim, geo.groups * geo.head_dim, geo.groups * geo.head_dim])
+        return torch.cat([q.reshape(geo.groups, per_group * geo.head_dim, *tail), k.reshape(geo.groups, geo.head_dim, *tail),
+                          v.reshape(geo.groups, geo.head_dim, *tail)], dim=1).reshape(-1, *tail)
+    if part == "gate_up":
+        gate, up = rows.chunk(2)
+        return torch.cat([half for pair in zip(gate.chunk(tp), up.chunk(tp), strict=True) for half in pair])
+    return rows
+
+
 class LoRALinear(torch.nn.Module):
     """A Megatron Column/RowParallelLinear plus LoRA adapters for the HF projections fused into it."""
 
@@ -93,12 +110,12 @@ class LoRALinear(torch.nn.Module):
         self.dropout = torch.nn.Dropout(dropout) if dropout else torch.nn.Identity()
         self.sequence_parallel = base.config.sequence_parallel
         self.geo = geometry
-        self.order = [p for p in ("q", "k", "v", "gate", "up", "o", "down") if p in parts]
+        self.order = [p for p in ("q", "k", "v", "gate", "up", "o", "down", "qkv", "gate_up") if p in parts]
         self.dora = any("M" in parts[p] for p in self.order)
         tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
         dtype = base.weight.dtype
         for part in self.order:
-            a, b = parts[part]["A"], parts[part]["B"]
+            a, b = parts[part]["A"], _megatron_rows(part, parts[part]["B"], geometry, tp)
             if kind in ("linear_proj", "linear_fc2"):
                 cols = a.shape[1] // tp
                 a = a[:, rank * cols:(rank + 1) * cols]
@@ -108,7 +125,7 @@ class LoRALinear(torch.nn.Module):
             self.register_parameter(f"lora_a_{part}", torch.nn.Parameter(a.to(dtype).contiguous()))
             self.register_parameter(f"lora_b_{part}", torch.nn.Parameter(b.to(dtype).contiguous()))
             if self.dora:  # DoRA magnitude per output row: split like B's rows
-                magnitude = parts[part]["M"]
+                magnitude = _megatron_rows(part, parts[part]["M"], geometry, tp)
                 if kind not in ("linear_proj", "linear_fc2"):
                     magnitude = magnitude[rank * (magnitude.shape[0] // tp):(rank + 1) * (magnitude.shape[0] // tp)]
                 self.register_parameter(f"lora_m_{part}", torch.nn.Parameter(magnitude.to(dtype).contiguous()))
@@ -193,6 +210,8 @@ class LoRALinear(torch.nn.Module):
         A projection without an adapter contributes ``fill`` (``None``: the base weight's row norm,
         so DoRA leaves those rows unscaled).
         """
+        if self.order in (["qkv"], ["gate_up"]):  # a fused HF linear's adapter: its rows are Megatron's already
+            return deltas[0]
         by_part = dict(zip(self.order, deltas, strict=True))
         lead = deltas[0].shape[:-1]
 

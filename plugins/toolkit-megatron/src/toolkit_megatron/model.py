@@ -92,13 +92,16 @@ def layer_spec(hf_config: Any, config: Any, attention: AttentionKind = "sdpa", v
         get_transformer_layer_offset,
     )
 
-    from toolkit_megatron.attention import LocalAttention, Rope, SDPAAttention
-    from toolkit_megatron.norm import RMSNorm
+    from toolkit_megatron.attention import LocalAttention, SDPAAttention
+    from toolkit_megatron.norm import NormedBiasDropoutAdd, RMSNorm
 
     arch = architecture_for(hf_config.model_type)
     core = {"sdpa": SDPAAttention, "local": LocalAttention}[attention]
     norm = ModuleSpec(module=RMSNorm, params={"kernel_ops": kernel_ops})
     qk_norm = norm if arch.qk_norm else IdentityOp
+    post_norm = ModuleSpec(module=NormedBiasDropoutAdd, params={"config": config, "hidden_size": config.hidden_size,
+                                                                "eps": config.layernorm_epsilon, "kernel_ops": kernel_ops})
+    bda = post_norm if arch.sublayer_post_norms else get_bias_dropout_add
     dense_mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
 
     def layer_with(mlp: Any) -> Any:
@@ -112,17 +115,17 @@ def layer_spec(hf_config: Any, config: Any, attention: AttentionKind = "sdpa", v
                     submodules=SelfAttentionSubmodules(
                         linear_qkv=ColumnParallelLinear,
                         core_attention=ModuleSpec(module=core, params={
-                            "rope": Rope.from_hf_config(hf_config), "sliding_window": arch.sliding_window(hf_config),
+                            "rope": arch.rope(hf_config), "sliding_window": arch.sliding_window(hf_config),
                             "compiled_rope": compiled_rope, "packed_flex": packed_flex}),
                         linear_proj=RowParallelLinear,
                         q_layernorm=qk_norm,
                         k_layernorm=qk_norm,
                     ),
                 ),
-                self_attn_bda=get_bias_dropout_add,
+                self_attn_bda=bda,
                 pre_mlp_layernorm=norm,
                 mlp=mlp,
-                mlp_bda=get_bias_dropout_add,
+                mlp_bda=bda,
             ),
         )
 

@@ -1,4 +1,5 @@
-"""An RMSNorm that Megatron's layer spec can build, sequence-parallel capable without TE or Apex.
+"""An RMSNorm that Megatron's layer spec can build, sequence-parallel capable without TE or Apex, and the
+bias-dropout-add with such a norm on its branch (GLM-4's post-attention / post-MLP norms).
 
 Megatron's torch norm wrapper refuses sequence parallelism because the norm weight sees only a
 slice of the sequence on each tensor-parallel rank; the fix is the ``sequence_parallel``
@@ -31,3 +32,23 @@ class RMSNorm(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.rms_norm(hidden, self.weight, self.eps)
+
+
+class NormedBiasDropoutAdd(RMSNorm):
+    """Megatron's ``self_attn_bda`` / ``mlp_bda`` with an RMSNorm on the branch: ``residual + dropout(norm(x + bias))``.
+
+    GLM-4 normalises each sublayer's output before the residual add (``post_self_attn_layernorm``,
+    ``post_mlp_layernorm``); Megatron-Core's ``TransformerLayer`` has no slot for it, but calls its bda as
+    ``bda(training, fused)(output_with_bias, residual, dropout)``, so the norm lives here, after any LoRA delta
+    of the projection before it."""
+
+    def forward(self, training: bool, fused: bool = False) -> Any:  # noqa: ARG002 (Megatron's bda signature)
+        def bias_dropout_add(output_with_bias: tuple[torch.Tensor, torch.Tensor | None], residual: torch.Tensor,
+                             prob: float) -> torch.Tensor:
+            output, bias = output_with_bias
+            if bias is not None:
+                output = output + bias
+            normed = self.rms_norm(output, self.weight, self.eps)
+            return residual + torch.nn.functional.dropout(normed, p=prob, training=training)
+
+        return bias_dropout_add

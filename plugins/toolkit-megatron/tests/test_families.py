@@ -1,0 +1,121 @@
+"""Per-family facts of the bridge checked in one process (no Megatron model): RoPE variants equal HF's
+rotary embedding, configs the bridge cannot reproduce are refused in one line naming the piece."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from toolkit.errors import ModelError
+from toolkit_megatron.architectures import architecture_for
+
+
+def _hf_rotated(hf_config, module, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``x [b, h, s, d]`` rotated by HF's own rotary embedding and ``apply_rotary_pos_emb`` of ``module``."""
+    rotary = next(getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding"))(hf_config)
+    cos, sin = rotary(x, positions)
+    return module.apply_rotary_pos_emb(x, x, cos, sin)[0]
+
+
+ROPES = {
+    "llama3": ("llama", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8})),
+    "yarn": ("qwen2", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                            "original_max_position_embeddings": 64})),
+    "longrope-short": ("phi3", dict(max_position_embeddings=256, original_max_position_embeddings=32, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+        "short_factor": [1.0 + i / 10 for i in range(12)], "long_factor": [2.0 + i for i in range(12)],
+        "partial_rotary_factor": 0.75})),
+    "longrope-long": ("phi3", dict(max_position_embeddings=256, original_max_position_embeddings=8, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 8,
+        "short_factor": [1.0 + i / 10 for i in range(12)], "long_factor": [2.0 + i for i in range(12)],
+        "partial_rotary_factor": 0.75})),
+    "glm4-partial-interleaved": ("glm4", dict(partial_rotary_factor=0.5)),
+}
+
+
+@pytest.mark.parametrize("variant", list(ROPES))
+def test_rope_equals_hf_rotary_embedding(variant):
+    import importlib
+
+    from transformers import AutoConfig
+
+    from toolkit_megatron.attention import apply_rope
+
+    model_type, extra = ROPES[variant]
+    hf_config = AutoConfig.for_model(model_type, hidden_size=128, num_attention_heads=4, num_key_value_heads=4, head_dim=32,
+                                     **extra)
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    x = torch.randn(2, 4, 16, 32, generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(16)[None].repeat(2, 1)
+    expected = _hf_rotated(hf_config, module, x, positions)
+    rope = architecture_for(model_type).rope(hf_config)
+    if variant.startswith("longrope"):
+        assert rope.long_after == {"longrope-short": 32, "longrope-long": 8}[variant]
+    inv_freq = torch.tensor(rope.long_inv_freq if rope.long_inv_freq and 16 > rope.long_after else rope.inv_freq)
+    got = apply_rope(x.permute(2, 0, 1, 3), positions, inv_freq, rope.scaling, rope.interleaved).permute(1, 2, 0, 3)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+def test_rope_whose_frequencies_follow_the_length_is_refused():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4,
+                         rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    with pytest.raises(ModelError, match="rope_type 'dynamic' is not supported by the Megatron bridge.*--strategy local"):
+        architecture_for("llama").check(config)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fused_hf_tensors_split_and_refuse_bit_exactly(tmp_path, tp):
+    """Phi-3's ``qkv_proj`` ([all q; all k; all v] rows) and ``gate_up_proj`` ([gate; up]): each TP rank reads its
+    query groups / halves out of the one tensor, and the gathered parameter gives the tensor back bit for bit.
+    A LoRA adapter on the fused linear has its ``B`` rows split the very same way (Megatron LoRA on Phi-3)."""
+    from safetensors.torch import save_file
+
+    from toolkit_megatron.architectures import Phi3Architecture
+    from toolkit_megatron.bridge import PER_LAYER, Geometry, SafetensorsReader, hf_from_full, hf_names, join_shards, read_local
+    from toolkit_megatron.lora import _megatron_rows
+
+    heads, groups, head_dim, hidden, ffn = 8, 4, 4, 16, 12
+    generator = torch.Generator().manual_seed(0)
+    tensors = {"model.layers.1.self_attn.qkv_proj.weight": torch.randn((heads + 2 * groups) * head_dim, hidden, generator=generator),
+               "model.layers.1.mlp.gate_up_proj.weight": torch.randn(2 * ffn, hidden, generator=generator)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    reader = SafetensorsReader.from_directory(tmp_path)
+    for leaf, expected in (("self_attention.linear_qkv.weight", "qkv"), ("mlp.linear_fc1.weight", "gate_up")):
+        mapping = PER_LAYER[leaf]
+        names = hf_names(Phi3Architecture, mapping, 1)
+        assert mapping.split == expected and len(set(names)) == 1 and names[0] in tensors
+        shards = [read_local(reader, mapping, names, Geometry(heads, groups, head_dim, ffn, 10, 10, tp, rank)) for rank in range(tp)]
+        geo = Geometry(heads, groups, head_dim, ffn, 10, 10, tp, 0)
+        adapter_rows = _megatron_rows(expected, tensors[names[0]], geo, tp).chunk(tp)
+        assert all(torch.equal(rows, shard) for rows, shard in zip(adapter_rows, shards, strict=True)), leaf
+        back = hf_from_full(mapping, names, join_shards(mapping, shards), Geometry(heads, groups, head_dim, ffn, 10, 10, tp, 0))
+        assert [name for name, _ in back] == names[:1]
+        assert torch.equal(back[0][1], tensors[names[0]]), leaf
+    # the interleaving Megatron expects: query group 0's query heads, then its key head, then its value head
+    qkv = read_local(reader, PER_LAYER["self_attention.linear_qkv.weight"], hf_names(Phi3Architecture, PER_LAYER[
+        "self_attention.linear_qkv.weight"], 1), Geometry(heads, groups, head_dim, ffn, 10, 10, 1, 0))
+    fused = tensors["model.layers.1.self_attn.qkv_proj.weight"]
+    assert torch.equal(qkv[2 * head_dim:3 * head_dim], fused[heads * head_dim:(heads + 1) * head_dim])  # k head 0
+
+
+@pytest.mark.parametrize(("model_type", "piece"), [("gemma2", "attention logit soft-capping"),
+                                                   ("gemma3_text", "embedding scale"), ("mamba", "supported: ")])
+def test_families_the_bridge_cannot_build_are_refused_naming_the_missing_piece(model_type, piece):
+    with pytest.raises(ModelError, match=piece) as caught:
+        architecture_for(model_type)
+    assert "--strategy local" in str(caught.value) or "toolkit_register_architectures" in str(caught.value)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "internlm3"])
+def test_attention_bias_that_reaches_o_proj_is_refused(model_type):
+    """These families' ``attention_bias`` biases o_proj too (GLM-4's does not): the bridge has no such bias."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type, hidden_size=64, num_attention_heads=4, attention_bias=True,
+                                  **({"mlp_bias": True} if model_type == "internlm3" else {}))
+    with pytest.raises(ModelError, match="o_proj bias"):
+        architecture_for(model_type).check(config)
+    architecture_for("glm4").check(AutoConfig.for_model("glm4", hidden_size=64, num_attention_heads=4, attention_bias=True))
