@@ -22,6 +22,8 @@ JOBS = {  # name: (tiny model, layouts); "llama-mcore" also reads the mcore chec
     "mixtral": ("mixtral", "ep=2+export=1,tp=2+sp=1+export=1"),
     "qwen2_moe": ("qwen2_moe", "ep=2+export=1"),
     "mistral": ("mistral", "tp=2,pp=2"),
+    "deepseek_v3": ("deepseek_v3", "tp=2+sp=1+export=1,pp=2,ep=2+export=1,cp=2"),
+    "deepseek_v2": ("deepseek_v2", "tp=2,pp=2+export=1,ep=2,cp=2"),
     "llama-mcore": ("llama", "pp=2+mcore=1,tp=2+sp=1+mcore=1"),
 }
 
@@ -107,6 +109,24 @@ def test_moe_logits_and_round_trip_with_expert_parallelism(tiny_models, bridge):
             tensors = _load(Path(entry["export_dir"]))
             assert sorted(tensors) == sorted(original)
             assert all(torch.equal(tensors[n], t) for n, t in original.items()), arch
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2"])
+def test_deepseek_mla_logits_and_round_trip(arch, tiny_models, bridge):
+    """DeepSeek-V3 (MLA with a query latent, sigmoid grouped top-k with the score-correction bias, a shared
+    expert, a dense first layer) and DeepSeek-V2 (V2-Lite's MLA without a query latent, YaRN, softmax
+    group-limited top-k, 2 shared experts): TP2(+SP), PP2, EP2, CP2 equal HF; exports are bit-exact."""
+    results = bridge[arch]
+    assert set(results) == set(JOBS[arch][1].split(","))
+    _assert_close(results)
+    original = _load(tiny_models[arch])
+    exports = [entry["export_dir"] for entry in results.values() if "export_dir" in entry]
+    assert exports
+    for directory in exports:
+        tensors = _load(Path(directory))
+        assert sorted(tensors) == sorted(original)
+        for name, tensor in original.items():
+            assert torch.equal(tensors[name], tensor), f"{arch} {directory}: {name} changed in the round trip"
 
 
 def test_mistral_tp2(bridge):

@@ -13,7 +13,7 @@ import torch
 from toolkit.errors import LayoutError
 from toolkit.parallel import ParallelLayout
 from toolkit_megatron.architectures import architecture_for
-from toolkit_megatron.compat import cpu_compat
+from toolkit_megatron.compat import cpu_compat, router_expert_bias_with_padding
 
 AttentionKind = Literal["sdpa", "local"]
 ExpertsKind = Literal["grouped", "sequential"]
@@ -48,7 +48,7 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 42) -> None:
 
 def transformer_config(hf_config: Any, layout: ParallelLayout, dtype: Any, **overrides: Any) -> Any:
     import torch
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     options = architecture_for(hf_config.model_type).transformer_options(hf_config)
     options.update(megatron_sizes(layout))
@@ -69,7 +69,7 @@ def transformer_config(hf_config: Any, layout: ParallelLayout, dtype: Any, **ove
         cp_comm_type="all_gather" if layout.context > 1 else None,
     )
     options.update(overrides)
-    return TransformerConfig(**options)
+    return (MLATransformerConfig if options.get("multi_latent_attention") else TransformerConfig)(**options)
 
 
 def layer_spec(hf_config: Any, config: Any, attention: AttentionKind = "sdpa", vp_stage: int | None = None,
@@ -86,7 +86,11 @@ def layer_spec(hf_config: Any, config: Any, attention: AttentionKind = "sdpa", v
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules, get_num_layers_to_build
-    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+    from megatron.core.transformer.transformer_layer import (
+        TransformerLayer,
+        TransformerLayerSubmodules,
+        get_transformer_layer_offset,
+    )
 
     from toolkit_megatron.attention import LocalAttention, Rope, SDPAAttention
     from toolkit_megatron.norm import RMSNorm
@@ -95,32 +99,43 @@ def layer_spec(hf_config: Any, config: Any, attention: AttentionKind = "sdpa", v
     core = {"sdpa": SDPAAttention, "local": LocalAttention}[attention]
     norm = ModuleSpec(module=RMSNorm, params={"kernel_ops": kernel_ops})
     qk_norm = norm if arch.qk_norm else IdentityOp
-    layer = ModuleSpec(
-        module=TransformerLayer,
-        submodules=TransformerLayerSubmodules(
-            input_layernorm=norm,
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=ColumnParallelLinear,
-                    core_attention=ModuleSpec(module=core, params={
-                        "rope": Rope.from_hf_config(hf_config), "sliding_window": arch.sliding_window(hf_config),
-                        "compiled_rope": compiled_rope, "packed_flex": packed_flex}),
-                    linear_proj=RowParallelLinear,
-                    q_layernorm=qk_norm,
-                    k_layernorm=qk_norm,
-                ),
-            ),
-            self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=norm,
-            mlp=_moe_spec(config, experts) if arch.moe else ModuleSpec(
-                module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
-            mlp_bda=get_bias_dropout_add,
-        ),
-    )
-    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=norm))
+    core_attention = ModuleSpec(module=core, params={
+        "rope": None if arch.mla else Rope.from_hf_config(hf_config), "sliding_window": arch.sliding_window(hf_config),
+        "compiled_rope": compiled_rope, "packed_flex": packed_flex})
+    if arch.mla:  # megatron-core's MLA rotates the positional part itself (interleaved pairs, as DeepSeek's weights)
+        from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
+
+        from toolkit_megatron.compat import mla_without_transformer_engine
+
+        mla_without_transformer_engine()
+        self_attention = ModuleSpec(
+            module=MLASelfAttention,
+            params={"attn_mask_type": AttnMaskType.causal},
+            submodules=MLASelfAttentionSubmodules(
+                linear_q_proj=ColumnParallelLinear, linear_q_down_proj=ColumnParallelLinear,
+                linear_q_up_proj=ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear,
+                linear_kv_up_proj=ColumnParallelLinear, core_attention=core_attention, linear_proj=RowParallelLinear,
+                q_layernorm=norm, kv_layernorm=norm))
+    else:
+        self_attention = ModuleSpec(
+            module=SelfAttention,
+            params={"attn_mask_type": AttnMaskType.causal},
+            submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear, core_attention=core_attention,
+                                               linear_proj=RowParallelLinear, q_layernorm=qk_norm, k_layernorm=qk_norm))
+    dense_mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+    moe_mlp = _moe_spec(config, experts) if arch.moe else None
+
+    def layer(moe: bool) -> Any:
+        return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+            input_layernorm=norm, self_attention=self_attention, self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=norm, mlp=moe_mlp if moe else dense_mlp, mlp_bda=get_bias_dropout_add))
+
+    # one spec per global layer (dense MLPs where the family has them, e.g. DeepSeek's first_k_dense_replace),
+    # of which this pipeline stage builds its slice
+    kinds = arch.moe_layers(hf_config) if arch.moe else [False] * config.num_layers
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    layers = [layer(moe) for moe in kinds[offset:offset + get_num_layers_to_build(config, vp_stage=vp_stage)]]
+    return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm))
 
 
 def _moe_spec(config: Any, experts: ExpertsKind = "grouped") -> Any:
@@ -195,6 +210,7 @@ def build_model(hf_config: Any, layout: ParallelLayout, dtype: Any = None, atten
             )
             model.toolkit_real_vocab = hf_config.vocab_size
             mark_tensor_parallel(model)
+            router_expert_bias_with_padding(model)
             if torch.cuda.is_available():
                 model.cuda(torch.cuda.current_device())
                 from toolkit_megatron.experts import pack_expert_weights
