@@ -103,13 +103,14 @@ def layer_spec(hf_config: Any, config: Any, attention: AttentionKind = "sdpa", v
         "rope": None if arch.mla else Rope.from_hf_config(hf_config), "sliding_window": arch.sliding_window(hf_config),
         "compiled_rope": compiled_rope, "packed_flex": packed_flex})
     if arch.mla:  # megatron-core's MLA rotates the positional part itself (interleaved pairs, as DeepSeek's weights)
-        from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
+        from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
 
         from toolkit_megatron.compat import mla_without_transformer_engine
+        from toolkit_megatron.mla import latent_attention_class
 
         mla_without_transformer_engine()
         self_attention = ModuleSpec(
-            module=MLASelfAttention,
+            module=latent_attention_class(),
             params={"attn_mask_type": AttnMaskType.causal},
             submodules=MLASelfAttentionSubmodules(
                 linear_q_proj=ColumnParallelLinear, linear_q_down_proj=ColumnParallelLinear,
