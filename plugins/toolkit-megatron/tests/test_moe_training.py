@@ -84,8 +84,8 @@ def test_deepseek_v3_equals_local(tmp_path):
     first layer) trains step for step like the local engine on transformers' own model. Without router losses
     (its config has none) both engines optimise the same objective; qwen3_moe's equality with local is checked
     with router losses on in test_router_losses_equal_toolkit_moe. TP2 also checks the rotary key's gradient,
-    which megatron-core 0.16's local MLA spec sums over one rank's heads only (toolkit_megatron.mla): without
-    the fix the step-2 grad norm is 6.223 against 6.228."""
+    which megatron-core 0.16's local MLA spec sums over one rank's heads only (toolkit_megatron.mla; by hand,
+    tiny-deepseek-v2 at TP2+SP without the fix: step-2 grad norm 6.223 against local's 6.228)."""
     args = ["sft", "--model", "tiny-deepseek-v3", *COMMON]
     toolkit(*args, "--output", str(tmp_path / "local"))
     for name, layout in (("ep2", ["--ep", "2"]), ("tp2", ["--tp", "2", "--sequence-parallel"])):
