@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from toolkit_megatron.architectures import DenseArchitecture
+from toolkit_megatron.architectures import DeepseekV3Architecture, DenseArchitecture
 from toolkit_megatron.bridge import (
     PER_LAYER,
     TOP_LEVEL,
@@ -21,6 +21,8 @@ from toolkit_megatron.bridge import (
 )
 
 HEADS, GROUPS, HEAD_DIM, HIDDEN, FFN, VOCAB = 8, 4, 4, 32, 24, 50
+TABLE = DeepseekV3Architecture
+"""Its layer table names every per-layer row: the dense ones (DenseArchitecture's) and MLA's projections."""
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +32,16 @@ def checkpoint(tmp_path_factory):
     generator = torch.Generator().manual_seed(0)
     shapes = {"q": (HEADS * HEAD_DIM, HIDDEN), "k": (GROUPS * HEAD_DIM, HIDDEN), "v": (GROUPS * HEAD_DIM, HIDDEN)}
     tensors = {}
-    for part, layer_name in DenseArchitecture.layer.items():
+    for part, layer_name in TABLE.layer.items():
         name = layer_name.format(i=3)
         if part in shapes:
             tensors[name + ".weight"] = torch.randn(shapes[part], generator=generator)
             tensors[name + ".bias"] = torch.randn(shapes[part][0], generator=generator)
         else:
             shape = {"o": (HIDDEN, HEADS * HEAD_DIM), "gate": (FFN, HIDDEN), "up": (FFN, HIDDEN), "down": (HIDDEN, FFN),
-                     "q_norm": (HEAD_DIM,), "k_norm": (HEAD_DIM,)}.get(part, (HIDDEN,))
+                     "q_norm": (HEAD_DIM,), "k_norm": (HEAD_DIM,), "q_proj": (HEADS * HEAD_DIM, HIDDEN),
+                     "q_a": (16, HIDDEN), "q_b": (HEADS * HEAD_DIM, 16), "kv_a": (12, HIDDEN), "kv_b": (HEADS * 8, 8),
+                     "kv_norm": (8,)}.get(part, (HIDDEN,))
             tensors[name] = torch.randn(shape, generator=generator)
     tensors[DenseArchitecture.embedding] = torch.randn(VOCAB, HIDDEN, generator=generator)
     tensors[DenseArchitecture.lm_head] = torch.randn(VOCAB, HIDDEN, generator=generator)
@@ -56,7 +60,7 @@ DENSE = [(name, None) for name in TOP_LEVEL] + [(f"decoder.layers.0.{leaf}", 3) 
 def test_each_mapping_round_trips_through_every_tensor_parallel_split(checkpoint, mcore_name, layer, tp):
     tensors, reader = checkpoint
     mapping, _, expert = mapping_of(mcore_name, layer)
-    names = hf_names(DenseArchitecture, mapping, layer, expert)
+    names = hf_names(TABLE, mapping, layer, expert)
     assert all(name in tensors for name in names), names
     padded = -(-VOCAB // tp) * tp + tp  # Megatron pads the vocabulary to a multiple of TP
     shards = [read_local(reader, mapping, names, Geometry(HEADS, GROUPS, HEAD_DIM, FFN, VOCAB, padded, tp, rank))
