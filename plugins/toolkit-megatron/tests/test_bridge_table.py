@@ -78,3 +78,30 @@ def test_each_mapping_round_trips_through_every_tensor_parallel_split(checkpoint
 def test_unknown_parameters_have_no_mapping():
     assert mapping_of("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", 0) is None
     assert mapping_of("something.else", None) is None
+
+
+def test_deepseek_routing_megatron_cannot_reproduce_is_refused_naming_the_field():
+    """Configs whose routing megatron-core computes differently are refused before a model is built."""
+    from transformers import DeepseekV2Config, DeepseekV3Config
+
+    from toolkit.errors import ModelError
+    from toolkit_megatron.architectures import DeepseekV2Architecture
+
+    shape = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, n_routed_experts=8, q_lora_rank=None,
+                 kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    DeepseekV3Architecture.check(DeepseekV3Config(**shape, num_experts_per_tok=4, n_group=4, topk_group=2))
+    refused = {
+        "norm_topk_prob=false": (DeepseekV3Architecture, DeepseekV3Config(**shape, num_experts_per_tok=4, n_group=4,
+                                                                           topk_group=2, norm_topk_prob=False)),
+        "num_experts_per_tok == 2 * topk_group": (DeepseekV3Architecture, DeepseekV3Config(
+            **shape, num_experts_per_tok=2, n_group=4, topk_group=2)),
+        "rope_interleave=false": (DeepseekV3Architecture, DeepseekV3Config(**shape, num_experts_per_tok=4, n_group=4,
+                                                                            topk_group=2, rope_interleave=False)),
+        "num_experts_per_tok == topk_group": (DeepseekV2Architecture, DeepseekV2Config(
+            **shape, num_experts_per_tok=4, topk_method="group_limited_greedy", n_group=4, topk_group=2)),
+    }
+    for field, (arch, config) in refused.items():
+        with pytest.raises(ModelError, match=field.replace("*", r"\*")):
+            arch.check(config)
+    DeepseekV2Architecture.check(DeepseekV2Config(**shape, num_experts_per_tok=2, topk_method="group_limited_greedy",
+                                                  n_group=4, topk_group=2))
