@@ -32,6 +32,22 @@ def test_bad_layouts_show_the_arithmetic():
     assert "MoE with tp > 1 needs --sequence-parallel" in problems(ParallelLayout(tensor=2), MOE, 2)
 
 
+def test_latent_attention_widths_must_split_over_tp():
+    """MLA's down-projections are column-parallel in Megatron: their widths divide by TP, in the engine and the planner."""
+    from toolkit.models import preset_config
+    from toolkit.plan.memory import Layout, Workload
+    from toolkit.plan.model import shape_from_config
+    from toolkit.plan.search import structural_problem
+
+    config = preset_config("tiny-deepseek-v3", kv_lora_rank=30)  # + qk_rope_head_dim 16 = 46
+    text = problems(ParallelLayout(tensor=4, sequence_parallel=True), ModelShape.of(config), 4)
+    assert "kv_lora_rank + qk_rope_head_dim 46 / tp 4 = 11.50" in text and "q_lora_rank" not in text
+    assert "q_lora_rank 64 / tp 3" in problems(ParallelLayout(tensor=3, sequence_parallel=True), ModelShape.of(config), 3)
+    assert problems(ParallelLayout(tensor=2, sequence_parallel=True), ModelShape.of(config), 2, 32) == ""
+    planned = structural_problem(shape_from_config(config.to_dict()), Layout("megatron", tp=4), Workload(seq_len=64), 64)
+    assert planned is not None and "kv_lora_rank + qk_rope_head_dim 46 / tp 4" in planned
+
+
 def test_one_process_is_told_how_many_to_launch_and_how():
     [text] = ParallelLayout(tensor=2, pipeline=2).world_problems(1)
     assert "needs a multiple of 4 processes and this is one process" in text and "torchrun --nproc-per-node 4" in text

@@ -54,6 +54,15 @@ TINY_CONFIGS = {
                     num_key_value_heads=2, vocab_size=300, pad_token_id=0, **extra)
        for family, extra in (("phi3", {}), ("glm4", {"head_dim": 16}), ("gemma2", {"head_dim": 16}),
                              ("gemma3_text", {"head_dim": 32}), ("internlm3", {}))},
+    "deepseek_v3": dict(model_type="deepseek_v3", hidden_size=64, intermediate_size=160, moe_intermediate_size=48,
+                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                        n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+                        q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                        vocab_size=300),
+    "deepseek_v2": dict(model_type="deepseek_v2", hidden_size=64, intermediate_size=160, moe_intermediate_size=48,
+                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                        n_shared_experts=2, num_experts_per_tok=2, first_k_dense_replace=2, q_lora_rank=None,
+                        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, vocab_size=300),
 }
 
 
@@ -137,7 +146,8 @@ def test_active_parameters_per_token_match_transformers_modules(family):
 
 def test_example_configs_have_the_published_sizes():
     sizes = {"llama-70b": 70.55, "qwen2-72b": 72.71, "mixtral-8x22b": 140.6, "qwen3-30b-a3b": 30.5, "llama-3.2-1b": 1.24,
-             "phi-4-mini": 3.84, "glm-4-9b": 9.40}
+             "phi-4-mini": 3.84, "glm-4-9b": 9.40,
+             "deepseek-v2-lite": 15.71, "deepseek-v3": 671.0}
     for name, billions in sizes.items():
         assert load_shape(CONFIGS / f"{name}.json").total_params / 1e9 == pytest.approx(billions, abs=0.06)
 
@@ -595,3 +605,30 @@ def test_megatron_fused_head_replaces_the_logits_of_the_last_stage():
     assert memory(LLAMA1B, Layout("local"), fused).logits == memory(LLAMA1B, Layout("local")).logits  # megatron only
     lora = memory(LLAMA1B, Layout("megatron"), replace(fused, tuner="lora")).logits  # TP1, torch ops, frozen head
     assert lora == 4 * h * tokens + max(10 * v * chunk, 2 * h * tokens)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3", "deepseek_v2"])
+def test_forward_flops_match_torch_flop_counter(family):
+    """The planner's FLOPs per token against torch's FLOP counter on the transformers model (eager attention, so
+    the scores' matmuls are counted; the counter counts them over the whole square, the planner the causal half).
+    MLA's latent projections and its query-key vs value widths, experts (top-k), shared experts and dense first
+    layers all enter the count."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from toolkit.plan.model import ModelShape
+    from toolkit.plan.timing import train_flops_per_token
+
+    config = transformers.AutoConfig.for_model(**TINY_CONFIGS[family], attn_implementation="eager",
+                                              experts_implementation="eager")  # a loop over routed tokens
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    batch, seq = 2, 24
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(torch.randint(0, config.vocab_size, (batch, seq)))
+    shape: ModelShape = shape_from_config(config.to_dict())
+    dense, routed = train_flops_per_token(shape, Workload(seq_len=seq, micro_batch_size=batch), recompute=False)
+    forward_causal = (dense + routed) / 3  # forward + backward = 3 forwards without recompute
+    square_scores = 2 * shape.layers * seq * shape.attention_width  # the upper triangle the counter adds
+    assert counter.get_total_flops() == pytest.approx(batch * seq * (forward_causal + square_scores), rel=1e-9)

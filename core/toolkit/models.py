@@ -42,6 +42,18 @@ PRESETS: dict[str, dict[str, Any]] = {
                        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                        "decoder_sparse_step": 1, "norm_topk_prob": True},
 }
+_MLA = {**{k: v for k, v in _COMMON.items() if k != "head_dim"}, "num_key_value_heads": 4,
+        "kv_lora_rank": 32, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
+        "moe_intermediate_size": 64, "n_routed_experts": 8, "first_k_dense_replace": 1}
+PRESETS.update({
+    # multi-head latent attention with a query latent; sigmoid top-4 over 2 of 4 expert groups, 1 shared expert
+    "tiny-deepseek-v3": {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], **_MLA, "q_lora_rank": 64,
+                         "n_shared_experts": 1, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
+                         "routed_scaling_factor": 2.5, "norm_topk_prob": True},
+    # V2-Lite's shape: no query latent, softmax greedy top-2, 2 shared experts
+    "tiny-deepseek-v2": {"model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"], **_MLA, "q_lora_rank": None,
+                         "n_shared_experts": 2, "num_experts_per_tok": 2, "topk_method": "greedy"},
+})
 
 
 def cache_root() -> Path:

@@ -28,14 +28,21 @@ class ModelShape:
     layers: int
     experts: int = 0
     model_type: str = "model"
+    latents: tuple[tuple[str, int], ...] = ()
+    """Multi-head latent attention's down-projection widths (named), split over TP like a column-parallel linear."""
 
     @classmethod
     def of(cls, hf_config: Any) -> ModelShape:
         heads = hf_config.num_attention_heads
         experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or 0
+        latents = ()
+        if getattr(hf_config, "kv_lora_rank", None):
+            latents = (("kv_lora_rank + qk_rope_head_dim", hf_config.kv_lora_rank + hf_config.qk_rope_head_dim),)
+            if getattr(hf_config, "q_lora_rank", None):
+                latents += (("q_lora_rank", hf_config.q_lora_rank),)
         return cls(heads=heads, kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
                    ffn=hf_config.intermediate_size, layers=hf_config.num_hidden_layers, experts=experts,
-                   model_type=hf_config.model_type)
+                   model_type=hf_config.model_type, latents=latents)
 
 
 @dataclass(frozen=True)
@@ -133,7 +140,7 @@ class ParallelLayout:
         tp, pp, vpp, cp = self.tensor, self.pipeline, self.virtual, self.context
         problems = []
         for what, count in (("attention heads", shape.heads), ("key/value heads", shape.kv_heads),
-                            ("intermediate_size", shape.ffn)):
+                            ("intermediate_size", shape.ffn), *shape.latents):
             if count % tp:
                 problems.append(f"{what} {count} / tp {tp} = {count / tp:.2f} is not a whole number")
         if shape.layers % (pp * vpp):

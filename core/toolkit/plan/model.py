@@ -22,7 +22,8 @@ QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "gemma3_text")
 # model_type -> HF linears that hold several projections (LoRA adapts the fused module: one A for all its parts)
 FUSED_LINEARS = {"phi3": {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")},
                  "glm4": {"gate_up_proj": ("gate_proj", "up_proj")}}
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
+MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention
 
 
 @dataclass(frozen=True)
@@ -44,10 +45,17 @@ class ModelShape:
     experts_per_token: int = 0
     expert_ffn: int = 0
     shared_expert_ffn: int = 0
+    shared_expert_gate: bool = True
     moe_layers: int = 0
     moe_pattern: tuple[bool, ...] = ()
     """Per layer, whether its MLP is MoE, where dense and MoE layers mix (``mlp_only_layers``,
-    ``decoder_sparse_step``); empty when every layer is alike."""
+    ``decoder_sparse_step``, ``first_k_dense_replace``); empty when every layer is alike."""
+    q_lora_rank: int = 0
+    """Multi-head latent attention (``kv_lora_rank > 0``): the query latent (0: queries projected directly),
+    the key/value latent, the rotary part of ``head_dim`` (shared by all heads) and the value head size."""
+    kv_lora_rank: int = 0
+    rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     # ------------------------------------------------------------------ parameter counts
     @property
@@ -67,13 +75,32 @@ class ModelShape:
         return self.kv_heads * self.head_dim
 
     @property
-    def attention_params(self) -> int:
-        """Q, K, V, O projections (+ biases) and the two norms of one layer."""
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def attention_width(self) -> int:
+        """Mean of the query-key and value widths: the attention scores' FLOPs per token are ``4 * seq * width``."""
+        return (self.q_dim + self.heads * self.v_head_dim) // 2 if self.is_mla else self.q_dim
+
+    @property
+    def attention_matmul_params(self) -> int:
+        """Weights of one layer's attention projections (MLA: down- and up-projections of the latents)."""
         h = self.hidden
-        weights = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
+        if self.is_mla:
+            q = h * self.q_lora_rank + self.q_lora_rank * self.q_dim if self.q_lora_rank else h * self.q_dim
+            nope = self.head_dim - self.rope_head_dim
+            kv = h * (self.kv_lora_rank + self.rope_head_dim) + self.kv_lora_rank * self.heads * (nope + self.v_head_dim)
+            return q + kv + self.heads * self.v_head_dim * h
+        return h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
+
+    @property
+    def attention_params(self) -> int:
+        """Q, K, V, O projections (+ biases) and the two norms of one layer (MLA: and its latents' norms)."""
         bias = (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
         qk_norm = 2 * self.head_dim if self.model_type in QK_NORM_FAMILIES else 0
-        return weights + bias + qk_norm + (2 + EXTRA_NORMS.get(self.model_type, 0)) * h
+        latent_norms = self.q_lora_rank + self.kv_lora_rank
+        return self.attention_matmul_params + bias + qk_norm + latent_norms + (2 + EXTRA_NORMS.get(self.model_type, 0)) * self.hidden
 
     @property
     def dense_mlp_params(self) -> int:
@@ -87,7 +114,8 @@ class ModelShape:
     @property
     def moe_shared_params_per_layer(self) -> int:
         """Router, shared expert and its gate: replicated over expert-parallel ranks."""
-        shared = 3 * self.hidden * self.shared_expert_ffn + (self.hidden if self.shared_expert_ffn else 0)
+        gate = self.hidden if self.shared_expert_ffn and self.shared_expert_gate else 0
+        shared = 3 * self.hidden * self.shared_expert_ffn + gate
         return self.hidden * self.experts + shared
 
     @property
@@ -117,7 +145,7 @@ class ModelShape:
     @property
     def active_matmul_params(self) -> int:
         """Weights one token multiplies by (top-k experts only, LM head included once)."""
-        attention = self.layers * (self.hidden * self.q_dim * 2 + 2 * self.hidden * self.kv_dim)
+        attention = self.layers * self.attention_matmul_params
         dense = self.dense_layers * self.dense_mlp_params
         moe = self.moe_layers * (self.experts_per_token * 3 * self.hidden * self.expert_ffn
                                  + 3 * self.hidden * self.shared_expert_ffn + self.hidden * self.experts)
@@ -131,11 +159,19 @@ class ModelShape:
 
     def linear_params_per_layer(self, moe: bool | None = None) -> dict[str, tuple[int, int]]:
         """(in, out) features of the linears LoRA adapts in one layer: its dense MLP's, or (``moe``, the default
-        for an MoE model) one expert's; a family's fused linears (Phi-3's qkv_proj, gate_up_proj) as one."""
+        for an MoE model) one expert's; a family's fused linears (Phi-3's qkv_proj, gate_up_proj) as one; MLA's
+        latent projections."""
         ffn = self.expert_ffn if (self.is_moe if moe is None else moe) else self.ffn
+        mlp = {"gate_proj": (self.hidden, ffn), "up_proj": (self.hidden, ffn), "down_proj": (ffn, self.hidden)}
+        if self.is_mla:
+            h, nope = self.hidden, self.head_dim - self.rope_head_dim
+            query = ({"q_a_proj": (h, self.q_lora_rank), "q_b_proj": (self.q_lora_rank, self.q_dim)} if self.q_lora_rank
+                     else {"q_proj": (h, self.q_dim)})
+            return {**query, "kv_a_proj_with_mqa": (h, self.kv_lora_rank + self.rope_head_dim),
+                    "kv_b_proj": (self.kv_lora_rank, self.heads * (nope + self.v_head_dim)),
+                    "o_proj": (self.heads * self.v_head_dim, h), **mlp}
         linears = {"q_proj": (self.hidden, self.q_dim), "k_proj": (self.hidden, self.kv_dim),
-                   "v_proj": (self.hidden, self.kv_dim), "o_proj": (self.q_dim, self.hidden),
-                   "gate_proj": (self.hidden, ffn), "up_proj": (self.hidden, ffn), "down_proj": (ffn, self.hidden)}
+                   "v_proj": (self.hidden, self.kv_dim), "o_proj": (self.q_dim, self.hidden), **mlp}
         for fused, parts in FUSED_LINEARS.get(self.model_type, {}).items():
             linears[fused] = (linears[parts[0]][0], sum(linears.pop(part)[1] for part in parts))
         return linears
@@ -210,10 +246,29 @@ def shape_from_config(config: dict[str, Any], name: str = "model", where: str | 
                           expert_ffn=_need(config, "moe_intermediate_size", where),
                           shared_expert_ffn=config.get("shared_expert_intermediate_size", 0) or 0, moe_layers=moe_layers,
                           moe_pattern=pattern if not all(pattern) else ())
-    if model_type not in DENSE_FAMILIES and "num_experts" in config:
+    if model_type in MLA_FAMILIES:
+        return _mla_shape(config, common, where)
+    if model_type not in DENSE_FAMILIES and any(k in config for k in ("num_experts", "num_local_experts", "n_routed_experts")):
         raise ModelError(f"{where}: MoE model_type {model_type!r} is not known to the planner; known MoE families: "
                          f"{', '.join(MOE_FAMILIES)}")
     return ModelShape(**common, ffn=_need(config, "intermediate_size", where))
+
+
+def _mla_shape(config: dict[str, Any], common: dict[str, Any], where: str) -> ModelShape:
+    """DeepSeek-V2/V3: latent attention (every head its own keys), routed + shared experts, dense first layers."""
+    rope = _need(config, "qk_rope_head_dim", where)
+    layers, experts = common["layers"], _need(config, "n_routed_experts", where)
+    expert_ffn = _need(config, "moe_intermediate_size", where)
+    dense = config.get("first_k_dense_replace", 0) or 0
+    return ModelShape(**{**common, "kv_heads": common["heads"], "head_dim": _need(config, "qk_nope_head_dim", where) + rope,
+                         "qkv_bias": False},
+                      ffn=_need(config, "intermediate_size", where), experts=experts,
+                      experts_per_token=_need(config, "num_experts_per_tok", where), expert_ffn=expert_ffn,
+                      shared_expert_ffn=expert_ffn * (config.get("n_shared_experts") or 0), shared_expert_gate=False,
+                      moe_layers=max(layers - dense, 0), moe_pattern=tuple(i >= dense for i in range(layers)) if dense else (),
+                      q_lora_rank=config.get("q_lora_rank") or 0,
+                      kv_lora_rank=_need(config, "kv_lora_rank", where), rope_head_dim=rope,
+                      v_head_dim=_need(config, "v_head_dim", where))
 
 
 def load_shape(reference: str | Path) -> ModelShape:

@@ -111,8 +111,10 @@ def structural_problem(shape: ModelShape, layout: Layout, workload: Workload, gl
     from toolkit.parallel import ModelShape as Divisors
 
     parallel = layout.parallel
+    latents = (("kv_lora_rank + qk_rope_head_dim", shape.kv_lora_rank + shape.rope_head_dim),) if shape.is_mla else ()
+    latents += (("q_lora_rank", shape.q_lora_rank),) if shape.q_lora_rank else ()
     divisors = Divisors(heads=shape.heads, kv_heads=shape.kv_heads, ffn=shape.ffn, layers=shape.layers,
-                        experts=shape.experts, model_type=shape.model_type)
+                        experts=shape.experts, model_type=shape.model_type, latents=latents)
     rules = parallel.world_problems(layout.world_size) + parallel.model_problems(divisors, workload.seq_len)
     if rules:
         return rules[0]

@@ -112,7 +112,7 @@ def train_flops_per_token(shape: ModelShape, workload: Workload, recompute: bool
     else:  # frozen base: no weight gradients; adapters are small but counted
         coefficient = 6.0 if recompute else 4.0
         extra = 6.0 * shape.lora_params(workload.lora_rank) * (shape.experts_per_token / shape.experts if shape.is_moe else 1)
-    attention = (8.0 if recompute else 6.0) * shape.layers * workload.seq_len * shape.q_dim
+    attention = (8.0 if recompute else 6.0) * shape.layers * workload.seq_len * shape.attention_width
     if workload.tuner == "full" and workload.recompute_logits and not workload.fused_loss:
         extra += 2.0 * shape.vocab * shape.hidden  # the head GEMM again in backward, for each chunk
     return coefficient * matmul + extra + attention, coefficient * routed

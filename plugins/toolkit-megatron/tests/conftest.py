@@ -28,6 +28,25 @@ def tiny_config(arch: str):
         return Qwen3MoeConfig(vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                               num_key_value_heads=2, head_dim=32, max_position_embeddings=256, num_experts=4,
                               num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
+    if arch == "deepseek_v3":  # MLA with a query latent, sigmoid grouped top-k, 1 shared expert, 1 dense layer first
+        from transformers import DeepseekV3Config
+
+        return DeepseekV3Config(vocab_size=301, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                                n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
+                                q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                                routed_scaling_factor=2.5, max_position_embeddings=256)
+    if arch == "deepseek_v2":  # V2-Lite's shape: no query latent; softmax group-limited top-k, 2 shared experts
+        from transformers import DeepseekV2Config
+
+        return DeepseekV2Config(vocab_size=301, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                                n_shared_experts=2, num_experts_per_tok=2, topk_method="group_limited_greedy", n_group=4,
+                                topk_group=2, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16,
+                                qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=256,
+                                rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                 "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+                                                 "mscale": 0.707, "mscale_all_dim": 0.707})
     if arch == "qwen2_moe":
         from transformers import Qwen2MoeConfig
 
@@ -86,6 +105,9 @@ def save_tiny_model(arch: str, directory: Path) -> Path:
         for name, param in model.named_parameters():
             if "norm" in name or "bias" in name:
                 param.add_(torch.randn_like(param) * 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias: make it matter
+                buffer.add_(torch.randn_like(buffer) * 0.1)
     model.save_pretrained(directory)
     return directory
 
@@ -113,7 +135,8 @@ def cli_model_dir(arch: str, directory: Path) -> Path:
 def tiny_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     return {arch: save_tiny_model(arch, root / arch) for arch in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe",
-                                                                   "qwen3_moe_mixed", *EXTRA_FAMILIES)}
+                                                                   "qwen3_moe_mixed", "deepseek_v3", "deepseek_v2",
+                                                                   *EXTRA_FAMILIES)}
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,8 @@ JOBS = {  # name: (tiny model, layouts); "llama-mcore" also reads the mcore chec
     "qwen2_moe": ("qwen2_moe", "ep=2+export=1"),
     "qwen3_moe_mixed": ("qwen3_moe_mixed", "ep=2+export=1,pp=2+export=1,tp=2+sp=1"),  # mlp_only_layers: dense + MoE layers
     "mistral": ("mistral", "tp=2,pp=2"),
+    "deepseek_v3": ("deepseek_v3", "tp=2+sp=1+export=1,pp=2,ep=2+export=1,cp=2"),
+    "deepseek_v2": ("deepseek_v2", "tp=2,pp=2+export=1,ep=2,cp=2"),
     "llama-mcore": ("llama", "pp=2+mcore=1,tp=2+sp=1+mcore=1"),
     "llama3": ("llama3", "tp=2,cp=2"),  # rope_type llama3 (Llama 3.1+)
     "qwen2_yarn": ("qwen2_yarn", "pp=2,cp=2"),  # rope_type yarn (Qwen long context)
@@ -139,6 +141,24 @@ def test_added_dense_family_logits_and_round_trip(job, tiny_models, bridge):
             assert sorted(tensors) == sorted(original), layout
             for name, tensor in original.items():
                 assert torch.equal(tensors[name], tensor), f"{layout}: {name} changed in the round trip"
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2"])
+def test_deepseek_mla_logits_and_round_trip(arch, tiny_models, bridge):
+    """DeepSeek-V3 (MLA with a query latent, sigmoid grouped top-k with the score-correction bias, a shared
+    expert, a dense first layer) and DeepSeek-V2 (V2-Lite's MLA without a query latent, YaRN, softmax
+    group-limited top-k, 2 shared experts): TP2(+SP), PP2, EP2, CP2 equal HF; exports are bit-exact."""
+    results = bridge[arch]
+    assert set(results) == set(JOBS[arch][1].split(","))
+    _assert_close(results)
+    original = _load(tiny_models[arch])
+    exports = [entry["export_dir"] for entry in results.values() if "export_dir" in entry]
+    assert exports
+    for directory in exports:
+        tensors = _load(Path(directory))
+        assert sorted(tensors) == sorted(original)
+        for name, tensor in original.items():
+            assert torch.equal(tensors[name], tensor), f"{arch} {directory}: {name} changed in the round trip"
 
 
 def test_mistral_tp2(bridge):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from toolkit_megatron.architectures import DenseArchitecture
+from toolkit_megatron.architectures import DeepseekV3Architecture, DenseArchitecture
 from toolkit_megatron.bridge import (
     PER_LAYER,
     TOP_LEVEL,
@@ -21,6 +21,8 @@ from toolkit_megatron.bridge import (
 )
 
 HEADS, GROUPS, HEAD_DIM, HIDDEN, FFN, VOCAB = 8, 4, 4, 32, 24, 50
+TABLE = DeepseekV3Architecture
+"""Its layer table names every per-layer row: the dense ones (DenseArchitecture's) and MLA's projections."""
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +32,16 @@ def checkpoint(tmp_path_factory):
     generator = torch.Generator().manual_seed(0)
     shapes = {"q": (HEADS * HEAD_DIM, HIDDEN), "k": (GROUPS * HEAD_DIM, HIDDEN), "v": (GROUPS * HEAD_DIM, HIDDEN)}
     tensors = {}
-    for part, layer_name in DenseArchitecture.layer.items():
+    for part, layer_name in TABLE.layer.items():
         name = layer_name.format(i=3)
         if part in shapes:
             tensors[name + ".weight"] = torch.randn(shapes[part], generator=generator)
             tensors[name + ".bias"] = torch.randn(shapes[part][0], generator=generator)
         else:
             shape = {"o": (HIDDEN, HEADS * HEAD_DIM), "gate": (FFN, HIDDEN), "up": (FFN, HIDDEN), "down": (HIDDEN, FFN),
-                     "q_norm": (HEAD_DIM,), "k_norm": (HEAD_DIM,)}.get(part, (HIDDEN,))
+                     "q_norm": (HEAD_DIM,), "k_norm": (HEAD_DIM,), "q_proj": (HEADS * HEAD_DIM, HIDDEN),
+                     "q_a": (16, HIDDEN), "q_b": (HEADS * HEAD_DIM, 16), "kv_a": (12, HIDDEN), "kv_b": (HEADS * 8, 8),
+                     "kv_norm": (8,)}.get(part, (HIDDEN,))
             tensors[name] = torch.randn(shape, generator=generator)
     tensors[DenseArchitecture.embedding] = torch.randn(VOCAB, HIDDEN, generator=generator)
     tensors[DenseArchitecture.lm_head] = torch.randn(VOCAB, HIDDEN, generator=generator)
@@ -56,7 +60,7 @@ DENSE = [(name, None) for name in TOP_LEVEL] + [(f"decoder.layers.0.{leaf}", 3) 
 def test_each_mapping_round_trips_through_every_tensor_parallel_split(checkpoint, mcore_name, layer, tp):
     tensors, reader = checkpoint
     mapping, _, expert = mapping_of(mcore_name, layer)
-    names = hf_names(DenseArchitecture, mapping, layer, expert)
+    names = hf_names(TABLE, mapping, layer, expert)
     assert all(name in tensors for name in names), names
     padded = -(-VOCAB // tp) * tp + tp  # Megatron pads the vocabulary to a multiple of TP
     shards = [read_local(reader, mapping, names, Geometry(HEADS, GROUPS, HEAD_DIM, FFN, VOCAB, padded, tp, rank))
@@ -99,3 +103,30 @@ def test_moe_layer_pattern_is_the_one_transformers_builds(family, overrides):
     assert arch.moe_layers(config) == built
     freq = arch.transformer_options(config).get("moe_layer_freq", 1)
     assert freq == ([int(b) for b in built] if not all(built) else 1)
+
+
+def test_deepseek_routing_megatron_cannot_reproduce_is_refused_naming_the_field():
+    """Configs whose routing megatron-core computes differently are refused before a model is built."""
+    from transformers import DeepseekV2Config, DeepseekV3Config
+
+    from toolkit.errors import ModelError
+    from toolkit_megatron.architectures import DeepseekV2Architecture
+
+    shape = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, n_routed_experts=8, q_lora_rank=None,
+                 kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    DeepseekV3Architecture.check(DeepseekV3Config(**shape, num_experts_per_tok=4, n_group=4, topk_group=2))
+    refused = {
+        "norm_topk_prob=false": (DeepseekV3Architecture, DeepseekV3Config(**shape, num_experts_per_tok=4, n_group=4,
+                                                                           topk_group=2, norm_topk_prob=False)),
+        "num_experts_per_tok == 2 * topk_group": (DeepseekV3Architecture, DeepseekV3Config(
+            **shape, num_experts_per_tok=2, n_group=4, topk_group=2)),
+        "rope_interleave=false": (DeepseekV3Architecture, DeepseekV3Config(**shape, num_experts_per_tok=4, n_group=4,
+                                                                            topk_group=2, rope_interleave=False)),
+        "num_experts_per_tok == topk_group": (DeepseekV2Architecture, DeepseekV2Config(
+            **shape, num_experts_per_tok=4, topk_method="group_limited_greedy", n_group=4, topk_group=2)),
+    }
+    for field, (arch, config) in refused.items():
+        with pytest.raises(ModelError, match=field.replace("*", r"\*")):
+            arch.check(config)
+    DeepseekV2Architecture.check(DeepseekV2Config(**shape, num_experts_per_tok=2, topk_method="group_limited_greedy",
+                                                  n_group=4, topk_group=2))

@@ -30,6 +30,8 @@ class DenseArchitecture:
     sublayer_post_norms: ClassVar[bool] = False
     """An RMSNorm on each sublayer's output before the residual add (GLM-4's ``post_self_attn_layernorm`` and
     ``post_mlp_layernorm``: the ``post_attn_out_norm`` / ``post_mlp_out_norm`` names below)."""
+    mla: ClassVar[bool] = False
+    """Multi-head latent attention (megatron-core's ``MLASelfAttention``) instead of fused-QKV attention."""
 
     # HF names; ``{i}`` is the global layer index.
     embedding: ClassVar[str] = "model.embed_tokens.weight"
@@ -307,8 +309,165 @@ class MixtralArchitecture(MoEArchitecture):
         return getattr(hf_config, "sliding_window", None)
 
 
+class DeepseekV3Architecture(MoEArchitecture):
+    """DeepSeek-V3: multi-head latent attention, sigmoid-scored grouped top-k routing with a score-correction
+    bias, shared experts, and dense MLPs in the first ``first_k_dense_replace`` layers."""
+
+    name = "megatron:deepseek_v3"
+    families = ("deepseek_v3",)
+    qkv_bias = False
+    mla = True
+    layer = {
+        **DenseArchitecture.layer,
+        "q_proj": "model.layers.{i}.self_attn.q_proj.weight",
+        "q_a": "model.layers.{i}.self_attn.q_a_proj.weight",
+        "q_norm": "model.layers.{i}.self_attn.q_a_layernorm.weight",
+        "q_b": "model.layers.{i}.self_attn.q_b_proj.weight",
+        "kv_a": "model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight",
+        "kv_norm": "model.layers.{i}.self_attn.kv_a_layernorm.weight",
+        "kv_b": "model.layers.{i}.self_attn.kv_b_proj.weight",
+    }
+    router_bias: ClassVar[str] = "model.layers.{i}.mlp.gate.e_score_correction_bias"
+    shared: ClassVar[dict[str, str]] = {"gate": "model.layers.{i}.mlp.shared_experts.gate_proj.weight",
+                                        "up": "model.layers.{i}.mlp.shared_experts.up_proj.weight",
+                                        "down": "model.layers.{i}.mlp.shared_experts.down_proj.weight"}
+    score_function: ClassVar[str] = "sigmoid"
+
+    @classmethod
+    def num_experts(cls, hf_config: Any) -> int:
+        return hf_config.n_routed_experts
+
+    @classmethod
+    def head_dim(cls, hf_config: Any) -> int:
+        return hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim
+
+    @classmethod
+    def moe_layers(cls, hf_config: Any) -> list[bool]:
+        dense = getattr(hf_config, "first_k_dense_replace", 0) or 0
+        return [i >= dense for i in range(hf_config.num_hidden_layers)]
+
+    @classmethod
+    def router_problems(cls, hf_config: Any) -> list[str]:
+        """Routing details megatron-core's TopKRouter cannot reproduce (each names the config field)."""
+        problems = []
+        topk, groups = hf_config.num_experts_per_tok, getattr(hf_config, "n_group", None) or 1
+        chosen = getattr(hf_config, "topk_group", None) or groups
+        if not getattr(hf_config, "norm_topk_prob", True) and topk > 1:
+            problems.append("norm_topk_prob=false (megatron-core renormalises sigmoid top-k scores)")
+        if 1 < groups and chosen < groups and topk != 2 * chosen:
+            problems.append(f"n_group={groups}, topk_group={chosen}, num_experts_per_tok={topk}: a group's score is the "
+                            "sum of its top 2 experts in HF, of its top num_experts_per_tok/topk_group in megatron-core; "
+                            "they agree only when num_experts_per_tok == 2 * topk_group")
+        return problems
+
+    @classmethod
+    def check(cls, hf_config: Any) -> None:
+        DenseArchitecture.check(hf_config)
+        problems = cls.router_problems(hf_config)
+        if getattr(hf_config, "attention_bias", False):
+            problems.append("attention_bias=true (megatron-core's MLA projections have no bias)")
+        if not getattr(hf_config, "rope_interleave", True):
+            problems.append("rope_interleave=false (megatron-core's MLA rotates interleaved pairs)")
+        rope = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_type", "default")
+        if rope not in ("default", "yarn"):
+            problems.append(f"rope_parameters.rope_type={rope!r} (megatron-core's MLA has rope and yarn)")
+        if problems:
+            raise ModelError(f"{hf_config.model_type} config not supported by the Megatron bridge: {'; '.join(problems)}")
+
+    @classmethod
+    def group_routing(cls, hf_config: Any) -> dict[str, Any]:
+        groups = getattr(hf_config, "n_group", None) or 1
+        chosen = getattr(hf_config, "topk_group", None) or groups
+        if groups > 1 and chosen < groups:
+            return {"moe_router_num_groups": groups, "moe_router_group_topk": chosen}
+        return {}
+
+    @classmethod
+    def mla_options(cls, hf_config: Any) -> dict[str, Any]:
+        """``MLATransformerConfig`` fields: latent ranks, head dimensions and RoPE (default or YaRN)."""
+        rope = getattr(hf_config, "rope_parameters", None) or {}
+        options = dict(multi_latent_attention=True, q_lora_rank=hf_config.q_lora_rank, kv_lora_rank=hf_config.kv_lora_rank,
+                       qk_head_dim=hf_config.qk_nope_head_dim, qk_pos_emb_head_dim=hf_config.qk_rope_head_dim,
+                       v_head_dim=hf_config.v_head_dim, rotary_base=rope.get("rope_theta", 10000.0),
+                       rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+        if rope.get("rope_type") == "yarn":
+            options.update(rope_type="yarn", rotary_scaling_factor=rope["factor"],
+                           original_max_position_embeddings=rope["original_max_position_embeddings"],
+                           beta_fast=rope.get("beta_fast") or 32, beta_slow=rope.get("beta_slow") or 1,
+                           mscale=rope.get("mscale") or 1.0, mscale_all_dim=rope.get("mscale_all_dim") or 0.0)
+        return options
+
+    @classmethod
+    def transformer_options(cls, hf_config: Any) -> dict[str, Any]:
+        options = super().transformer_options(hf_config)
+        options.update(cls.mla_options(hf_config))
+        options.update(cls.group_routing(hf_config))
+        scaling = float(getattr(hf_config, "routed_scaling_factor", 1.0) or 1.0)
+        options.update(
+            num_query_groups=hf_config.num_attention_heads,
+            moe_layer_freq=[int(moe) for moe in cls.moe_layers(hf_config)],
+            moe_shared_expert_intermediate_size=hf_config.moe_intermediate_size * hf_config.n_shared_experts
+            if getattr(hf_config, "n_shared_experts", 0) else None,
+            moe_router_score_function=cls.score_function,
+            moe_router_topk_scaling_factor=scaling if scaling != 1.0 else None,
+        )
+        if cls.score_function == "sigmoid":
+            # HF's e_score_correction_bias: loaded, never updated (HF does not train it either)
+            options.update(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0)
+        return options
+
+
+class DeepseekV2Architecture(DeepseekV3Architecture):
+    """DeepSeek-V2 / V2-Lite: as V3 but softmax-scored routing (greedy or group-limited), no score bias and no
+    top-k renormalisation."""
+
+    name = "megatron:deepseek_v2"
+    families = ("deepseek_v2",)
+    score_function = "softmax"
+
+    @classmethod
+    def renormalize(cls, hf_config: Any) -> bool:
+        return False  # HF's DeepseekV2TopkRouter ignores norm_topk_prob
+
+    @classmethod
+    def router_problems(cls, hf_config: Any) -> list[str]:
+        method = getattr(hf_config, "topk_method", "greedy")
+        if method == "greedy":
+            return []
+        if method != "group_limited_greedy":
+            return [f"topk_method={method!r} (greedy and group_limited_greedy are known)"]
+        groups, chosen = hf_config.n_group, hf_config.topk_group
+        if chosen < groups and hf_config.num_experts_per_tok != chosen:
+            return [f"topk_method=group_limited_greedy with num_experts_per_tok={hf_config.num_experts_per_tok}, "
+                    f"topk_group={chosen}: a group's score is its best expert in HF, the sum of its top "
+                    "num_experts_per_tok/topk_group in megatron-core; they agree only when num_experts_per_tok == topk_group"]
+        return []
+
+    @classmethod
+    def group_routing(cls, hf_config: Any) -> dict[str, Any]:
+        if getattr(hf_config, "topk_method", "greedy") == "greedy":
+            return {}
+        return super().group_routing(hf_config)
+
+    @classmethod
+    def check(cls, hf_config: Any) -> None:
+        if not hasattr(hf_config, "rope_interleave"):
+            hf_config = _with(hf_config, rope_interleave=True)  # V2 always rotates interleaved pairs
+        super().check(hf_config)
+
+
+def _with(hf_config: Any, **values: Any) -> Any:
+    import copy
+
+    clone = copy.copy(hf_config)
+    for key, value in values.items():
+        setattr(clone, key, value)
+    return clone
+
+
 BUILTIN = (DenseArchitecture, MistralArchitecture, Qwen2Architecture, Qwen3Architecture, InternLM3Architecture, Phi3Architecture,
-           Glm4Architecture, Qwen2MoeArchitecture, Qwen3MoeArchitecture, MixtralArchitecture)
+           Glm4Architecture, Qwen2MoeArchitecture, Qwen3MoeArchitecture, MixtralArchitecture, DeepseekV2Architecture,
+           DeepseekV3Architecture)
 
 
 _EMBEDDING_SCALE = "the sqrt(hidden_size) embedding scale (GPTModel has no embedding multiplier)"

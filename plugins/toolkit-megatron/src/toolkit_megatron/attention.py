@@ -143,8 +143,9 @@ class SDPAAttention(torch.nn.Module):
     def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  cp_comm_type: str | None = None, pg_collection: Any = None, rope: Rope | None = None,
-                 sliding_window: int | None = None, compiled_rope: bool = False, packed_flex: bool = False):
-        super().__init__()
+                 sliding_window: int | None = None, compiled_rope: bool = False, packed_flex: bool = False,
+                 k_channels: int | None = None, v_channels: int | None = None):
+        super().__init__()  # k_channels / v_channels (MLA's head sizes) are read off the tensors
         from megatron.core import parallel_state
 
         self.config = config

@@ -108,7 +108,8 @@ class Mapping:
     - ``vocab``: rows split over TP, padded to Megatron's vocabulary (the padding dropped on the way back);
     - ``qkv``: per query group, the group's query heads, then its key head, then its value head; groups split;
     - ``gate_up``: ``[gate rows; up rows]`` of this rank's slice of both (back: the two halves, stacked);
-    - ``row``: input columns split (a row-parallel linear).
+    - ``row``: input columns split (a row-parallel linear);
+    - ``column``: output rows split evenly (a column-parallel linear of one HF tensor, e.g. MLA's projections).
 
     Experts split over the expert-tensor-parallel group, everything else over TP.
     """
@@ -136,7 +137,14 @@ PER_LAYER: dict[str, Mapping] = {
     "mlp_bda.weight": Mapping(("post_mlp_out_norm",)),
     "mlp.linear_fc1.weight": Mapping(("gate", "up"), "gate_up"),
     "mlp.linear_fc2.weight": Mapping(("down",), "row"),
+    "self_attention.linear_q_proj.weight": Mapping(("q_proj",), "column"),
+    "self_attention.linear_q_down_proj.weight": Mapping(("q_a",), "column"),
+    "self_attention.linear_q_up_proj.weight": Mapping(("q_b",), "column"),
+    "self_attention.linear_kv_down_proj.weight": Mapping(("kv_a",), "column"),
+    "self_attention.linear_kv_up_proj.weight": Mapping(("kv_b",), "column"),
+    "self_attention.kv_layernorm.weight": Mapping(("kv_norm",)),
     "mlp.router.weight": Mapping(("router",), "none", "router"),
+    "mlp.router.expert_bias": Mapping(("router_bias",), "none", "router"),
     "mlp.shared_experts.gate_weight": Mapping(("gate_weight",), "none", "shared"),
     "mlp.shared_experts.linear_fc1.weight": Mapping(("gate", "up"), "gate_up", "shared"),
     "mlp.shared_experts.linear_fc2.weight": Mapping(("down",), "row", "shared"),
@@ -166,7 +174,7 @@ def hf_names(arch: type[DenseArchitecture], mapping: Mapping, layer: int | None,
     if mapping.table == "top":
         return [getattr(arch, part) for part in mapping.parts]
     if mapping.table == "router":
-        return [arch.router.format(i=layer)]
+        return [getattr(arch, part).format(i=layer) for part in mapping.parts]
     index = None
     if expert is not None:
         from megatron.core import parallel_state as ps
@@ -225,6 +233,9 @@ def read_local(reader: SafetensorsReader, mapping: Mapping, names: list[str], ge
     if mapping.split == "row":
         start, stop = _part(reader.slice(names[0]).get_shape()[1], size, rank)
         return reader.slice(names[0])[:, start:stop]
+    if mapping.split == "column":
+        start, stop = _part(reader.slice(names[0]).get_shape()[0], size, rank)
+        return reader.slice(names[0])[start:stop]
     raise ValueError(f"unknown split {mapping.split!r}")
 
 
@@ -308,13 +319,17 @@ def load_hf_weights(models: list[Any], hf_config: Any, reader: SafetensorsReader
 
 
 def _named_params(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """Parameters by Megatron name, unwrapped from DDP/Float16Module, including frozen ones."""
+    """Parameters by Megatron name, unwrapped from DDP/Float16Module, including frozen ones, and the routers'
+    expert biases (buffers that HF checkpoints hold, DeepSeek-V3's ``e_score_correction_bias``)."""
     inner = unwrap(model)
     merged = getattr(inner, "toolkit_merged", {})
     for name, param in inner.named_parameters():
         if ".lora_" in name:
             continue
         yield name.replace(".base.", "."), merged.get(name, param)
+    for name, buffer in inner.named_buffers():
+        if name.endswith(".router.expert_bias"):
+            yield name, buffer
 
 
 def unwrap(model: Any) -> Any:

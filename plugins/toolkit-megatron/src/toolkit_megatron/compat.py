@@ -194,3 +194,44 @@ def cpu_compat() -> Iterator[None]:
                 _mode.__exit__(None, None, None)
                 _mode = None
                 _uninstall()
+
+
+def mla_without_transformer_engine() -> None:
+    """Let megatron-core 0.16's ``MultiLatentAttention`` build without Transformer Engine.
+
+    Its module imports ``TELinear`` from megatron's TE extension, which without TE is a stand-in object,
+    not a class, while ``HAVE_TE`` stays true; ``isinstance(linear_proj, TELinear)`` then raises
+    TypeError. With no real TE class there is no TE path to take, so the flag is set false.
+    """
+    from megatron.core.transformer import multi_latent_attention
+
+    if multi_latent_attention.HAVE_TE and not isinstance(multi_latent_attention.TELinear, type):
+        multi_latent_attention.HAVE_TE = False
+
+
+def router_expert_bias_with_padding(model: Any) -> int:
+    """Make the routers' expert-bias token counting take a padding mask (megatron-core 0.16).
+
+    With ``moe_router_enable_expert_bias`` the router counts routed tokens per expert as
+    ``routing_map & ~padding_mask``: a ``[tokens, experts]`` map and a ``[tokens]`` mask, which do not
+    broadcast, so any padded micro-batch fails. The count is masked per token here instead. Returns the
+    number of routers changed.
+    """
+    import types
+
+    import torch
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    def count_routed(self: Any, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None) -> None:
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, TopKRouter) and getattr(module, "enable_expert_bias", False):
+            module._apply_expert_bias = types.MethodType(count_routed, module)
+            changed += 1
+    return changed

@@ -13,7 +13,7 @@ import torch
 from toolkit.errors import LayoutError
 from toolkit.parallel import ParallelLayout
 from toolkit_megatron.architectures import architecture_for
-from toolkit_megatron.compat import cpu_compat
+from toolkit_megatron.compat import cpu_compat, router_expert_bias_with_padding
 
 AttentionKind = Literal["sdpa", "local"]
 ExpertsKind = Literal["grouped", "sequential"]
@@ -48,7 +48,7 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 42) -> None:
 
 def transformer_config(hf_config: Any, layout: ParallelLayout, dtype: Any, **overrides: Any) -> Any:
     import torch
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     options = architecture_for(hf_config.model_type).transformer_options(hf_config)
     options.update(megatron_sizes(layout))
@@ -69,7 +69,7 @@ def transformer_config(hf_config: Any, layout: ParallelLayout, dtype: Any, **ove
         cp_comm_type="all_gather" if layout.context > 1 else None,
     )
     options.update(overrides)
-    return TransformerConfig(**options)
+    return (MLATransformerConfig if options.get("multi_latent_attention") else TransformerConfig)(**options)
 
 
 def layer_spec(hf_config: Any, config: Any, attention: AttentionKind = "sdpa", vp_stage: int | None = None,
@@ -99,43 +99,47 @@ def layer_spec(hf_config: Any, config: Any, attention: AttentionKind = "sdpa", v
     core = {"sdpa": SDPAAttention, "local": LocalAttention}[attention]
     norm = ModuleSpec(module=RMSNorm, params={"kernel_ops": kernel_ops})
     qk_norm = norm if arch.qk_norm else IdentityOp
+    core_attention = ModuleSpec(module=core, params={
+        "rope": None if arch.mla else arch.rope(hf_config), "sliding_window": arch.sliding_window(hf_config),
+        "compiled_rope": compiled_rope, "packed_flex": packed_flex})
+    if arch.mla:  # megatron-core's MLA rotates the positional part itself (interleaved pairs, as DeepSeek's weights)
+        from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
+
+        from toolkit_megatron.compat import mla_without_transformer_engine
+        from toolkit_megatron.mla import latent_attention_class
+
+        mla_without_transformer_engine()
+        self_attention = ModuleSpec(
+            module=latent_attention_class(),
+            params={"attn_mask_type": AttnMaskType.causal},
+            submodules=MLASelfAttentionSubmodules(
+                linear_q_proj=ColumnParallelLinear, linear_q_down_proj=ColumnParallelLinear,
+                linear_q_up_proj=ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear,
+                linear_kv_up_proj=ColumnParallelLinear, core_attention=core_attention, linear_proj=RowParallelLinear,
+                q_layernorm=norm, kv_layernorm=norm))
+    else:
+        self_attention = ModuleSpec(
+            module=SelfAttention,
+            params={"attn_mask_type": AttnMaskType.causal},
+            submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear, core_attention=core_attention,
+                                               linear_proj=RowParallelLinear, q_layernorm=qk_norm, k_layernorm=qk_norm))
     post_norm = ModuleSpec(module=NormedBiasDropoutAdd, params={"config": config, "hidden_size": config.hidden_size,
                                                                 "eps": config.layernorm_epsilon, "kernel_ops": kernel_ops})
     bda = post_norm if arch.sublayer_post_norms else get_bias_dropout_add
     dense_mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+    moe_mlp = _moe_spec(config, experts) if arch.moe else None
 
-    def layer_with(mlp: Any) -> Any:
-        return ModuleSpec(
-            module=TransformerLayer,
-            submodules=TransformerLayerSubmodules(
-                input_layernorm=norm,
-                self_attention=ModuleSpec(
-                    module=SelfAttention,
-                    params={"attn_mask_type": AttnMaskType.causal},
-                    submodules=SelfAttentionSubmodules(
-                        linear_qkv=ColumnParallelLinear,
-                        core_attention=ModuleSpec(module=core, params={
-                            "rope": arch.rope(hf_config), "sliding_window": arch.sliding_window(hf_config),
-                            "compiled_rope": compiled_rope, "packed_flex": packed_flex}),
-                        linear_proj=RowParallelLinear,
-                        q_layernorm=qk_norm,
-                        k_layernorm=qk_norm,
-                    ),
-                ),
-                self_attn_bda=bda,
-                pre_mlp_layernorm=norm,
-                mlp=mlp,
-                mlp_bda=bda,
-            ),
-        )
+    def layer(moe: bool) -> Any:
+        return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+            input_layernorm=norm, self_attention=self_attention, self_attn_bda=bda,
+            pre_mlp_layernorm=norm, mlp=moe_mlp if moe else dense_mlp, mlp_bda=bda))
 
-    dense = layer_with(dense_mlp)
-    sparse = layer_with(_moe_spec(config, experts)) if arch.moe else dense
-    moe_layers = arch.moe_layers(hf_config) if arch.moe else [False] * config.num_layers
-    # this stage's layers, each dense or MoE as the model's own layer index says (mlp_only_layers, ...)
-    first = get_transformer_layer_offset(config, vp_stage=vp_stage)
-    specs = [sparse if moe_layers[first + i] else dense for i in range(get_num_layers_to_build(config, vp_stage=vp_stage))]
-    return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm))
+    # one spec per global layer (dense MLPs where the family has them, e.g. DeepSeek's first_k_dense_replace),
+    # of which this pipeline stage builds its slice
+    kinds = arch.moe_layers(hf_config) if arch.moe else [False] * config.num_layers
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    layers = [layer(moe) for moe in kinds[offset:offset + get_num_layers_to_build(config, vp_stage=vp_stage)]]
+    return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm))
 
 
 def _moe_spec(config: Any, experts: ExpertsKind = "grouped") -> Any:
@@ -210,6 +214,7 @@ def build_model(hf_config: Any, layout: ParallelLayout, dtype: Any = None, atten
             )
             model.toolkit_real_vocab = hf_config.vocab_size
             mark_tensor_parallel(model)
+            router_expert_bias_with_padding(model)
             if torch.cuda.is_available():
                 model.cuda(torch.cuda.current_device())
                 from toolkit_megatron.experts import pack_expert_weights
