@@ -34,6 +34,7 @@ the shared session smoke-tests that install (scripts/smoke_wheels.py) before the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
 import tomllib
@@ -121,60 +122,22 @@ def pytest_args(session: nox.Session) -> list[str]:
 
 def run_suites(session: nox.Session, suites: list[tuple[str, Path, list[str], dict[str, str]]]) -> None:
     """Run each package's tests in its own pytest process (test module names may repeat across
-    packages) and fail at the end, naming every suite that failed.
-
-    ``TOOLKIT_TEST_SUITES=K`` runs K suites at once (in the order given, so the longest first): a suite's last
-    minutes on one busy worker, and tests waiting on their subprocesses, leave cores the next suite can use.
-    Each concurrent suite's output is printed whole when it ends."""
-    for name, path, *_ in suites:
+    packages) and fail at the end, naming every suite that failed."""
+    failed = []
+    for name, path, extra, env in suites:
         if not path.is_dir():
             session.log(f"{name}: no tests/ directory")
-    suites = [suite for suite in suites if suite[1].is_dir()]
-    at_once = max(1, int(os.environ.get("TOOLKIT_TEST_SUITES", "1")))
-    failed = []
-    if at_once == 1 or len(suites) == 1 or session.venv_backend == "none":
-        for name, path, extra, env in suites:
-            try:
-                session.run("pytest", str(path), *pytest_args(session), *extra, env={"HF_HUB_OFFLINE": "1", **env})
-            except CommandFailed:
-                failed.append(name)
-    else:
-        failed = _run_concurrently(session, suites, at_once)
+            continue
+        try:
+            session.run("pytest", str(path), *pytest_args(session), *extra, env={"HF_HUB_OFFLINE": "1", **env})
+        except CommandFailed:
+            failed.append(name)
     if failed:
         session.error(f"tests failed in: {', '.join(failed)}")
 
 
-def _run_concurrently(session: nox.Session, suites: list[tuple[str, Path, list[str], dict[str, str]]],
-                      at_once: int) -> list[str]:
-    import subprocess
-    import tempfile
-    import time
-
-    base = {**os.environ, **{k: v for k, v in session.env.items() if v is not None}, "HF_HUB_OFFLINE": "1",
-            "VIRTUAL_ENV": str(session.virtualenv.location), "PATH": f"{session.bin}{os.pathsep}{os.environ.get('PATH', '')}"}
-    waiting, running, failed = list(suites), [], []
-    while waiting or running:
-        while waiting and len(running) < at_once:
-            name, path, extra, env = waiting.pop(0)
-            log = tempfile.TemporaryFile("w+")
-            command = [str(Path(session.bin) / "pytest"), str(path), *pytest_args(session), *extra]
-            session.log(f"{name}: {' '.join(command[1:])} (output when it ends)")
-            started = time.monotonic()
-            running.append((name, subprocess.Popen(command, env={**base, **env}, stdout=log, stderr=subprocess.STDOUT), log, started))
-        time.sleep(1)
-        for entry in [e for e in running if e[1].poll() is not None]:
-            running.remove(entry)
-            name, process, log, started = entry
-            log.seek(0)
-            print(f"=================== {name} ({time.monotonic() - started:.0f} s) ===================", flush=True)
-            print(log.read(), flush=True)
-            log.close()
-            if process.returncode not in (0, 5):  # 5: every test deselected (-m, -k)
-                failed.append(name)
-    return failed
-
-
-def pip_sources_for_uv() -> list[str]:
+@functools.cache  # one `pip config list` per nox run, not one per install
+def pip_sources_for_uv() -> tuple[str, ...]:
     """pip's configuration (pip.conf, PIP_* variables) as uv's options: uv reads no pip.conf, and a machine whose
     pip finds its wheels on a local mirror or folder (a CPU build of torch, say) must resolve alike under both.
     Options, not UV_* variables: an option given on the command line (``--find-links dist``) hides its variable."""
@@ -185,17 +148,19 @@ def pip_sources_for_uv() -> list[str]:
         listing = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
                                  timeout=60).stdout
     except (OSError, subprocess.SubprocessError):
-        return []
+        return ()
     flags = {"find-links": "--find-links", "extra-index-url": "--extra-index-url", "index-url": "--default-index",
              "constraint": "--constraint"}
-    args: list[str] = ["--index-strategy", "unsafe-best-match"]  # pip's rule: the best version over every index
+    args = ["--index-strategy", "unsafe-best-match"]  # pip's rule: the best version over every index
+    seen: set[tuple[str, str]] = set()  # a value set in pip.conf and in PIP_* is listed twice
     for line in listing.splitlines():
         key, _, value = line.partition("=")
         option = key.rsplit(".", 1)[-1]
         for item in value.strip().strip("'\"").split() if option in flags else []:
-            if item not in args:
+            if (option, item) not in seen:
+                seen.add((option, item))
                 args += [flags[option], item]
-    return args
+    return tuple(args)
 
 
 def install(session: nox.Session, *args: str) -> None:
@@ -258,10 +223,8 @@ def tests(session: nox.Session) -> None:
     for plugin in PLUGINS:
         if plugin.skip:
             session.log(f"{plugin.name}: skipped ({plugin.skip})")
-    # the core's suite first, then the plugins' by the size of their tests (a stand-in for their cost): with
-    # TOOLKIT_TEST_SUITES > 1 the long ones start early and the short ones fill the end
-    plugins = sorted(shared, key=lambda p: -sum(f.stat().st_size for f in p.tests.glob("*.py")) if p.tests.is_dir() else 0)
-    run_suites(session, [("toolkit", ROOT / "tests", [], {})] + [(p.name, p.tests, p.pytest_args, p.env) for p in plugins])
+    run_suites(session, [("toolkit", ROOT / "tests", [], {})] +
+               [(p.name, p.tests, p.pytest_args, p.env) for p in shared])
 
 
 def _own_session(name: str, members: list[Plugin]) -> None:

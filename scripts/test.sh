@@ -4,8 +4,6 @@
 # package's tests, through the `tests`-tagged nox sessions (noxfile.py discovers the plugins).
 #   TOOLKIT_TEST_FAST=1 bash scripts/test.sh       skip tests marked slow
 #   TOOLKIT_TEST_WORKERS=4 bash scripts/test.sh    pytest-xdist workers per suite of the shared session (default: 2)
-#   TOOLKIT_TEST_SUITES=2 bash scripts/test.sh     two suites of the shared session at once, output whole per suite (default 1, live;
-#                                                  two measured no faster on 2 cores)
 #   TOOLKIT_TEST_LANES=1 bash scripts/test.sh      run the sessions one after another (default 2 lanes: the shared
 #                                                  session beside the plugins' own sessions, whose log follows it)
 #   bash scripts/test.sh -k focal                  extra arguments go to pytest
@@ -30,7 +28,7 @@ log=$(mktemp -t toolkit-own-sessions.XXXXXX.log)
 "${nox[@]}" -s "${own[@]}" -- "$@" > "$log" 2>&1 &
 lane=$!
 status=0
-TOOLKIT_TEST_WORKERS="${TOOLKIT_TEST_WORKERS:-2}" TOOLKIT_TEST_SUITES="${TOOLKIT_TEST_SUITES:-1}" "${nox[@]}" -s tests -- "$@" || status=$?
+TOOLKIT_TEST_WORKERS="${TOOLKIT_TEST_WORKERS:-2}" "${nox[@]}" -s tests -- "$@" || status=$?
 own_status=0
 wait "$lane" || own_status=$?
 echo "=================== the plugins' own sessions (${own[*]}) ==================="
