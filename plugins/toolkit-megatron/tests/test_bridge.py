@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import torchrun
+from conftest import needs_transformers_family, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +55,8 @@ def bridge(tiny_models, tmp_path_factory):
     work = tmp_path_factory.mktemp("bridge")
     mcore_dir = export_llama_to_mcore_at_tp2(tiny_models["llama"], work / "mcore")
     jobs = [{"name": name, "hf_dir": str(tiny_models[arch]), "layouts": layouts,
-             **({"mcore_dir": str(mcore_dir)} if "mcore" in layouts else {})} for name, (arch, layouts) in JOBS.items()]
+             **({"mcore_dir": str(mcore_dir)} if "mcore" in layouts else {})}
+            for name, (arch, layouts) in JOBS.items() if arch in tiny_models]
     (work / "jobs.json").write_text(json.dumps(jobs))
     torchrun("_bridge_worker.py", str(work / "jobs.json"), str(work / "result.json"), timeout=900)
     return {**json.loads((work / "result.json").read_text()), "mcore_dir": mcore_dir}
@@ -127,7 +128,7 @@ def test_scaled_rope_logits_match_hf(job, bridge):
     _assert_close(bridge[job])
 
 
-@pytest.mark.parametrize("job", ["phi3", "glm4", "internlm3"])
+@pytest.mark.parametrize("job", ["phi3", "glm4", pytest.param("internlm3", marks=needs_transformers_family("internlm3"))])
 def test_added_dense_family_logits_and_round_trip(job, tiny_models, bridge):
     """Families whose HF weights are laid out differently from Llama's: logits equal HF at TP2, PP2, CP2 and
     the TP2 / PP2 exports give back the very tensors of the checkpoint (fused ones re-fused bit for bit)."""

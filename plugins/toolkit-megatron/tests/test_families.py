@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import needs_transformers_family
 from toolkit.errors import ModelError
 from toolkit_megatron.architectures import architecture_for
 
@@ -109,7 +110,8 @@ def test_families_the_bridge_cannot_build_are_refused_naming_the_missing_piece(m
     assert "--strategy local" in str(caught.value) or "toolkit_register_architectures" in str(caught.value)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "internlm3"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3",
+                                        pytest.param("internlm3", marks=needs_transformers_family("internlm3"))])
 def test_attention_bias_that_reaches_o_proj_is_refused(model_type):
     """These families' ``attention_bias`` biases o_proj too (GLM-4's does not): the bridge has no such bias."""
     from transformers import AutoConfig

@@ -1,6 +1,6 @@
 """Multi-head latent attention's key/value down-projection with complete gradients under tensor parallelism.
 
-megatron-core's MLA (0.16) with the local layer spec builds ``linear_kv_down_proj`` as a ColumnParallelLinear,
+megatron-core's MLA (0.16, 0.19) with the local layer spec builds ``linear_kv_down_proj`` as a ColumnParallelLinear,
 gathers its output over TP and splits it into the key/value latent and the rotary key ``k_pos_emb``, which
 every head shares. Each TP rank attends with its own heads, so the gradient reaching ``k_pos_emb`` on a rank is
 the sum over that rank's heads only; the gather's backward keeps each rank's own columns as if the gradient were
@@ -70,5 +70,21 @@ def latent_attention_class() -> type:
             super().__init__(*args, **kwargs)
             if type(self.linear_kv_down_proj) is ColumnParallelLinear:
                 self.linear_kv_down_proj.__class__ = KVDownProjection
+
+        def _resolve_qk_norm_config(self, submodules: Any) -> dict[str, Any]:
+            """The spec's own modules (megatron-core 0.19 calls this; 0.16 builds the spec as given).
+
+            0.19 checks the latent norms against ``config.qk_layernorm`` and, with it on and ``q_lora_rank``
+            unset (DeepSeek-V2-Lite), wants Transformer Engine's fused norm+linear for ``linear_q_proj``. The
+            toolkit's spec names every module: DeepSeek's latent RMSNorms as separate modules, a query norm only
+            where ``q_lora_rank`` is set, so it is built as written, as on 0.16."""
+            from megatron.core.transformer.spec_utils import build_module
+
+            def norm(spec: Any) -> Any:
+                return lambda **kwargs: build_module(spec, **kwargs)
+
+            return dict(linear_q_proj=submodules.linear_q_proj, linear_q_up_proj=submodules.linear_q_up_proj,
+                        linear_kv_up_proj=submodules.linear_kv_up_proj, q_layernorm=norm(submodules.q_layernorm),
+                        kv_layernorm=norm(submodules.kv_layernorm))
 
     return LatentAttention
