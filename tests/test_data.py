@@ -62,6 +62,86 @@ def test_family_templates_train_only_on_assistant_replies(tokenizer, tmp_path, t
     assert ChatTemplate(tokenizer).closing_suffix() == ("<|im_end|>" if template is PHI3_TEMPLATE else "")
 
 
+GLM4_TEMPLATE = (  # THUDM/glm-4-9b-chat-hf (tools block left out): no end-of-turn marker; the next role token or EOS ends a turn
+    "[gMASK]<sop>{% for item in messages %}{% if item['role'] == 'system' %}<|system|>\n{{ item['content'] }}"
+    "{% elif item['role'] == 'user' %}<|user|>\n{{ item['content'] }}"
+    "{% elif item['role'] == 'assistant' %}<|assistant|>\n{{ item['content'] }}"
+    "{% elif item['role'] == 'tool' %}<|observation|>\n{{ item['content'] }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+GLM4_SPECIALS = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
+
+
+def glm4_tokenizer(tokenizer):
+    """The bundled tokenizer with GLM-4's special tokens, eos_token and chat template."""
+    tokenizer = type(tokenizer).from_pretrained(tokenizer.name_or_path)
+    tokenizer.add_special_tokens({"eos_token": "<|endoftext|>", "additional_special_tokens": GLM4_SPECIALS[1:]})
+    tokenizer.chat_template = GLM4_TEMPLATE
+    return tokenizer
+
+
+def glm4_model(tokenizer):
+    """A tiny GLM-4 whose generation config names GLM-4's stop ids (EOS, <|user|>, <|observation|>) as glm-4-9b-chat does."""
+    import torch
+    from transformers import GenerationConfig, Glm4Config, Glm4ForCausalLM
+
+    stops = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|user|>", "<|observation|>"])
+    config = Glm4Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=stops,
+                        pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = Glm4ForCausalLM(config)
+    model.generation_config = GenerationConfig.from_model_config(config)
+    return model
+
+
+GLM4_CHAT = [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello there."},
+             {"role": "tool", "content": "42"}, {"role": "assistant", "content": "It is 42."},
+             {"role": "user", "content": "Again?"}, {"role": "assistant", "content": "Yes indeed."}]
+
+
+def test_glm4_replies_train_their_stop_token(tokenizer, tmp_path):
+    """GLM-4's template writes nothing after a reply: the token that ends it (the next turn's <|observation|> or
+    <|user|>, EOS after the last) must train, and be one of the ids transformers' generation config stops on."""
+    tokenizer = glm4_tokenizer(tokenizer)
+    stops = glm4_model(tokenizer).generation_config.eos_token_id
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": GLM4_CHAT}])
+    (example,), _ = load_examples([path], tokenizer, train_on="assistant")
+    seq = example.sequences[0]
+    trained = [t + 1 for t, label in enumerate(seq.labels[:-1]) if label != IGNORE_INDEX]
+    runs = [[trained[0]]]
+    for position in trained[1:]:
+        runs[-1].append(position) if position == runs[-1][-1] + 1 else runs.append([position])
+    assert [tokenizer.decode([seq.input_ids[p] for p in run]) for run in runs] == [
+        "\nHello there.<|observation|>", "\nIt is 42.<|user|>", "\nYes indeed.<|endoftext|>"]
+    assert all(seq.input_ids[run[-1]] in stops for run in runs)
+    assert seq.input_ids[-1] == tokenizer.eos_token_id  # appended once, at the end of the conversation
+
+
+def test_glm4_sft_model_stops_generating(tokenizer, tmp_path):
+    """A tiny GLM-4 fitted to a conversation's trained tokens ends its reply with a stop id of its generation config
+    (without the stop token in the labels it never learns to, and generation runs to max_new_tokens)."""
+    import torch
+
+    from toolkit.data.template import ChatTemplate
+
+    tokenizer = glm4_tokenizer(tokenizer)
+    model = glm4_model(tokenizer)
+    chat = GLM4_CHAT[:2]
+    (example,), _ = load_examples([write_jsonl(tmp_path / "chat.jsonl", [{"messages": chat}])], tokenizer, train_on="assistant")
+    ids, labels = torch.tensor([example.sequences[0].input_ids]), torch.tensor([example.sequences[0].labels])
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(40):
+        loss = torch.nn.functional.cross_entropy(model(ids).logits[0], labels[0], ignore_index=IGNORE_INDEX)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    prompt = tokenizer(ChatTemplate(tokenizer).render(chat[:1], add_generation_prompt=True), add_special_tokens=False,
+                       return_tensors="pt").input_ids
+    out = model.generate(prompt, max_new_tokens=20, do_sample=False)[0, prompt.shape[1]:].tolist()
+    assert out[-1] in model.generation_config.eos_token_id and len(out) < 20, tokenizer.decode(out)
+    assert tokenizer.decode(out[:-1]) == "\nHello there."
+
+
 def test_pt_trains_on_every_token(tokenizer, tmp_path):
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Ok."}]}])
     (example,), _ = load_examples([path], tokenizer, train_on="all")

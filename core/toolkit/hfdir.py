@@ -196,6 +196,11 @@ def write_model_metadata(model: ExportModel, directory: Path, dtype: str = "auto
     config = model.source.config
     if dtype != "auto":
         config.dtype = dtype
+    if getattr(config, "num_nextn_predict_layers", 0):
+        # no strategy builds DeepSeek's multi-token-prediction layers (toolkit.models.mtp_notice): the export holds
+        # none, and its config says so, so no engine looks for them (vLLM's deepseek_mtp speculative decoding)
+        config = copy.deepcopy(config)
+        config.num_nextn_predict_layers = 0
     if not quantized and getattr(config, "quantization_config", None) is not None:
         config = copy.deepcopy(config)
         del config.quantization_config

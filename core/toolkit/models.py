@@ -220,8 +220,36 @@ def load_hf_directory(reference: str, directory: Path, trust_remote_code: bool =
     if tokenizer_dir is None:
         raise ModelError(f"model directory {directory} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=trust_remote_code)
+    notice = mtp_notice(config, weights, directory)
+    if notice and os.environ.get("RANK", "0") == "0":
+        import sys
+
+        print(f"toolkit: warning: {notice}", file=sys.stderr)
     return ModelSource(reference=reference, directory=directory, config=config, tokenizer=tokenizer,
                        weight_files=weights, trust_remote_code=trust_remote_code)
+
+
+def mtp_notice(config: Any, weights: list[Path], directory: Path) -> str | None:
+    """What becomes of a checkpoint's multi-token-prediction layers (DeepSeek-V3's ``num_nextn_predict_layers``,
+    stored as ``model.layers.{num_hidden_layers}.*``): transformers does not build them (it drops them on load)
+    and neither does the Megatron bridge, so they are not trained, and exports leave them out (their config says
+    ``num_nextn_predict_layers: 0``). ``None`` when the checkpoint holds no such tensors (only headers are read)."""
+    layers = getattr(config, "num_nextn_predict_layers", 0) or 0
+    first = getattr(config, "num_hidden_layers", None)
+    if not layers or not isinstance(first, int):
+        return None
+    from safetensors import safe_open
+
+    extra = 0
+    for path in weights:
+        with safe_open(str(path), "pt") as handle:
+            extra += sum(1 for key in handle.keys()
+                         if key.startswith("model.layers.") and key.split(".")[2].isdigit() and int(key.split(".")[2]) >= first)
+    if not extra:
+        return None
+    return (f"{directory}: {extra} tensors of {layers} multi-token-prediction layer(s) (num_nextn_predict_layers, "
+            f"model.layers.{first}.*) are dropped: neither transformers nor the Megatron bridge builds them, so they "
+            "do not train, and an export leaves them out and writes num_nextn_predict_layers: 0")
 
 
 def resolve_model(reference: str, trust_remote_code: bool = False) -> ModelSource:

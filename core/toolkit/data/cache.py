@@ -22,9 +22,10 @@ from typing import Any
 from toolkit.contracts import Example, Sequence
 from toolkit.data.reading import quiet_datasets
 
-ENCODING_VERSION = 2
+ENCODING_VERSION = 3
 """Bumped whenever an encoding change would make old entries wrong (2: null content, non-text fields and
-parts refused; tool calls, tools and system columns rendered)."""
+parts refused; tool calls, tools and system columns rendered; 3: a template without end-of-turn markers,
+GLM-4's, trains the next turn's role token or an appended EOS as each reply's stop)."""
 
 
 def cache_root() -> Path | None:

@@ -32,6 +32,7 @@ class ChatTemplate:
     train_on: str = "assistant"
     """``assistant``: only assistant replies train; ``all``: every token (continued pre-training)."""
     _closing: str | None = field(default=None, init=False, repr=False)
+    _ends_turns: bool | None = field(default=None, init=False, repr=False)
 
     @property
     def template(self) -> str:
@@ -67,10 +68,50 @@ class ChatTemplate:
 
     def assistant_spans(self, messages: list[dict[str, Any]],
                         tools: list[dict[str, Any]] | None = None) -> tuple[str, list[tuple[int, int]]]:
-        """The rendered text and the character spans of each assistant reply (with its end marker)."""
+        """The rendered text and the character spans of each assistant reply (with its end marker).
+
+        A template that writes no end-of-turn marker after a reply (GLM-4: the next role token or EOS ends
+        the turn) gets the stop signal GLM's own fine-tuning trains: the special token that opens the next
+        turn (``<|user|>``, ``<|observation|>``) joins the reply's span, and ``eos_token`` is appended to the
+        conversation and trains after a final reply. Without it SFT trains no stop and generation runs on."""
         if tools or any(m.get("tool_calls") for m in messages):
             self.check_renders_tools(messages, tools)
         full = self.render(messages, tools=tools)
+        spans = self._reply_spans(messages, tools, full)
+        if not self.ends_turns():
+            full, spans = self._with_stop_tokens(full, spans)
+        return full, spans
+
+    def _with_stop_tokens(self, full: str, spans: list[tuple[int, int]]) -> tuple[str, list[tuple[int, int]]]:
+        """Each reply's span extended over the special token right after it, or over an appended ``eos_token``
+        when the reply ends the conversation (see :meth:`assistant_spans`)."""
+        eos = self.tokenizer.eos_token or ""
+        specials = sorted({str(t) for t in getattr(self.tokenizer, "all_special_tokens", [])}
+                          | set(getattr(self.tokenizer, "get_added_vocab", dict)()), key=len, reverse=True)
+        out = []
+        for start, end in spans:
+            if not full[end:].strip() and eos:
+                full = full[:end] + eos  # the conversation ends with this reply (trailing whitespace is never trained)
+                out.append((start, end + len(eos)))
+                continue
+            token = next((t for t in specials if t and full.startswith(t, end)), None)
+            out.append((start, end + len(token)) if token else (start, end))
+        return full, out
+
+    def ends_turns(self) -> bool:
+        """Whether the template writes an end-of-turn marker after an assistant reply (ChatML's ``<|im_end|>``,
+        Llama 3's ``<|eot_id|>``...); GLM-4's ends with the reply itself."""
+        if self._ends_turns is None:
+            marker = "REPLY_END_PROBE_5c1e"
+            try:
+                text = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}])
+            except DataError:  # a template that refuses this probe: keep what it renders
+                text = ""
+            self._ends_turns = not text.rstrip().endswith(marker)
+        return self._ends_turns
+
+    def _reply_spans(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                     full: str) -> list[tuple[int, int]]:
         spans = []
         for index, message in enumerate(messages):
             if message["role"] != "assistant":
@@ -92,7 +133,7 @@ class ChatTemplate:
                 raise DataError(f"the chat template renders assistant message {index} differently when the conversation "
                                 "goes on; cannot locate assistant replies for label masking")
             spans.append((len(prefix), len(prefix) + len(stripped)))
-        return full, spans
+        return spans
 
     def closing_suffix(self) -> str:
         """What the template writes only after a conversation's last turn ('' for most; Phi-3's ``eos_token``):

@@ -25,6 +25,9 @@ JOBS = {  # name: (tiny model, layouts); "llama-mcore" also reads the mcore chec
     "mistral": ("mistral", "tp=2,pp=2"),
     "deepseek_v3": ("deepseek_v3", "tp=2+sp=1+export=1,pp=2,ep=2+export=1,cp=2"),
     "deepseek_v2": ("deepseek_v2", "tp=2,pp=2+export=1,ep=2,cp=2"),
+    # LoRA on the MLA projections vs PEFT: logits, adapter gradients, merged export (no SP: the rotary key's sum)
+    "deepseek_v3-lora": ("deepseek_v3", "tp=2+sp=1+lora=1+export=1"),
+    "deepseek_v2-lora": ("deepseek_v2", "tp=2+lora=1+export=1"),
     "llama-mcore": ("llama", "pp=2+mcore=1,tp=2+sp=1+mcore=1"),
     "llama3": ("llama3", "tp=2,cp=2"),  # rope_type llama3 (Llama 3.1+)
     "qwen2_yarn": ("qwen2_yarn", "pp=2,cp=2"),  # rope_type yarn (Qwen long context)
@@ -160,6 +163,24 @@ def test_deepseek_mla_logits_and_round_trip(arch, tiny_models, bridge):
         assert sorted(tensors) == sorted(original)
         for name, tensor in original.items():
             assert torch.equal(tensors[name], tensor), f"{arch} {directory}: {name} changed in the round trip"
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2"])
+def test_lora_on_mla_projections_matches_peft(arch, bridge):
+    """LoRA on q_a/q_b (V3) or q (V2), kv_a_proj_with_mqa, kv_b and o under --strategy megatron at TP2 (+SP for V3),
+    from PEFT's own adapters (random B): logits equal PEFT's, every adapter gradient of ``sum(logits * W)`` equals
+    PEFT's shard for shard, and the merged export gives PEFT's merge_and_unload logits. V2 runs without sequence
+    parallelism, where each rank's rotary-key gradient covers its own heads only and is summed over TP."""
+    from transformers import AutoModelForCausalLM
+
+    (entry,) = bridge[f"{arch}-lora"].values()
+    assert entry["lora_logits"] <= TOLERANCE, entry
+    assert entry["lora_grad_max"] > 1.0 and entry["lora_grads"] <= 1e-5 * entry["lora_grad_max"], entry
+    directory = Path(entry["lora_merged"])
+    expected = torch.load(directory / "peft_merged_logits.pt")  # PEFT's merge_and_unload on the worker's ids
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)(expected["ids"]).logits
+    torch.testing.assert_close(merged, expected["logits"], rtol=TOLERANCE, atol=TOLERANCE)
 
 
 def test_mistral_tp2(bridge):

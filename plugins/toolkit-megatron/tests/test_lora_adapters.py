@@ -65,3 +65,16 @@ def test_an_adapter_on_a_module_megatron_cannot_map_is_refused():
     tuner = _Tuner({"model.layers.0.mlp.experts.3.gate_proj.lora_A.default.weight": torch.zeros(2, 8)})
     with pytest.raises(ConfigError, match="cannot map"):
         hf_adapters("SOURCE", tuner, "RECIPE")
+
+
+def test_adapters_on_latent_attention_projections_map_to_mla_linears():
+    """DeepSeek's MLA projections (refused before issue 27's audit): each its own Megatron linear; test_bridge.py's
+    launch holds their logits, gradients and merged export to PEFT's."""
+    from toolkit_megatron.lora import _MLA_TO_PARTS
+
+    names = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+    state = {f"model.layers.1.self_attn.{name}.lora_{m}.default.weight": torch.zeros(2, 8) for name in names for m in "AB"}
+    adapters, _ = hf_adapters("SOURCE", _Tuner(state), "RECIPE")
+    assert set(adapters) == {(1, name) for name in names}
+    assert _MLA_TO_PARTS["kv_a_proj_with_mqa"] == ("linear_kv_down_proj", "kv_down")
+    assert _MLA_TO_PARTS["q_a_proj"] == ("linear_q_down_proj", "column")

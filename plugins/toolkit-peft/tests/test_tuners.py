@@ -211,6 +211,19 @@ def test_dense_mlps_between_moe_layers_that_peft_would_skip_are_refused(override
         assert "--lora-target-modules q_proj,k_proj,v_proj,o_proj" in problems[0]
 
 
+def test_deepseek_all_linear_refusal_suggests_its_own_attention_targets():
+    """DeepSeek's dense first layers and shared experts lose their targets to PEFT's MoE conversion: the refusal's
+    suggestion names its latent attention's linears (no k_proj/v_proj), and that suggestion is accepted."""
+    from toolkit.contracts import ModelSource
+    from toolkit.models import preset_config
+
+    source = ModelSource(reference="v3", directory=None, config=preset_config("tiny-deepseek-v3"), tokenizer=None, weight_files=[])
+    (problem,) = LoRATuner(LoRAConfig()).validate(None, source)
+    suggested = "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj"
+    assert f"--lora-target-modules {suggested})" in problem and "shared experts" in problem
+    assert LoRATuner(LoRAConfig(target_modules=suggested.split(","))).validate(None, source) == []
+
+
 def test_bad_options_are_reported_together(source):
     config = LoRAConfig(rank=0, dropout=1.5, init="eva", target_modules=["re:(["])
     problems = LoRATuner(config).validate(None, source)

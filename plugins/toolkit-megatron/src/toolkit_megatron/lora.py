@@ -23,6 +23,13 @@ _HF_TO_PARTS = {"q_proj": ("linear_qkv", "q"), "k_proj": ("linear_qkv", "k"), "v
                 "o_proj": ("linear_proj", "o"), "down_proj": ("linear_fc2", "down"),
                 # one HF linear for several parts (Phi-3): one adapter whose B rows are reordered as Megatron's
                 "qkv_proj": ("linear_qkv", "qkv"), "gate_up_proj": ("linear_fc1", "gate_up")}
+# multi-head latent attention (DeepSeek-V2/V3): one adapter per projection. ``column``: a column-parallel linear of
+# one HF tensor (rows split evenly, as the bridge splits the base); ``kv_down``: linear_kv_down_proj, whose base
+# (toolkit_megatron.mla.KVDownProjection) hands MLA the whole [latent + rotary key] output, so its B stays whole.
+_MLA_TO_PARTS = {"q_proj": ("linear_q_proj", "column"), "q_a_proj": ("linear_q_down_proj", "column"),
+                 "q_b_proj": ("linear_q_up_proj", "column"), "kv_a_proj_with_mqa": ("linear_kv_down_proj", "kv_down"),
+                 "kv_b_proj": ("linear_kv_up_proj", "column"), "o_proj": ("linear_proj", "o")}
+_ROW_KINDS = ("linear_proj", "linear_fc2")
 _NAME = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_(A|B|magnitude_vector)(?:\.default)?(?:\.weight)?$")
 
 
@@ -48,7 +55,7 @@ def hf_adapters(source: Any, tuner: Any, recipe: Any) -> tuple[dict, float]:
                 raise ConfigError(f"--tuner {tuner.name}: adapter {name!r} is on a module the megatron strategy cannot map")
             continue
         layer, proj, which = int(match.group(1)), match.group(2), match.group(3)
-        if proj not in _HF_TO_PARTS:
+        if proj not in _HF_TO_PARTS and proj not in _MLA_TO_PARTS:
             raise ConfigError(f"--tuner {tuner.name}: LoRA on {proj} is not supported by the megatron strategy")
         adapters.setdefault((layer, proj), {})["M" if which == "magnitude_vector" else which] = tensor.detach().float().clone()
     scale = config.alpha / (config.rank ** 0.5 if getattr(config, "rslora", False) else config.rank)
@@ -82,6 +89,23 @@ class _ReplicatedA(torch.autograd.Function):
         return grad_x, grad_weight.to(weight.dtype), None
 
 
+class _SumRotaryGrad(torch.autograd.Function):
+    """Identity; backward sums the gradient of the columns from ``latent`` on (MLA's rotary key) over TP."""
+
+    @staticmethod
+    def forward(ctx: Any, delta: torch.Tensor, latent: int, group: Any) -> torch.Tensor:
+        ctx.latent, ctx.group = latent, group
+        return delta.view_as(delta)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        grad = grad.clone()
+        rotary = grad[..., ctx.latent:].contiguous()
+        torch.distributed.all_reduce(rotary, group=ctx.group)
+        grad[..., ctx.latent:] = rotary
+        return grad, None, None
+
+
 def _megatron_rows(part: str, rows: torch.Tensor, geo: Any, tp: int) -> torch.Tensor:
     """The output rows of a fused HF linear's adapter (``B``, DoRA's magnitude) in Megatron's order, so that each
     TP rank's contiguous slice is its shard: ``qkv`` ([all q; all k; all v]) interleaved per query group,
@@ -108,18 +132,18 @@ class LoRALinear(torch.nn.Module):
         self.kind = kind  # linear_qkv | linear_fc1 | linear_proj | linear_fc2
         self.scale = scale
         self.dropout = torch.nn.Dropout(dropout) if dropout else torch.nn.Identity()
-        self.sequence_parallel = base.config.sequence_parallel
+        self.sequence_parallel = getattr(base, "sequence_parallel", base.config.sequence_parallel)
         self.geo = geometry
-        self.order = [p for p in ("q", "k", "v", "gate", "up", "o", "down", "qkv", "gate_up") if p in parts]
+        self.order = [p for p in ("q", "k", "v", "gate", "up", "o", "down", "qkv", "gate_up", "column", "kv_down") if p in parts]
         self.dora = any("M" in parts[p] for p in self.order)
         tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
         dtype = base.weight.dtype
         for part in self.order:
             a, b = parts[part]["A"], _megatron_rows(part, parts[part]["B"], geometry, tp)
-            if kind in ("linear_proj", "linear_fc2"):
+            if kind in _ROW_KINDS:
                 cols = a.shape[1] // tp
                 a = a[:, rank * cols:(rank + 1) * cols]
-            else:
+            elif part != "kv_down":  # kv_down: A and B whole on every rank (see _kv_down_delta)
                 rows = b.shape[0] // tp
                 b = b[rank * rows:(rank + 1) * rows]
             self.register_parameter(f"lora_a_{part}", torch.nn.Parameter(a.to(dtype).contiguous()))
@@ -134,11 +158,15 @@ class LoRALinear(torch.nn.Module):
                     m.sequence_parallel = self.sequence_parallel
                 else:
                     m.tensor_model_parallel, m.partition_dim = True, 0
-            if kind in ("linear_proj", "linear_fc2"):
+            if kind in _ROW_KINDS:
                 getattr(self, f"lora_a_{part}").tensor_model_parallel = True
                 getattr(self, f"lora_a_{part}").partition_dim = 1
                 # B's update is scattered to the sequence chunk after the product, so its gradient is
                 # already complete on every rank; the DoRA magnitude scales the chunk and is summed.
+            elif part == "kv_down":
+                # sequence parallel: each rank's gradient covers its own tokens, summed over TP like a norm's
+                for which in "ab":
+                    getattr(self, f"lora_{which}_{part}").sequence_parallel = self.sequence_parallel
             else:
                 getattr(self, f"lora_b_{part}").tensor_model_parallel = True
                 getattr(self, f"lora_b_{part}").partition_dim = 0
@@ -161,7 +189,9 @@ class LoRALinear(torch.nn.Module):
         from megatron.core.tensor_parallel import mappings
 
         out, bias = self.base(x, *args, **kwargs)
-        row = self.kind in ("linear_proj", "linear_fc2")
+        if self.order == ["kv_down"]:
+            return out + self._kv_down_delta(x) * self.scale, bias
+        row = self.kind in _ROW_KINDS
         if not row and self.sequence_parallel:
             x = mappings.gather_from_sequence_parallel_region(x)
         x = self.dropout(x)
@@ -181,9 +211,25 @@ class LoRALinear(torch.nn.Module):
             return self._dora_ratio() * (out + delta * self.scale), bias
         return out + delta * self.scale, bias
 
+    def _kv_down_delta(self, x: torch.Tensor) -> torch.Tensor:
+        """MLA's key/value down-projection update, whole like the base's output (sequence-parallel: this rank's
+        tokens, as ``x``). Without sequence parallelism every rank computes it for every token, and the rotary
+        key's columns get the gradient of this rank's heads only: it is summed over TP, as KVDownProjection does."""
+        from megatron.core import parallel_state as ps
+
+        delta = torch.nn.functional.linear(torch.nn.functional.linear(self.dropout(x), self.lora_a_kv_down), self.lora_b_kv_down)
+        if not self.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1:
+            delta = _SumRotaryGrad.apply(delta, self.base.config.kv_lora_rank, ps.get_tensor_model_parallel_group())
+        return delta
+
     def _delta_weight(self) -> torch.Tensor:
         """``scale * B A`` in this rank's fused, sharded layout ``[out_local, in_local]``."""
-        if self.kind in ("linear_proj", "linear_fc2"):
+        if self.order == ["kv_down"]:  # whole B: this rank's rows of the base weight
+            from megatron.core import parallel_state as ps
+
+            rows, rank = self.base.weight.shape[0], ps.get_tensor_model_parallel_rank()
+            return (self.lora_b_kv_down[rank * rows:(rank + 1) * rows] @ self.lora_a_kv_down) * self.scale
+        if self.kind in _ROW_KINDS:
             p = self.order[0]
             return (getattr(self, f"lora_b_{p}") @ getattr(self, f"lora_a_{p}")) * self.scale
         pieces = [(getattr(self, f"lora_b_{p}") @ getattr(self, f"lora_a_{p}")).t() for p in self.order]
@@ -195,10 +241,10 @@ class LoRALinear(torch.nn.Module):
 
         with torch.no_grad():
             squares = (self.base.weight.float() + self._delta_weight().float()).pow(2).sum(dim=1)
-            if self.kind in ("linear_proj", "linear_fc2") and ps.get_tensor_model_parallel_world_size() > 1:
+            if self.kind in _ROW_KINDS and ps.get_tensor_model_parallel_world_size() > 1:
                 torch.distributed.all_reduce(squares, group=ps.get_tensor_model_parallel_group())
             norm = squares.sqrt().to(self.base.weight.dtype)
-        if self.kind in ("linear_proj", "linear_fc2"):
+        if self.kind in _ROW_KINDS:
             magnitude = getattr(self, f"lora_m_{self.order[0]}")
         else:
             magnitude = self._fused_delta([getattr(self, f"lora_m_{p}")[None] for p in self.order], fill=None)[0]
@@ -210,7 +256,7 @@ class LoRALinear(torch.nn.Module):
         A projection without an adapter contributes ``fill`` (``None``: the base weight's row norm,
         so DoRA leaves those rows unscaled).
         """
-        if self.order in (["qkv"], ["gate_up"]):  # a fused HF linear's adapter: its rows are Megatron's already
+        if self.order in (["qkv"], ["gate_up"], ["column"]):  # one HF linear's adapter: its rows are Megatron's already
             return deltas[0]
         by_part = dict(zip(self.order, deltas, strict=True))
         lead = deltas[0].shape[:-1]
@@ -269,13 +315,21 @@ def apply_lora(models: list[Any], adapters: dict, scale: float, dropout: float, 
             param.requires_grad_(False)
         for layer in model.decoder.layers:
             index = layer.layer_number - 1
+            latent = hasattr(layer.self_attention, "linear_kv_down_proj")  # MLA
             grouped: dict[str, dict] = {}
             for (at, proj), tensors in adapters.items():
                 if at == index:
-                    module, part = _HF_TO_PARTS[proj]
+                    table = _MLA_TO_PARTS if latent and proj in _MLA_TO_PARTS else _HF_TO_PARTS
+                    if proj not in table:
+                        raise ConfigError(f"LoRA on {proj} is not supported by the megatron strategy for "
+                                          f"{hf_config.model_type}")
+                    module, part = table[proj]
+                    if "M" in tensors and part in ("column", "kv_down"):
+                        raise ConfigError(f"DoRA on the latent attention's {proj} is not supported by the megatron "
+                                          "strategy; use --tuner lora, or --strategy local")
                     grouped.setdefault(module, {})[part] = tensors
             for module_name, parts in grouped.items():
-                owner = layer.self_attention if module_name in ("linear_qkv", "linear_proj") else layer.mlp
+                owner = layer.self_attention if hasattr(layer.self_attention, module_name) else layer.mlp
                 setattr(owner, module_name, LoRALinear(getattr(owner, module_name), module_name, parts, geo, scale, dropout))
 
 

@@ -75,11 +75,13 @@ def target_problems(config: LoRAConfig, source: ModelSource | None = None, model
                 problems.append(f"target_modules: {name!r} matches no linear layer; {available}")
     dropped = [] if problems else dropped_by_peft(config, model)
     if dropped:
+        # this model's own attention linears (DeepSeek's latent attention has no k_proj/v_proj)
+        attention = ",".join(dict.fromkeys(n.rsplit(".", 1)[-1] for n in linears if ".self_attn." in n)) or "q_proj,k_proj,v_proj,o_proj"
         problems.append(f"PEFT would give no adapter to {', '.join(dropped[:3])}{' and more' if len(dropped) > 3 else ''}, "
                         "which target_modules names: for this MoE family it moves gate_proj/up_proj/down_proj targets onto "
                         "the experts transformers fuses, so the dense MLPs between MoE layers (mlp_only_layers, "
-                        "decoder_sparse_step) would not train. Adapt the attention only (--lora-target-modules "
-                        "q_proj,k_proj,v_proj,o_proj) or train fully (--tuner full)")
+                        "decoder_sparse_step, first_k_dense_replace) and shared experts would not train. Adapt the "
+                        f"attention only (--lora-target-modules {attention}) or train fully (--tuner full)")
     module_names = [key for key, _ in model.named_modules() if key]
     for name in config.modules_to_save:
         if not any(_matches(name, key) for key in module_names):
