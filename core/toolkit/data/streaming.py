@@ -135,8 +135,9 @@ class StreamBatches:
     def step_sources(self, step: int) -> list[str]:
         return [e.source for unit in self.step_items(step) for e in unit]
 
-    def left_over_examples(self, epoch: int) -> int:
-        return 0
+    def steps_for(self, epochs: float) -> int:
+        """A stream's length is unknown before it is read: ``--max-steps`` is the run's length."""
+        return self.steps_per_epoch
 
     def epoch_fill(self, epoch: int = 0) -> tuple[int, float]:
         """Rows and fill of the first window's units (a stream is not read ahead)."""

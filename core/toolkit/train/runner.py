@@ -289,9 +289,8 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
         stats.stream_window = batches.window
     else:
         batches = Batches(examples, **shared)
-    stats.left_over_per_epoch = batches.left_over_examples(0)
     stats.rows, stats.row_fill = batches.epoch_fill(0)
-    total_steps = recipe.max_steps or max(1, math.ceil(recipe.epochs * batches.steps_per_epoch))
+    total_steps = recipe.max_steps or batches.steps_for(recipe.epochs)
     engine.set_total_steps(total_steps)
     start_step = 0
     checkpoint = agree_on_resume(run_dir, recipe.resume, engine, recipe.checkpoint_verify) if recipe.resume else None
