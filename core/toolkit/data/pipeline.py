@@ -37,6 +37,8 @@ class DataStats:
     stream_window: int = 0
     """``--streaming``: records per window; the other figures are then those of the windows read so far (the
     first one at start-up), as a stream is not read ahead."""
+    stream_mix: str = ""
+    """``--streaming`` with ``--dataset-ratios``: the ratios, as the summary names them."""
     per_file: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> str:
@@ -47,7 +49,8 @@ class DataStats:
         else:
             text = f"{self.examples} examples from {self.records} records"
         if self.stream_window:
-            text = f"streaming in windows of {self.stream_window} records; the first window: {text}"
+            mixed = f" drawn from the datasets by --dataset-ratios {self.stream_mix}" if self.stream_mix else ""
+            text = f"streaming in windows of {self.stream_window} records{mixed}; the first window: {text}"
         if self.rows:
             text += (f"; {self.rows} rows {'in it' if self.stream_window else 'per epoch'}, {self.row_fill:.1%} filled "
                      f"with real tokens, {self.trained_tokens} trained tokens")
@@ -97,8 +100,8 @@ def load_examples(datasets: list[str], tokenizer: Any, *, dataset_format: str = 
 
     manager = manager or get_plugin_manager()
     stats = DataStats()
-    if ratios and len(ratios) != len(datasets):
-        raise ConfigError(f"--dataset-ratios gives {len(ratios)} ratios for {len(datasets)} datasets; give one per --dataset")
+    if ratios:
+        check_ratios(ratios, len(datasets))
     parts = []
     for reference in datasets:
         path, encoded, records = encode_dataset(reference, tokenizer, dataset_format=dataset_format, columns=columns,
@@ -193,24 +196,28 @@ def stream_encoder(tokenizer: Any, *, dataset_format: str, columns: dict[str, st
                    example_kinds: tuple[str, ...], options: dict[str, Any] | None, packing: bool, isolate_documents: bool,
                    stats: DataStats, manager: Any = None) -> Any:
     """For ``--streaming`` (:class:`toolkit.data.streaming.StreamBatches`): a function from one window's
-    ``(where, record)`` pairs to its examples, by the same rules as :func:`load_examples` (the format is
-    picked from the stream's first record)."""
+    ``(where, record)`` pairs to its examples, by the same rules as :func:`load_examples` (the format of each
+    stream, several with ``--dataset-ratios``, is picked from its first record)."""
     from toolkit.plugins import get_plugin_manager
 
     manager = manager or get_plugin_manager()
     template = ChatTemplate(tokenizer, train_on=train_on)
     rename = {theirs: ours for ours, theirs in (columns or {}).items()}
-    chosen: list[Any] = []
+    chosen: dict[str, Any] = {}  # the format of each stream ("file, record N" less the record), from its first record
 
-    def encode(window: list[tuple[str, dict[str, Any]]]) -> list[Example]:
-        if not chosen:
-            where, first = window[0]
-            fmt = pick_format(dataset_format, [rename.get(k, k) for k in first], where, manager, options)
+    def format_of(where: str, record: dict[str, Any]) -> Any:
+        stream = where.rsplit(", ", 1)[0]
+        if stream not in chosen:
+            fmt = pick_format(dataset_format, [rename.get(k, k) for k in record], where, manager, options)
             if fmt.example_kind not in example_kinds:
                 raise ConfigError(f"{where}: the stream is in format {fmt.name!r} ({fmt.example_kind} examples), but the "
                                   f"loss needs {' or '.join(example_kinds)} examples")
-            chosen.append(fmt)
-        examples = [encode_record(chosen[0], record, rename, tokenizer, template, where) for where, record in window]
+            chosen[stream] = fmt
+        return chosen[stream]
+
+    def encode(window: list[tuple[str, dict[str, Any]]]) -> list[Example]:
+        examples = [encode_record(format_of(where, record), record, rename, tokenizer, template, where)
+                    for where, record in window]
         stats.records += len(window)
         rows = pt_rows(fit(examples, train_on, seq_len, stats, packing), train_on, seq_len, isolate_documents, stats)
         stats.examples += len(rows)
@@ -221,12 +228,19 @@ def stream_encoder(tokenizer: Any, *, dataset_format: str, columns: dict[str, st
     return encode
 
 
+def check_ratios(ratios: list[float], datasets: int) -> None:
+    """``--dataset-ratios``: one per dataset, 0 or more, not all 0."""
+    if len(ratios) != datasets:
+        raise ConfigError(f"--dataset-ratios gives {len(ratios)} ratios for {datasets} datasets; give one per --dataset")
+    if any(not r >= 0 for r in ratios) or not sum(ratios) > 0:
+        raise ConfigError(f"--dataset-ratios {','.join(map(str, ratios))}: ratios must be 0 or more and not all 0")
+
+
 def mix(parts: list[list[Example]], ratios: list[float], seed: int) -> list[Example]:
     """The datasets mixed in proportion to ``ratios``, as many examples as they hold together: dataset ``i``
     gives ``ratio_i / sum(ratios)`` of them, drawn without replacement (seeded) while it has enough, and
     repeated whole (then drawn) where its share is larger than it is."""
-    if any(not r >= 0 for r in ratios) or not sum(ratios) > 0:
-        raise ConfigError(f"--dataset-ratios {','.join(map(str, ratios))}: ratios must be 0 or more and not all 0")
+    check_ratios(ratios, len(parts))
     total = sum(len(p) for p in parts)
     rng = random.Random(seed * 7_368_787 + 17)
     mixed: list[Example] = []

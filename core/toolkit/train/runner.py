@@ -285,8 +285,10 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
                                 train_on=member(loss, "loss", "train_on"), seq_len=recipe.seq_len,
                                 example_kinds=loss.example_kinds, options=recipe.options, packing=recipe.packing,
                                 isolate_documents=recipe.isolate_documents, stats=stats)
-        batches: Any = StreamBatches(recipe.dataset, encode, max_steps=recipe.max_steps, **shared)
+        batches: Any = StreamBatches(recipe.dataset, encode, max_steps=recipe.max_steps, ratios=recipe.dataset_ratios,
+                                     **shared)
         stats.stream_window = batches.window
+        stats.stream_mix = ",".join(f"{r:g}" for r in recipe.dataset_ratios)
     else:
         batches = Batches(examples, **shared)
     stats.rows, stats.row_fill = batches.epoch_fill(0)
