@@ -53,11 +53,12 @@ FSDP_CASES = {"adafactor": ["--optimizer", "adafactor"],
               "lisa": ["--tuner", "lisa", "--lisa-layers", "1", "--lisa-interval", "2"]}
 
 
-def fsdp_runs(root: str) -> None:
+def fsdp_runs(root: str) -> list[list[int]]:
     """One 2-rank launch, every FSDP case in turn through the CLI in-process (the process group is the launch's),
-    and the lisa run a second time, stopped inside a period and resumed."""
+    and the lisa run a second time, stopped inside a period and resumed. Returns, per step of the first lisa run,
+    the decoder layers whose sharded parameters hold a gradient when the optimizer steps."""
     from toolkit.cli import main
-    from toolkit.train import distributed
+    from toolkit.train import distributed, hf_engine
 
     distributed.shutdown = lambda exit_code=None: distributed.barrier()  # keep the launch's group (and process) for the next run
 
@@ -67,10 +68,22 @@ def fsdp_runs(root: str) -> None:
         except SystemExit as exc:
             assert exc.code in (0, None), (args, exc.code)
 
+    graded: list[list[int]] = []
+    clip = hf_engine.LocalEngine._clip_gradients
+
+    def recording(engine):  # runs after the backward passes, before the optimizer step
+        if engine.tuner.name == "lisa":
+            graded.append(sorted({int(n.split(".layers.")[1].split(".")[0]) for n, p in engine.model.named_parameters()
+                                  if ".layers." in n and p.grad is not None}))
+        return clip(engine)
+
+    hf_engine.LocalEngine._clip_gradients = recording
     for case, flags in FSDP_CASES.items():
         toolkit(*flags, "--output", f"{root}/{case}")
+    hf_engine.LocalEngine._clip_gradients = clip
     toolkit(*FSDP_CASES["lisa"], "--output", f"{root}/lisa-resumed", "--stop-after", "3")  # period 1 is steps 2-3
     toolkit(*FSDP_CASES["lisa"], "--output", f"{root}/lisa-resumed", "--resume", "auto")
+    return graded
 
 
 @pytest.mark.slow
@@ -79,7 +92,15 @@ def test_fsdp_adafactor_adamw_8bit_and_lisa_train_like_one_local_process(tmp_pat
     under FSDP2 adafactor all-reduces its column statistics and norms, adamw-8bit steps each shard (64 x 64 matrices
     split in 2 x 2048 elements: whole 256-element blocks, so the blocks are the unsharded ones), and lisa freezes
     the unsampled layers of the sharded model."""
-    run_distributed(fsdp_runs, nproc=2, args=(str(tmp_path / "fsdp"),), timeout=600)
+    graded = run_distributed(fsdp_runs, nproc=2, args=(str(tmp_path / "fsdp"),), timeout=600)
+    # FSDP2 computes no gradient for the frozen layers' shards: only this period's layer has one, on every rank
+    from toolkit_optim.lisa import LISATuner
+
+    tuner = LISATuner(LISATuner.Config(layers=1, interval=2))
+    tuner.seed, tuner.num_layers = 42, 2
+    sampled = [tuner.sampled_layers(step // 2) for step in range(6)]
+    assert len({tuple(map(tuple, g)) for g in graded}) == 1 and graded[0] == sampled, graded
+    assert len({tuple(layers) for layers in sampled}) > 1, "the draw must change layers for this to mean anything"
     for case, flags in FSDP_CASES.items():
         local = cli_runner.invoke([*COMMON, "--max-steps", "6", *flags, "--output", str(tmp_path / case)])
         assert local.exit_code == 0, local
