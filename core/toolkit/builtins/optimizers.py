@@ -129,6 +129,10 @@ def _adafactor_class() -> type:
             mesh, pg = param.device_mesh, param.device_mesh.get_group()
 
             def total(value: Any) -> Any:  # a sum over every rank's rows
+                if value.device.type != mesh.device_type:  # --fsdp-cpu-offload: CPU shards, NCCL collectives
+                    moved = value.to(mesh.device_type)
+                    dist.all_reduce(moved, group=pg)
+                    return value.copy_(moved)
                 dist.all_reduce(value, group=pg)
                 return value
 
