@@ -9,6 +9,8 @@ batch 4, bf16 with fp32 master weights. ``--tiny`` runs a small shape on CPU.
 
     python bench/optimizers.py              # GPU (needs toolkit-optim with its [all] extra)
     python bench/optimizers.py --tiny       # CPU smoke run of the same code paths
+    python bench/optimizers.py --strategy fsdp   # the same under FSDP2 on one process (DTensor parameters: the
+                                                 # sharded adafactor / adamw-8bit / lisa code paths on the GPU)
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--strategy", choices=("local", "fsdp"), default="local")
     args = parser.parse_args()
     args.seq_len = args.seq_len or (64 if args.tiny else 2048)
     args.batch = args.batch or (2 if args.tiny else 4)
@@ -78,7 +81,8 @@ def make_model_dir(args: argparse.Namespace, root: Path) -> Path:
 def state_bytes(optimizer) -> int:
     total = 0
     for state in optimizer.state.values():
-        tensors = [v for v in state.values() if torch.is_tensor(v)]
+        # this rank's part of a DTensor (under fsdp)
+        tensors = [v.to_local() if hasattr(v, "to_local") else v for v in state.values() if torch.is_tensor(v)]
         projector = state.get("projector")
         if projector is not None:
             matrix = projector.ortho_matrix
@@ -93,7 +97,8 @@ def run_variant(name: str, args: argparse.Namespace, model_dir: Path, device: to
     from toolkit.train.runner import resolve_components
 
     values = {"model": str(model_dir), "lr": 1e-5, "schedule": "constant", "micro_batch_size": args.batch,
-              "seq_len": args.seq_len, "precision": "fp32" if args.tiny else "bf16", **VARIANTS[name]}
+              "seq_len": args.seq_len, "precision": "fp32" if args.tiny else "bf16", "strategy": args.strategy,
+              **VARIANTS[name]}
     if args.tiny and name == "galore":
         values["galore"] = {"rank": 16, "update_proj_gap": 200}  # the tiny matrices are 128 wide
     strategy, tuner, loss, recipe = resolve_components(resolve_recipe(values, source=f"bench {name}"), 1)
@@ -147,14 +152,16 @@ def main() -> None:
             except ToolkitError as exc:  # e.g. bitsandbytes or galore-torch missing on the GPU image: say so, go on
                 print(f"{name}: skipped ({str(exc).splitlines()[0]})", file=sys.stderr)
     base = next((r for r in rows if r["run"] == "adamw"), rows[0])
-    print(f"\noptimizer memory, {'tiny' if args.tiny else '1.24B'} Llama, seq {args.seq_len} x batch {args.batch}, {device}")
+    print(f"\noptimizer memory, {'tiny' if args.tiny else '1.24B'} Llama, seq {args.seq_len} x batch {args.batch}, {device}, "
+          f"--strategy {args.strategy}")
     print(f"{'run':12s} {'state GiB':>10s} {'vs adamw':>9s} {'grads GiB':>10s} {'peak GiB':>9s} {'s/step':>8s} {'loss':>8s}")
     for r in rows:
         ratio = r["state_gib"] / base["state_gib"] if base["state_gib"] else float("nan")
         print(f"{r['run']:12s} {r['state_gib']:10.4f} {ratio:9.2f} {r['grad_gib']:10.4f} {r['peak_gib']:9.2f} "
               f"{r['step_s']:8.3f} {r['loss']:8.4f}")
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "optimizers.json").write_text(json.dumps(rows, indent=2))
+        suffix = "" if args.strategy == "local" else f"-{args.strategy}"
+        Path(os.environ["OUT"], f"optimizers{suffix}.json").write_text(json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":

@@ -190,7 +190,7 @@ class Tuner(Registered, Protocol):
     preference losses without a second copy), ``optimizer_factory`` (``(params, recipe) -> optimizer``
     in place of AdamW, e.g. LoRA+), ``quantized`` (True: the base weights are quantized, which
     sharding strategies refuse), ``zero3_compatible`` (False: not under ZeRO-3) and
-    ``before_step(model, optimizer, optimized, step)``, called by the ``local`` engine at the start of
+    ``before_step(model, optimizer, optimized, step)``, called by the ``local`` and ``fsdp`` engines at the start of
     every optimizer step (0-based ``step``) with ``optimized`` mapping parameter names to the tensors
     the optimizer holds: a tuner whose trainable set changes during the run (toolkit-optim's ``lisa``)
     switches ``requires_grad`` there and drops the optimizer state it no longer needs; strategies that

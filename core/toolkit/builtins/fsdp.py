@@ -122,7 +122,9 @@ class FSDPEngine(LocalEngine):
         return contextlib.nullcontext()
 
     def _trainable_names(self) -> set[str]:
-        return {name for name, p in self.model.named_parameters() if p.requires_grad}
+        # what the optimizer was built over, not only what trains now: a tuner that freezes layers during the run
+        # (toolkit-optim's lisa) must still save the layers it trained in earlier periods
+        return {name for name, p in self.model.named_parameters() if p.requires_grad or name in self.optimized}
 
     def save_checkpoint(self, directory: Path) -> None:
         import torch
@@ -144,8 +146,14 @@ class FSDPEngine(LocalEngine):
 
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         trainable = self._trainable_names()
-        state = {"model": {k: v for k, v in model_state.items() if k in trainable}, "optimizer": optim_state}
         check_dcp_metadata(directory / "dcp")  # its .metadata is a pickle: refuse one that would run code
+        # a parameter that had no optimizer state when the checkpoint was written (never stepped yet, or dropped by a
+        # tuner that freezes layers during the run, toolkit-optim's lisa) starts without state, as it was
+        saved = dcp.FileSystemReader(str(directory / "dcp")).read_metadata().state_dict_metadata
+        stepped = [key for key in saved if key.startswith("optimizer.state.")]
+        optim_state = {**optim_state, "state": {fqn: entry for fqn, entry in optim_state["state"].items()
+                                                 if any(key.startswith(f"optimizer.state.{fqn}.") for key in stepped)}}
+        state = {"model": {k: v for k, v in model_state.items() if k in trainable}, "optimizer": optim_state}
         with named_refusal(directory / "dcp"):  # its non-tensor entries are pickles too: read weights-only
             dcp.load(state, checkpoint_id=str(directory / "dcp"), planner=weights_only_planner()())
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],

@@ -1,6 +1,6 @@
 """Two gloo processes under DDP train like one ``local`` process at the same global batch: --tuner lisa,
---optimizer galore, adamw-8bit and adafactor; under FSDP2 (DTensor shards) --optimizer galore does too, and a
-stopped FSDP2 GaLore run resumes to the same losses (adamw-8bit and adafactor refuse fsdp)."""
+--optimizer galore, adamw-8bit and adafactor; under FSDP2 (DTensor shards) galore, adafactor, adamw-8bit and
+lisa do too, and stopped FSDP2 GaLore and LISA runs resume to the same losses."""
 
 from __future__ import annotations
 
@@ -45,3 +45,66 @@ def test_galore_under_fsdp_resumes_to_the_same_losses(tmp_path):
                     timeout=300)  # under torchrun's environment a stopped run exits 0
     run_distributed(["-m", "toolkit", *flags, "--output", str(tmp_path / "half"), "--resume", "auto"], nproc=2, timeout=300)
     assert len(losses(tmp_path / "half")) == 4 and losses(tmp_path / "half") == losses(tmp_path / "straight")
+
+
+FSDP_COMMON = ["--strategy", "fsdp", "--max-steps", "6"]
+FSDP_CASES = {"adafactor": ["--optimizer", "adafactor"],
+              "adamw-8bit": ["--optimizer", "adamw-8bit", "--adamw-8bit-min-8bit-size", "0"],
+              "lisa": ["--tuner", "lisa", "--lisa-layers", "1", "--lisa-interval", "2"]}
+
+
+def fsdp_runs(root: str) -> list[list[int]]:
+    """One 2-rank launch, every FSDP case in turn through the CLI in-process (the process group is the launch's),
+    and the lisa run a second time, stopped inside a period and resumed. Returns, per step of the first lisa run,
+    the decoder layers whose sharded parameters hold a gradient when the optimizer steps."""
+    from toolkit.cli import main
+    from toolkit.train import distributed, hf_engine
+
+    distributed.shutdown = lambda exit_code=None: distributed.barrier()  # keep the launch's group (and process) for the next run
+
+    def toolkit(*args: str) -> None:
+        try:
+            main([*COMMON, *FSDP_COMMON, *args])
+        except SystemExit as exc:
+            assert exc.code in (0, None), (args, exc.code)
+
+    graded: list[list[int]] = []
+    clip = hf_engine.LocalEngine._clip_gradients
+
+    def recording(engine):  # runs after the backward passes, before the optimizer step
+        if engine.tuner.name == "lisa":
+            graded.append(sorted({int(n.split(".layers.")[1].split(".")[0]) for n, p in engine.model.named_parameters()
+                                  if ".layers." in n and p.grad is not None}))
+        return clip(engine)
+
+    hf_engine.LocalEngine._clip_gradients = recording
+    for case, flags in FSDP_CASES.items():
+        toolkit(*flags, "--output", f"{root}/{case}")
+    hf_engine.LocalEngine._clip_gradients = clip
+    toolkit(*FSDP_CASES["lisa"], "--output", f"{root}/lisa-resumed", "--stop-after", "3")  # period 1 is steps 2-3
+    toolkit(*FSDP_CASES["lisa"], "--output", f"{root}/lisa-resumed", "--resume", "auto")
+    return graded
+
+
+@pytest.mark.slow
+def test_fsdp_adafactor_adamw_8bit_and_lisa_train_like_one_local_process(tmp_path, cli_runner):
+    """torch's Adafactor, bitsandbytes' AdamW8bit and LISA's layer sampling on one local process are the reference;
+    under FSDP2 adafactor all-reduces its column statistics and norms, adamw-8bit steps each shard (64 x 64 matrices
+    split in 2 x 2048 elements: whole 256-element blocks, so the blocks are the unsharded ones), and lisa freezes
+    the unsampled layers of the sharded model."""
+    graded = run_distributed(fsdp_runs, nproc=2, args=(str(tmp_path / "fsdp"),), timeout=600)
+    # FSDP2 computes no gradient for the frozen layers' shards: only this period's layer has one, on every rank
+    from toolkit_optim.lisa import LISATuner
+
+    tuner = LISATuner(LISATuner.Config(layers=1, interval=2))
+    tuner.seed, tuner.num_layers = 42, 2
+    sampled = [tuner.sampled_layers(step // 2) for step in range(6)]
+    assert len({tuple(map(tuple, g)) for g in graded}) == 1 and graded[0] == sampled, graded
+    assert len({tuple(layers) for layers in sampled}) > 1, "the draw must change layers for this to mean anything"
+    for case, flags in FSDP_CASES.items():
+        local = cli_runner.invoke([*COMMON, "--max-steps", "6", *flags, "--output", str(tmp_path / case)])
+        assert local.exit_code == 0, local
+        one, two = losses(tmp_path / case), losses(tmp_path / "fsdp" / case)
+        assert len(one) == 6 and two == pytest.approx(one, rel=2e-4), case
+        assert one[-1] < one[0] - 0.05, f"{case} must train for the comparison to mean anything"
+    assert losses(tmp_path / "fsdp/lisa-resumed") == losses(tmp_path / "fsdp/lisa")

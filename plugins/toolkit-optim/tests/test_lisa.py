@@ -91,9 +91,11 @@ def test_a_stopped_run_resumes_bit_identically(tmp_path, cli_runner, model_dir):
     assert losses[0] == losses[1] and len(losses[0]) == 6
 
 
-def test_lisa_refuses_sharding_strategies_and_too_many_layers(tmp_path, cli_runner, model_dir):
-    fsdp = invoke(cli_runner, [*common(model_dir), *LISA, "--strategy", "fsdp", "--max-steps", "1", "--output", tmp_path / "a"], code=1)
-    assert "--strategy fsdp fixes the trainable set" in fsdp.output and "Traceback" not in fsdp.output
+def test_lisa_refuses_strategies_that_fix_the_trainable_set_and_too_many_layers(tmp_path, cli_runner, model_dir):
+    pytest.importorskip("toolkit_deepspeed")
+    zero = invoke(cli_runner, [*common(model_dir), *LISA, "--strategy", "deepspeed", "--zero", "2", "--max-steps", "1", "--output", tmp_path / "a"],
+                  code=1)
+    assert "--strategy deepspeed fixes the trainable set" in zero.output and "Traceback" not in zero.output
     many = invoke(cli_runner, [*common(model_dir), "--tuner", "lisa", "--lisa-layers", "9", "--max-steps", "1",
                                "--output", tmp_path / "b"], code=1)
     assert "--lisa-layers 9 exceeds the model's 4 decoder layers" in many.output

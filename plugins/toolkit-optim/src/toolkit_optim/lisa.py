@@ -55,11 +55,12 @@ class LISATuner(FullTuner):
         problems = [f"lisa: {p}" for p in self.config.check()]
         if self.config.layers > self.num_layers:
             problems.append(f"--lisa-layers {self.config.layers} exceeds the model's {self.num_layers} decoder layers")
-        if recipe.strategy != "local":
+        if recipe.strategy not in ("local", "fsdp"):
             problems.append(f"--tuner lisa changes which layers train every --lisa-interval steps; --strategy {recipe.strategy} "
-                            "fixes the trainable set when it shards or wraps the model: use --strategy local (DDP under torchrun)")
+                            "fixes the trainable set when it shards or wraps the model: use --strategy local (DDP under "
+                            "torchrun) or fsdp")
         distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-        if distributed and not recipe.section("local").get("find_unused_parameters", False):
+        if distributed and recipe.strategy == "local" and not recipe.section("local").get("find_unused_parameters", False):
             problems.append("--tuner lisa under torchrun needs --local-find-unused-parameters: DDP must skip the "
                             "layers that are frozen in this period")
         return problems

@@ -75,8 +75,10 @@ class AdamW8bit:
 
     name: ClassVar[str] = "adamw-8bit"
     Config: ClassVar[type] = AdamW8bitConfig
-    # FSDP2 hands the optimizer DTensor shards, which bitsandbytes' kernels do not take.
-    strategies: ClassVar[tuple[str, ...]] = ("local",)
+    # FSDP2 hands the optimizer DTensor shards, which bitsandbytes' kernels do not take: sharded_adamw_8bit
+    # steps each rank's local shard with bitsandbytes' kernel (block-wise state is per block, so on a shard
+    # it is 8-bit AdamW of that shard) and keeps the state as DTensors, so FSDP checkpoints save every rank's.
+    strategies: ClassVar[tuple[str, ...]] = ("local", "fsdp")
 
     def __init__(self, config: Any = None):
         self.config = config or self.Config()
@@ -88,7 +90,10 @@ class AdamW8bit:
 
     def build(self, named_params: list[tuple[str, Any]], recipe: Any) -> Any:
         bnb = require("bitsandbytes", "bitsandbytes", "bnb", f"--optimizer {self.name}")
-        return bnb.optim.AdamW8bit(decay_groups(named_params, recipe.weight_decay), lr=recipe.lr,
+        from torch.distributed.tensor import DTensor
+
+        sharded = any(isinstance(p, DTensor) for _, p in named_params)
+        return (sharded_adamw_8bit(bnb) if sharded else bnb.optim.AdamW8bit)(decay_groups(named_params, recipe.weight_decay), lr=recipe.lr,
                                    betas=(recipe.adam_beta1, recipe.adam_beta2), eps=recipe.adam_eps,
                                    min_8bit_size=self.config.min_8bit_size)
 
@@ -184,3 +189,73 @@ def projectors_from_tensors(optimizer: Any) -> None:
                                         proj_type=group["proj_type"])
             projector.ortho_matrix = entry.pop(PROJECTION)
             entry["projector"] = projector
+
+
+def sharded_adamw_8bit(bnb: Any) -> type:
+    """bitsandbytes' AdamW8bit over FSDP2 parameters (DTensors sharded on dim 0).
+
+    Each step runs bitsandbytes' own ``init_state``/``update_step`` on the rank's local shard (a plain tensor
+    sharing the DTensor's storage, with the local gradient). Its 8-bit moments are quantised in blocks of 256
+    elements with one absmax per block, so the state of a shard is the block-wise 8-bit AdamW state of those
+    elements; where a shard starts on a block boundary of the whole tensor (every shard of a matrix whose
+    per-rank element count is a multiple of 256) the blocks, and so the steps, are the unsharded optimizer's.
+    The state is stored as DTensors (moments sharded like the weight, absmax sharded by blocks, the quantisation
+    maps replicated) so that FSDP's distributed checkpoints save and reload every rank's part.
+    """
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    class ShardedAdamW8bit(bnb.optim.AdamW8bit):
+        @staticmethod
+        def _local(param: Any) -> Any:
+            local = param.to_local()
+            local.grad = param.grad.to_local()
+            return local
+
+        def _wrap(self, param: Any, state: dict[str, Any]) -> dict[str, Any]:
+            mesh, world = param.device_mesh, param.device_mesh.size()
+            wrapped = {}
+            for key, value in state.items():
+                if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+                    wrapped[key] = value
+                elif key.startswith("qmap") or key == "unorm_vec":
+                    wrapped[key] = DTensor.from_local(value, mesh, [Replicate()], run_check=False)
+                elif value.shape == param.to_local().shape:
+                    wrapped[key] = DTensor.from_local(value, mesh, [Shard(0)], run_check=False, shape=param.shape,
+                                                      stride=param.stride())
+                else:  # absmax: one per block of the local shard, the same count on every rank (checked)
+                    wrapped[key] = DTensor.from_local(value, mesh, [Shard(0)], run_check=False,
+                                                      shape=(value.shape[0] * world,), stride=(1,))
+            return wrapped
+
+        @staticmethod
+        def _unwrap(state: dict[str, Any]) -> dict[str, Any]:
+            return {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state.items()}
+
+        @torch.no_grad()
+        def init_state(self, group: Any, p: Any, gindex: int, pindex: int) -> None:
+            if not isinstance(p, DTensor):
+                return super().init_state(group, p, gindex, pindex)
+            if len(p.placements) != 1 or p.placements[0] != Shard(0) or p.shape[0] % p.device_mesh.size():
+                raise ToolkitError(f"--optimizer adamw-8bit under --strategy fsdp needs parameters sharded evenly on their "
+                                   f"first dimension, got a {tuple(p.shape)} tensor placed {p.placements} on "
+                                   f"{p.device_mesh.size()} ranks: use --optimizer adamw, or a data-parallel size that "
+                                   "divides every parameter's first dimension")
+            local = self._local(p)
+            self.state[local] = {}
+            super().init_state(group, local, gindex, pindex)
+            self.state[p] = self._wrap(p, self.state.pop(local))
+
+        @torch.no_grad()
+        def update_step(self, group: Any, p: Any, gindex: int, pindex: int) -> None:
+            if not isinstance(p, DTensor):
+                return super().update_step(group, p, gindex, pindex)
+            local = self._local(p)
+            self.state[local] = self._unwrap(self.state[p])
+            try:
+                super().update_step(group, local, gindex, pindex)
+            finally:
+                self.state[p] = self._wrap(p, self.state.pop(local))
+                local.grad = None
+
+    return ShardedAdamW8bit

