@@ -33,6 +33,7 @@ if [ "${WITH_BNB:-0}" = 1 ] && ! ls .whl/bitsandbytes-*.whl >/dev/null 2>&1; the
   "$PY" -m pip download -q --no-deps "${GPU_PLATFORM[@]}" -d .whl 'bitsandbytes==0.50.2'
 fi
 # galore-torch (pure Python, a few KiB) for bench/optimizers.py's galore variant (bash bench/gpu_pending.sh optim)
-"$PY" -m pip download -q "${GPU_PLATFORM[@]}" -d .whl/deps dill multiprocess hjson msgpack einops py-cpuinfo 'pydantic>=2' \
-  'galore-torch==1.0'
+"$PY" -m pip download -q "${GPU_PLATFORM[@]}" -d .whl/deps dill multiprocess hjson msgpack einops py-cpuinfo 'pydantic>=2'
+# galore-torch with --no-deps: its own requirements (torch, transformers, bitsandbytes) are the image's or above
+"$PY" -m pip download -q --no-deps "${GPU_PLATFORM[@]}" -d .whl/deps 'galore-torch==1.0'
 ls -la .whl .whl/deps

@@ -158,17 +158,16 @@ def tiny_models(tmp_path_factory):
 def tp1():
     """Megatron's process groups for one process (TP=PP=CP=1) over an in-process store (no port to take)."""
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
     from toolkit.parallel import ParallelLayout
-    from toolkit_megatron.model import initialize_parallel
+    from toolkit_megatron.model import destroy_parallel, initialize_parallel
 
     created = not dist.is_initialized()
     if created:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     initialize_parallel(ParallelLayout())
     yield
-    parallel_state.destroy_model_parallel()
+    destroy_parallel()
     if created:
         dist.destroy_process_group()
 

@@ -40,10 +40,31 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 42) -> None:
     if not torch.distributed.is_initialized():
         raise LayoutError("torch.distributed is not initialised: launch with torchrun (or toolkit launch)")
     if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+        destroy_parallel()
     with cpu_compat():
         parallel_state.initialize_model_parallel(**megatron_sizes(layout))
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_parallel() -> None:
+    """Megatron's process groups torn down, not only forgotten, so the next ``initialize_parallel`` in this process
+    starts clean. ``destroy_model_parallel`` sets its globals to None and destroys only its gloo data-parallel
+    groups; every other group keeps its sockets and threads, and a process that lays out several models (the
+    bridge's checks, an export at another layout) ran out of them on megatron-core 0.19, which creates more groups
+    per layout ("Resource temporarily unavailable" from a gloo group)."""
+    import torch
+    from megatron.core import parallel_state
+
+    world = torch.distributed.distributed_c10d._world  # the group registry megatron-core itself consults
+    groups = {}
+    for value in vars(parallel_state).values():
+        for item in value if isinstance(value, list | tuple) else (value,):
+            if isinstance(item, torch.distributed.ProcessGroup) and item is not torch.distributed.GroupMember.WORLD:
+                groups[id(item)] = item
+    parallel_state.destroy_model_parallel()
+    for group in groups.values():
+        if world.pg_map.get(group) is not None:
+            torch.distributed.destroy_process_group(group)
 
 
 def transformer_config(hf_config: Any, layout: ParallelLayout, dtype: Any, **overrides: Any) -> Any:
