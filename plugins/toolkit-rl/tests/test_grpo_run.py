@@ -51,6 +51,35 @@ def test_cli_trains_logs_and_samples_rollouts(tmp_path, cli_runner):
     assert (out / "checkpoints" / "step-2").is_dir() and (out / "recipe.yaml").is_file()
 
 
+def test_entropy_of_completions_sampled_elsewhere_equals_generates_own():
+    """The vLLM backends get each completion's sampling entropy from one forward of the HF copy over prompt +
+    completion; on the completions transformers' ``generate`` sampled (left padded, a KV cache, its own
+    logits) that forward gives generate's entropies, for prompts of different lengths (padded left by generate,
+    right by the forward)."""
+    import torch
+
+    from toolkit.data.template import ChatTemplate
+    from toolkit.models import resolve_model
+    from toolkit.recipe import Recipe
+    from toolkit_rl.losses import GRPOConfig
+    from toolkit_rl.rollout import HFRollouts
+
+    source = resolve_model("tiny-llama")
+    config = GRPOConfig(num_generations=3, max_completion_length=10, temperature=0.7)
+    rollouts = HFRollouts(source, Recipe(model="tiny-llama", precision="fp32"), config, torch.device("cpu"))
+    template = ChatTemplate(source.tokenizer)
+    prompts = [source.tokenizer(template.render([{"role": "user", "content": text}], add_generation_prompt=True),
+                                add_special_tokens=False)["input_ids"] for text in ("What is the capital of Lopehes?", "Hi")]
+    assert len(prompts[0]) != len(prompts[1])
+    sampled = rollouts.generate(prompts, seed=11)
+    rows = [p for p in prompts for _ in range(config.num_generations)]
+    forward = rollouts.sampling_entropy(rows, sampled.ids, chunk=4)
+    assert forward == pytest.approx(sampled.entropy, rel=1e-4, abs=1e-5)
+    assert min(sampled.entropy) > 0.01
+    rollouts.config = GRPOConfig(num_generations=3, max_completion_length=10, temperature=1.4)
+    assert all(hot > cold for hot, cold in zip(rollouts.sampling_entropy(rows, sampled.ids), forward, strict=True))
+
+
 @pytest.mark.parametrize("tuner", ["full", "lora"])
 def test_rollouts_use_the_weights_of_the_last_step(tmp_path, monkeypatch, tuner):
     """One optimizer step per rollout batch: the rollout policy IS the trained policy, so every ratio is 1 and

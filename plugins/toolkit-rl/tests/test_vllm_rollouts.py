@@ -115,6 +115,7 @@ def test_grpo_trains_with_vllm_rollouts(models, tmp_path, cli_runner):
     assert [m["step"] for m in lines] == [1, 2, 3]
     # old log-probs come from the refreshed HF copy: the first update's ratio is 1, the objective is zero
     assert all(abs(m["loss"]) < 1e-6 for m in lines) and lines[-1]["grad_norm"] > 0
+    assert all(m["entropy"] > 0 for m in lines)  # scored by the HF copy (sampling_entropy, tested against generate)
     assert (out / "rollouts.jsonl").read_text().count("\n") > 0
 
 
@@ -191,6 +192,7 @@ def test_grpo_trains_with_a_vllm_server(models, server, tmp_path, cli_runner):
     assert [m["step"] for m in lines] == [1, 2, 3]
     # the server sampled from the weights the HF copy scores: the first update's ratio is 1, the objective zero
     assert all(abs(m["loss"]) < 1e-6 for m in lines) and lines[-1]["grad_norm"] > 0
+    assert all(m["entropy"] > 0 for m in lines)
 
 
 def test_a_dying_vllm_server_is_named_and_the_run_saves(models, server, tmp_path, cli_runner, monkeypatch):

@@ -245,7 +245,7 @@ class GRPORun:
         entropy = [e * len(ids) for g in groups for e, ids in zip(g[4], g[1]) if e is not None]
         n, tokens, clipped, ent = dp_sum(self.engine, [len(lengths), sum(lengths), sum(truncated), sum(entropy)])
         metrics = {"completion_length": tokens / max(n, 1), "truncated_fraction": clipped / max(n, 1)}
-        if entropy:  # the vllm backend reports no entropy
+        if entropy:  # every backend reports it (hf from generate's logits, vllm from the HF copy)
             metrics["entropy"] = ent / max(tokens, 1)
         return metrics
 

@@ -136,6 +136,33 @@ class HFRollouts:
             entropies.append(float(entropy[r, : max(len(kept), 1)].mean()))
         return Completions(completions, truncated, entropies)
 
+    def sampling_entropy(self, rows: list[list[int]], completions: list[list[int]], chunk: int = 8) -> list[float]:
+        """Mean entropy of softmax(logits / temperature) over each completion's tokens, from one forward of this
+        copy over prompt + completion (right padded, so positions need no mask arithmetic): what ``generate``'s
+        own logits give the ``hf`` backend, for backends that sample elsewhere (vLLM colocated or a server)."""
+        import torch
+
+        temperature = self.config.temperature
+        autocast = torch.autocast(self.device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None)
+        means = []
+        for start in range(0, len(rows), chunk):
+            pairs = list(zip(rows[start:start + chunk], completions[start:start + chunk], strict=True))
+            width = max(len(p) + len(c) for p, c in pairs)
+            ids = torch.full((len(pairs), width), self.pad_id, dtype=torch.long)
+            attention = torch.zeros_like(ids)
+            for r, (prompt, completion) in enumerate(pairs):
+                ids[r, : len(prompt) + len(completion)] = torch.tensor(prompt + completion)
+                attention[r, : len(prompt) + len(completion)] = 1
+            with torch.no_grad(), autocast:
+                logits = self.model(input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
+                                    use_cache=False).logits
+            for r, (prompt, completion) in enumerate(pairs):
+                # logits at prompt[-1] .. completion[-2] give the distributions each completion token was drawn from
+                scaled = logits[r, len(prompt) - 1: len(prompt) - 1 + max(len(completion), 1)].float() / temperature
+                entropy = -(torch.softmax(scaled, -1) * torch.log_softmax(scaled, -1)).sum(-1)
+                means.append(float(entropy.mean()))
+        return means
+
     def token_logps(self, micro_batch: dict, model: Any = None) -> Any:
         """Per-token label log-probs ``[rows, tokens]`` of a micro-batch under this copy (or ``model``)."""
         import torch

@@ -69,7 +69,8 @@ class VLLMRollouts(HFRollouts):
             for sample in output.outputs:
                 ids.append(list(sample.token_ids))
                 truncated.append(sample.finish_reason == "length")
-        return Completions(ids, truncated, [None] * len(ids))
+        rows = [p for p in prompts for _ in range(c.num_generations)]
+        return Completions(ids, truncated, self.sampling_entropy(rows, ids))
 
     def close(self) -> None:
         super().close()

@@ -110,7 +110,8 @@ class VLLMServerRollouts(HFRollouts):
             for choice in sorted(response["choices"], key=lambda choice: choice["index"]):
                 ids.append(list(choice["token_ids"]))
                 truncated.append(choice["finish_reason"] == "length")
-        return Completions(ids, truncated, [None] * len(ids))
+        rows = [p for p in prompts for _ in range(c.num_generations)]
+        return Completions(ids, truncated, self.sampling_entropy(rows, ids))
 
     def close(self) -> None:
         super().close()
