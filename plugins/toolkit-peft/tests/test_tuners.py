@@ -320,3 +320,29 @@ def test_initial_adapters_refuse_inits_that_read_the_base(source):
     megatron = types.SimpleNamespace(precision="fp32", strategy="megatron", optimizer="adamw")
     assert any("--lora-init olora" in p for p in LoRATuner(LoRAConfig(init="olora")).validate(megatron, source))
     assert LoRATuner(LoRAConfig(init="gaussian")).validate(megatron, source) == []
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
+def test_moe_experts_left_without_adapters_are_named(family, capsys):
+    """PEFT moves all-linear targets onto Qwen3-MoE's fused experts but gives Qwen2-MoE's none: the run says so
+    (one line naming the experts and what trains) instead of training a model whose experts never move."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from toolkit_peft.adapters import inject
+
+    config = AutoConfig.for_model(family, vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                  shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, head_dim=8)
+    model = inject(AutoModelForCausalLM.from_config(config), LoRAConfig(rank=2), use_dora=False)
+    adapted = [name for name, _ in model.named_parameters() if "lora_" in name]
+    experts_adapted = any(".mlp.experts." in name for name in adapted)
+    notice = capsys.readouterr().err
+    assert experts_adapted == (family == "qwen3_moe")
+    if experts_adapted:
+        assert "routed experts" not in notice
+    else:
+        assert f"LoRA gives the routed experts of {family} no adapter (model.layers.0.mlp.experts and 1 more)" in notice
+        assert "--tuner full" in notice
+    capsys.readouterr()
+    inject(AutoModelForCausalLM.from_config(config), LoRAConfig(rank=2, target_modules=["q_proj", "v_proj"]), use_dora=False)
+    assert "routed experts" not in capsys.readouterr().err  # attention only: nothing was asked of the experts

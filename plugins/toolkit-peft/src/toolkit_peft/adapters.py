@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 from toolkit.errors import ConfigError, ModelError, ToolkitError
@@ -55,6 +57,13 @@ def inject(model: torch.nn.Module, config: LoRAConfig, *, use_dora: bool, source
     # optimizer then updates full-precision adapter weights without a separate master copy.
     peft_model = peft.get_peft_model(model, peft_lora_config(config, use_dora=use_dora), autocast_adapter_dtype=True)
     hf_model = peft_model.base_model.model
+    bare = experts_without_adapters(hf_model, config)
+    if bare and int(os.environ.get("RANK", "0") or 0) == 0:
+        kind = getattr(getattr(hf_model, "config", None), "model_type", "this model")
+        print(f"toolkit: LoRA gives the routed experts of {kind} no adapter ({bare[0]}"
+              f"{f' and {len(bare) - 1} more' if len(bare) > 1 else ''}): PEFT does not adapt this family's fused experts "
+              "on transformers 5, so only the attention, shared experts and their gates train; --tuner full trains the "
+              "experts", file=sys.stderr)
     for module in hf_model.modules():
         # bitsandbytes repacks 4-bit weights for a bf16 CPU kernel on the first eval forward without
         # grad; that rounds the stored constants (exports drift) and evaluates with other numerics
@@ -68,6 +77,21 @@ def inject(model: torch.nn.Module, config: LoRAConfig, *, use_dora: bool, source
     hf_model.__dict__[_PEFT_ATTR] = peft_model
     hf_model.__dict__[_SOURCE_ATTR] = source
     return hf_model
+
+
+MLP_TARGETS = {"gate_proj", "up_proj", "down_proj", "gate_up_proj", "w1", "w2", "w3"}
+
+
+def experts_without_adapters(model: torch.nn.Module, config: LoRAConfig) -> list[str]:
+    """Routed-expert modules (``*.experts``) left without an adapter although the targets name MLP linears
+    (``all-linear`` or gate/up/down): PEFT moves such targets onto transformers 5's fused experts for most MoE
+    families, but not for every one (Qwen2-MoE's experts get none)."""
+    targets = set(config.target_modules)
+    if targets != {"all-linear"} and not targets & MLP_TARGETS:
+        return []
+    adapted = [name for name, _ in model.named_parameters() if "lora_" in name]
+    experts = [name for name, _ in model.named_modules() if name.endswith(".experts")]
+    return [name for name in experts if not any(a.startswith(name + ".") for a in adapted)]
 
 
 def unwrap(model: Any) -> Any:
