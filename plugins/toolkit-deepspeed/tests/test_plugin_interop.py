@@ -27,15 +27,17 @@ def report(scenarios):
     return scenarios("plugins")
 
 
-@pytest.mark.parametrize(("ours", "reference", "modules", "norm_tolerance"), [
-    ("zero3-peft-lora-dpo", "local-peft-lora-dpo", ("toolkit_peft", "toolkit_dpo"), 1e-5),
-    ("zero3-peft-dora", "local-peft-dora", ("toolkit_peft",), 1e-5),
-    ("zero2-peft-qlora", "local-peft-qlora", ("toolkit_peft",), 3e-4),  # 4-bit dequantisation noise
-    ("zero3-moe-patched", "local-moe-patched", ("toolkit_moe",), 1e-5),
+@pytest.mark.parametrize(("ours", "reference", "modules", "norm_tolerance", "loss_tolerance"), [
+    ("zero3-peft-lora-dpo", "local-peft-lora-dpo", ("toolkit_peft", "toolkit_dpo"), 1e-5, 1e-5),
+    ("zero3-peft-dora", "local-peft-dora", ("toolkit_peft",), 1e-5, 1e-5),
+    # 4-bit dequantisation noise: it reaches the step-3 loss at 1.2e-5 (measured 2026-12-06, peft 0.21.2,
+    # bitsandbytes 0.50.2; earlier stacks stayed under 1e-5)
+    ("zero2-peft-qlora", "local-peft-qlora", ("toolkit_peft",), 3e-4, 3e-5),
+    ("zero3-moe-patched", "local-moe-patched", ("toolkit_moe",), 1e-5, 1e-5),
 ])
-def test_plugin_matches_ddp(report, ours, reference, modules, norm_tolerance):
+def test_plugin_matches_ddp(report, ours, reference, modules, norm_tolerance, loss_tolerance):
     needs(*modules)
-    assert report.series(ours, "loss") == pytest.approx(report.series(reference, "loss"), rel=1e-5, abs=1e-6)
+    assert report.series(ours, "loss") == pytest.approx(report.series(reference, "loss"), rel=loss_tolerance, abs=1e-6)
     assert report.series(ours, "grad_norm") == pytest.approx(report.series(reference, "grad_norm"), rel=norm_tolerance)
 
 
