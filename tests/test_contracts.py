@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import inspect
 import json
 from pathlib import Path
 from typing import ClassVar
@@ -97,6 +98,54 @@ def test_the_optional_table_names_only_declared_kinds_and_documents_each_member(
         assert kind in PROTOCOLS
         for name in members:
             assert f"`{name}" in hooks, f"docs/hooks.md does not mention the optional {kind} member {name}"
+
+
+def test_each_base_class_gives_exactly_the_documented_defaults():
+    """contracts.BASES: every kind with optional members has a base class, and inheriting it changes nothing that
+    ``member`` would give without it: each optional member reads the same through the base as on a bare class, and
+    the base adds no required member (so a subclass still has to write those)."""
+    from toolkit.contracts import BASES
+
+    class Bare:
+        pass
+
+    assert set(BASES) == set(OPTIONAL)
+    for kind, base in BASES.items():
+        instance = base.__new__(base)
+        for name, default in OPTIONAL[kind].items():
+            assert hasattr(base, name), (kind, name)
+            got, bare = contracts.member(instance, kind, name), contracts.member(Bare(), kind, name)
+            if callable(default) or callable(got):  # a no-op method: same result for the same call
+                args = [None] * len(inspect.signature(got).parameters) if callable(got) else []
+                assert (got(*args) if callable(got) else got) == (bare(*args) if callable(bare) else bare), (kind, name)
+            else:
+                assert got == bare == default, (kind, name, got, default)
+        declared = set(contracts.protocol_members(kind)) - set(OPTIONAL[kind])
+        assert not {n for n in declared if n in vars(base)} - {"name", "__init__"}, (kind, base)
+
+
+def test_a_tuner_on_the_base_class_with_only_required_members_is_complete():
+    """A third party's tuner: TunerBase plus the required methods is what the runner accepts (nothing missing), and
+    the optional members it did not write read as documented (full-precision base, ZeRO-3 compatible)."""
+    from toolkit.contracts import TunerBase
+
+    class Mine(TunerBase):
+        name = "mine"
+        Config = NoOptions
+
+        def validate(self, recipe, source): return []
+        def model_load_kwargs(self): return {}
+        def apply(self, model, source): return model
+        def checkpoint_state(self, model): return {}
+        def load_checkpoint_state(self, model, state): pass
+        def export_tensors(self, model): return iter(())
+
+    assert contracts.missing_members("tuner", Mine) == []
+    assert contracts.missing_members("tuner", TunerBase) == sorted(
+        ["Config", "apply", "checkpoint_state", "export_tensors", "load_checkpoint_state", "model_load_kwargs", "name", "validate"])
+    tuner = Mine()
+    assert contracts.member(tuner, "tuner", "quantized") is False and contracts.member(tuner, "tuner", "zero3_compatible")
+    assert contracts.member(tuner, "tuner", "before_step") is None
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -444,7 +444,9 @@ def member(component: Any, kind: str, name: str) -> Any:
 class EngineBase:
     """Defaults of an engine's optional members, for strategies to inherit (they need not)."""
 
+    adapter_export: Any = None
     model: Any = None
+    device: Any = None
     skips_nonfinite_updates: ClassVar[bool] = False
     supports_rollback: ClassVar[bool] = True
     skip_nonfinite: bool = False
@@ -453,10 +455,69 @@ class EngineBase:
         """Nothing to free."""
 
 
+class StrategyBase:
+    """Defaults of a strategy's optional members: data parallelism only."""
+
+    parallel_axes: ClassVar[frozenset[str]] = frozenset()
+
+
+class TunerBase:
+    """Defaults of a tuner's optional members: no adapters, full-precision base weights, a fixed trainable set.
+    ``None`` is an absent method (``member`` gives it as such): override the ones the tuner has."""
+
+    adapter_export: Any = None
+    adapter_from_checkpoint: Any = None
+    disabled_adapters: Any = None
+    optimizer_factory: Any = None
+    quantized: ClassVar[bool] = False
+    zero3_compatible: ClassVar[bool] = True
+    before_step: Any = None
+    initial_adapters: Any = None
+
+
+class LossBase:
+    """Defaults of a loss's optional members: trains on assistant tokens, no uniform-gradient promise, a command."""
+
+    train_on: ClassVar[str] = "assistant"
+    uniform_token_gradient: ClassVar[bool] = False
+    cli_command: ClassVar[bool] = True
+
+
+class DatasetFormatBase:
+    """Defaults of a dataset format's optional members: no bundled datasets."""
+
+    bundled_datasets: ClassVar[dict[str, Any]] = {}
+
+
+class ExporterBase:
+    """Defaults of an exporter's optional members: no ``--adapter-only`` export."""
+
+    export_adapter: Any = None
+
+
+class InferenceBackendBase:
+    """Defaults of an inference backend's optional members: ``toolkit serve`` refuses it."""
+
+    serve: Any = None
+
+
+class MetricBase:
+    """Defaults of a metric's optional members: nothing to prepare."""
+
+    def prepare(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to prepare."""
+
+
+BASES: dict[str, type] = {}
+"""The base class of each kind with optional members (filled below): a plugin may inherit it for the defaults."""
+
+
 class CallbackBase:
     """A callback with every method a no-op; subclasses override what they need."""
 
     name: ClassVar[str] = ""
+    tracker: ClassVar[bool] = False
+    requires: ClassVar[str] = ""
 
     def __init__(self, config: Any = None):
         self.config = config
@@ -471,3 +532,7 @@ class CallbackBase:
     def on_log(self, step: int, metrics: dict[str, float]) -> None: ...
 
     def on_train_end(self, run: Any) -> None: ...
+
+
+BASES.update(engine=EngineBase, strategy=StrategyBase, tuner=TunerBase, loss=LossBase, dataset_format=DatasetFormatBase,
+             exporter=ExporterBase, inference_backend=InferenceBackendBase, callback=CallbackBase, metric=MetricBase)

@@ -30,6 +30,8 @@ class ModelShape:
     model_type: str = "model"
     latents: tuple[tuple[str, int], ...] = ()
     """Multi-head latent attention's down-projection widths (named), split over TP like a column-parallel linear."""
+    expert_ffn: int = 0
+    """Each routed expert's FFN width (``moe_intermediate_size``) where it differs from ``intermediate_size``."""
 
     @classmethod
     def of(cls, hf_config: Any) -> ModelShape:
@@ -42,7 +44,8 @@ class ModelShape:
                 latents += (("q_lora_rank", hf_config.q_lora_rank),)
         return cls(heads=heads, kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
                    ffn=hf_config.intermediate_size, layers=hf_config.num_hidden_layers, experts=experts,
-                   model_type=hf_config.model_type, latents=latents)
+                   model_type=hf_config.model_type, latents=latents,
+                   expert_ffn=(getattr(hf_config, "moe_intermediate_size", None) or 0) if experts else 0)
 
 
 @dataclass(frozen=True)
@@ -165,6 +168,25 @@ class ParallelLayout:
             if self.sequence_parallel and (seq_len // cp) % tp:
                 problems.append(f"seq_len {seq_len} / cp {cp} / tp {tp} is not a whole number (sequence parallelism)")
         return problems
+
+    def serving_problems(self, shape: ModelShape, engine: str) -> list[str]:
+        """Why a serving engine's tensor parallelism (vLLM, LMDeploy: ``engine`` names it) cannot split a model of
+        ``shape`` at this tp: attention heads and the MLPs split evenly; key/value heads split, or, fewer than tp,
+        are replicated (tp a multiple of them). Serving engines take no other axis of this layout."""
+        tp = self.tensor
+        others = [axis for axis in self.axes_in_use() if axis != "tp"]
+        if others:
+            return [f"{', '.join(FLAGS[a] for a in others)}: {engine} serves with tensor parallelism only (--tp)"]
+        if tp < 1:
+            return [f"--tp {tp}: must be at least 1"]
+        sizes = [("attention heads", shape.heads), ("intermediate_size", shape.ffn)]
+        if shape.expert_ffn:
+            sizes.append(("moe_intermediate_size", shape.expert_ffn))
+        problems = [f"{what} {count} / tp {tp} = {count / tp:.2f} is not a whole number" for what, count in sizes if count % tp]
+        if shape.kv_heads % tp and tp % shape.kv_heads:
+            problems.append(f"key/value heads {shape.kv_heads} neither split over tp {tp} nor replicate evenly "
+                            f"(tp must divide them or be a multiple of them)")
+        return [f"{engine} at --tp {tp}: {p}" for p in problems]
 
     def check(self, hf_config: Any, world_size: int, seq_len: int | None = None) -> None:
         """Raise :class:`LayoutError` (before anything is allocated) when the layout cannot work."""

@@ -172,3 +172,22 @@ def test_registered_under_its_names():
     toolkit = get_plugin_manager()
     assert toolkit.registry("exporter").get("lmdeploy").__name__ == "LMDeployExporter"
     assert toolkit.registry("inference_backend").get("lmdeploy").__name__ == "LMDeployBackend"
+
+
+def test_tp_and_the_final_folder_are_written_into_the_serve_line(tmp_path, tiny_model_factory):
+    """`--tp 2` reaches LMDeploy's `--tp`, after a check of the heads; the serve line names the folder the export
+    ends in, not the staging folder it was written to (which is gone by then)."""
+    import shlex
+
+    from toolkit.errors import ToolkitError
+    from toolkit.export import export_model as write_export
+    from toolkit_lmdeploy.exporter import LMDeployExporter
+
+    model, net = export_model(tiny_model_factory, "qwen2", head_dim=64)
+    heads = net.config.num_attention_heads
+    out = write_export(model, "lmdeploy", tmp_path / "served", options=LMDeployExporter.Config(tp=2))
+    serve = shlex.split(json.loads((out / "toolkit_export.json").read_text())["serve"])
+    assert serve[3] == str(tmp_path / "served") and serve[serve.index("--tp") + 1] == "2"
+    with pytest.raises(ToolkitError, match=rf"LMDeploy at --tp {heads + 1}: attention heads {heads} / tp {heads + 1}"):
+        write_export(model, "lmdeploy", tmp_path / "refused", options=LMDeployExporter.Config(tp=heads + 1))
+    assert not (tmp_path / "refused").exists()

@@ -219,7 +219,9 @@ def test_cli_export_preset_to_mcore_and_back_is_bit_exact(tmp_path):
         result = subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, env=env, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
 
-    toolkit("export", "tiny-qwen2", "--to", "mcore", "--output", str(tmp_path / "mcore"), "--option", "tp=2")
+    toolkit("export", "tiny-qwen2", "--to", "mcore", "--output", str(tmp_path / "mcore"), "--tp", "2")
+    marker = json.loads((tmp_path / "mcore" / "toolkit_mcore.json").read_text())
+    assert marker["saved_layout"]["tensor"] == 2, marker  # the flag reached the exporter
     toolkit("export", str(tmp_path / "mcore"), "--to", "hf", "--output", str(tmp_path / "back"))
     toolkit("export", "tiny-qwen2", "--to", "hf", "--output", str(tmp_path / "direct"))
     back, direct = _load(tmp_path / "back"), _load(tmp_path / "direct")

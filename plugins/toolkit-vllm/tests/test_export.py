@@ -172,3 +172,24 @@ def test_the_serve_line_names_the_final_folder_not_the_staging_one(tmp_path):
     serve = shlex.split(json.loads((out / "toolkit_export.json").read_text())["serve"])
     assert serve[:2] == ["vllm", "serve"] and serve[2] == str((tmp_path / "served").resolve())
     assert (tmp_path / "served" / "config.json").is_file()
+
+
+def test_tp_is_checked_against_the_model_and_written_into_the_serve_line(tmp_path, cli_runner):
+    """`toolkit export --to vllm --tp N`: the layout the export is served on. tiny-llama has 4 attention heads, 2
+    key/value heads and an MLP of 256: tp 2 splits all three, tp 4 replicates the key/value heads (vLLM does), and
+    tp 3 splits no head count, which is refused before anything is written."""
+    import shlex
+
+    for tp in (2, 4):
+        out = tmp_path / f"tp{tp}"
+        result = cli_runner.invoke("export", "tiny-llama", "--to", "vllm", "--tp", str(tp), "--output", str(out))
+        assert result.exit_code == 0, result.output
+        manifest = json.loads((out / "toolkit_export.json").read_text())
+        serve = shlex.split(manifest["serve"])
+        assert manifest["tensor_parallel_size"] == tp and serve[serve.index("--tensor-parallel-size") + 1] == str(tp)
+    result = cli_runner.invoke("export", "tiny-llama", "--to", "vllm", "--tp", "3", "--output", str(tmp_path / "tp3"))
+    assert result.exit_code != 0 and not (tmp_path / "tp3").exists()
+    assert "vLLM at --tp 3: attention heads 4 / tp 3 = 1.33 is not a whole number" in result.output
+    assert "key/value heads 2 neither split over tp 3" in result.output and "Traceback" not in result.output
+    result = cli_runner.invoke("export", "tiny-llama", "--to", "vllm", "--pp", "2", "--output", str(tmp_path / "pp2"))
+    assert result.exit_code != 0 and "--pp" in result.output and not (tmp_path / "pp2").exists()

@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal
 from toolkit.config import option
 from toolkit.contracts import ExportModel
 from toolkit.hfdir import ExportError, check_hf_directory, config_dict, read_json, write_hf_directory
+from toolkit.parallel import ModelShape, ParallelLayout
 from toolkit_lmdeploy.requirements import Findings, check_model_config
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,8 @@ class LMDeployExporter:
         engine: Literal["auto", "turbomind", "pytorch"] = option(
             "auto", help="Engine the export must run on; auto = TurboMind when it supports the model, else PyTorch.")
         max_shard_size_mb: int = option(2048, help="Largest safetensors shard in MiB.")
+        tp: int = option(1, help="GPUs the export is served on (LMDeploy tensor parallelism, `toolkit export --tp N`): "
+                                 "checked against the model's heads and MLP widths, written into the serve command.")
 
     def __init__(self, config: Config | None = None):
         self.config = config or self.Config()
@@ -39,10 +42,14 @@ class LMDeployExporter:
         output = Path(output)
         before = check_model_config(config_dict(model.source.config), engine=self.config.engine, dtype=self.config.dtype)
         _raise_if(before, "the model cannot be exported for LMDeploy")
+        layout_problems = ParallelLayout(tensor=self.config.tp).serving_problems(ModelShape.of(model.source.config), "LMDeploy")
+        if layout_problems:
+            raise ExportError("the model cannot be served as asked: " + "; ".join(layout_problems))
         write_hf_directory(model, output, dtype=self.config.dtype, max_shard_size_mb=self.config.max_shard_size_mb)
-        manifest = {"exporter": "lmdeploy", "dtype": self.config.dtype, "engine": before.engine,
-                    "serve": shlex.join(["lmdeploy", "serve", "api_server", str(output), "--backend", str(before.engine),
-                                         "--dtype", self.config.dtype])}
+        parallel = ["--tp", str(self.config.tp)] if self.config.tp > 1 else []
+        manifest = {"exporter": "lmdeploy", "dtype": self.config.dtype, "engine": before.engine, "tp": self.config.tp,
+                    "serve": shlex.join(["lmdeploy", "serve", "api_server", str(model.destination or output), "--backend",
+                                         str(before.engine), "--dtype", self.config.dtype, *parallel])}
         (output / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         after = check_export(output, engine=self.config.engine)
         for warning in before.warnings + after.warnings:

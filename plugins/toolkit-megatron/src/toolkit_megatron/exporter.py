@@ -1,6 +1,6 @@
 """The ``mcore`` exporter (HF tensors -> Megatron-Core distributed checkpoint) and mcore sources.
 
-``toolkit export SRC --to mcore --option tp=2 --option pp=1`` starts ``tp * pp`` local gloo
+``toolkit export SRC --to mcore --tp 2 --pp 1`` starts ``tp * pp`` local gloo
 processes; each streams only its own shards from safetensors and they save collectively, so the
 result is exactly what a TP2 training job would write. ``toolkit export MCORE_DIR --to hf`` is
 served by :func:`resolve_mcore_source`, which the plugin returns from

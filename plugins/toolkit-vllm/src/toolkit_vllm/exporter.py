@@ -30,6 +30,7 @@ from toolkit.hfdir import (
     read_json,
     write_hf_directory,
 )
+from toolkit.parallel import ModelShape, ParallelLayout
 from toolkit_vllm.requirements import (
     Findings,
     check_adapter_config,
@@ -103,6 +104,8 @@ class VLLMExporter:
             "any", help="vLLM build the export must run on: cpu makes CPU-only limits (head_dim) errors.")
         adapter_name: str = option("adapter", help="Name the LoRA adapter is served under (--lora-modules NAME=...).")
         check_with_engine: bool = option(True, help="Also check against the installed vLLM's model registry.")
+        tp: int = option(1, help="GPUs the export is served on (vLLM tensor parallelism, `toolkit export --tp N`): "
+                                 "checked against the model's heads and MLP widths, written into the serve command.")
 
     def __init__(self, config: Config | None = None):
         self.config = config or self.Config()
@@ -115,6 +118,9 @@ class VLLMExporter:
         before = check_model_config(config_dict(model.source.config), device=self.config.device, dtype=dtype,
                                     registry=registry)
         _raise_if(before, "the model cannot be exported for vLLM")
+        layout_problems = ParallelLayout(tensor=self.config.tp).serving_problems(ModelShape.of(model.source.config), "vLLM")
+        if layout_problems:
+            raise ExportError("the model cannot be served as asked: " + "; ".join(layout_problems))
         adapter = adapter_parts(model.adapter) if model.adapter is not None else None
         if adapter is not None:
             refused = check_adapter_config(adapter[0]).errors
@@ -123,7 +129,8 @@ class VLLMExporter:
                 before.warnings.append("the adapter is not written (vLLM would refuse it): " + "; ".join(refused))
                 adapter = None
         write_hf_directory(model, output, dtype=dtype, max_shard_size_mb=self.config.max_shard_size_mb)
-        manifest: dict[str, Any] = {"exporter": "vllm", "dtype": dtype, "device": self.config.device, "lora_modules": {}}
+        manifest: dict[str, Any] = {"exporter": "vllm", "dtype": dtype, "device": self.config.device, "lora_modules": {},
+                                    "tensor_parallel_size": self.config.tp}
         if adapter is not None:
             manifest.update(self._write_adapter(model, adapter, output))
         manifest["serve"] = serve_hint(Path(model.destination or output), manifest)  # not the staging folder
@@ -161,12 +168,14 @@ class VLLMExporter:
 
 def serve_hint(output: Path, manifest: dict[str, Any]) -> str:
     """The vLLM command for the merged model, and for base + adapter when there is one."""
-    hint = shlex.join(["vllm", "serve", str(output), "--dtype", manifest["dtype"]])
+    tp = manifest.get("tensor_parallel_size", 1)
+    parallel = ["--tensor-parallel-size", str(tp)] if tp > 1 else []
+    hint = shlex.join(["vllm", "serve", str(output), "--dtype", manifest["dtype"], *parallel])
     if manifest.get("lora_modules"):
         modules = [f"{name}={output / path}" for name, path in manifest["lora_modules"].items()]
         hint += " ; with the adapter: " + shlex.join(
-            ["vllm", "serve", manifest.get("lora_base") or "BASE_MODEL_DIR", "--dtype", manifest["dtype"], "--enable-lora",
-             "--max-lora-rank", str(manifest["max_lora_rank"]), "--lora-modules", *modules])
+            ["vllm", "serve", manifest.get("lora_base") or "BASE_MODEL_DIR", "--dtype", manifest["dtype"], *parallel,
+             "--enable-lora", "--max-lora-rank", str(manifest["max_lora_rank"]), "--lora-modules", *modules])
     return hint
 
 
