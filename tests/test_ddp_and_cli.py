@@ -13,18 +13,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from toolkit import forkserver
+from toolkit.testing import run_python
+
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 COMMON = ["--model", "tiny-llama", "--dataset", "demo", "--seq-len", "128", "--lr", "1e-3", "--max-steps", "4"]
 
 
 def toolkit(*args, check=True, nproc=1, timeout=300, cwd=None):
-    if nproc > 1:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "toolkit", *args]
-    else:
-        command = [sys.executable, "-m", "toolkit", *args]
-    result = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=timeout, cwd=cwd)
+    result = run_python(["-m", "toolkit", *args], nproc=nproc, env=ENV, timeout=timeout, cwd=cwd)
     if check and result.returncode != 0:
-        raise AssertionError(f"{command} failed ({result.returncode}):\n{result.stdout}\n{result.stderr[-3000:]}")
+        raise AssertionError(f"{args} failed ({result.returncode}):\n{result.stdout}\n{result.stderr[-3000:]}")
     return result
 
 
@@ -50,13 +49,15 @@ def test_two_ddp_ranks_equal_one_rank(tmp_path):
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     run_dir = tmp_path / "sig"
-    process = subprocess.Popen([sys.executable, "-m", "toolkit", "sft", *COMMON[:-1], "100000", "--output", str(run_dir),
-                                "--log-every", "1"], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = (tmp_path / "stderr.txt").open("w+")
+    process = forkserver.popen([sys.executable, "-m", "toolkit", "sft", *COMMON[:-1], "100000", "--output", str(run_dir),
+                                "--log-every", "1"], env=ENV, stdout=subprocess.DEVNULL, stderr=log)
     deadline = time.time() + 120
     while time.time() < deadline and not ((run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").read_text().count("\n") >= 2):
         time.sleep(0.2)
     process.send_signal(signal.SIGTERM)
-    _, err = process.communicate(timeout=120)
+    process.wait(timeout=120)
+    err = (tmp_path / "stderr.txt").read_text()
     assert process.returncode == 75, err  # stopped, resumable
     checkpoints = list((run_dir / "checkpoints").glob("step-*"))
     assert len(checkpoints) == 1 and (checkpoints[0] / "trainer_state.json").is_file()

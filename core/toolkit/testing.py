@@ -12,7 +12,9 @@ Installed with ``toolkit``, so every test session in that environment gets these
 - ``cpu_flex_backward``: FlexAttention backward allowed on CPU (to compare packed-row gradients);
   ``flex_calls``: the attention calls that ran through FlexAttention
 
-and helpers usable outside fixtures: :func:`run_distributed`, :func:`write_plugin_distribution`,
+and helpers usable outside fixtures: :func:`run_distributed`, :func:`run_python` (a CLI run or a torchrun-style
+job, forked from a server that imported torch and transformers once: :mod:`toolkit.forkserver`),
+:func:`write_plugin_distribution`,
 :func:`packed_batch`; for checkpoints someone crafted: :class:`CodePayload`, :func:`reseal_checkpoint`,
 :func:`point_dcp_entry_at`.
 Importing this module is cheap (no torch), because pytest loads it in every session.
@@ -33,6 +35,7 @@ from typing import Any
 
 import pytest
 
+from toolkit import forkserver
 from toolkit.train.distributed import free_port
 
 # Marks a rank that finished its work; an abort at interpreter exit after it is harmless.
@@ -196,7 +199,7 @@ def _cpu_seconds() -> float:
     import resource
 
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + forkserver.forked_cpu_seconds
 
 
 class CpuReport:
@@ -310,8 +313,8 @@ class DistributedError(AssertionError):
     """A rank failed; the message holds every failing rank's exit code and output tail."""
 
 
-def _rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:
-    env = dict(os.environ)
+def _rank_env(rank: int, nproc: int, port: int, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
     env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
                HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
@@ -350,7 +353,7 @@ def _worker() -> None:
     os._exit(0)
 
 
-def _wait_all(procs: list[subprocess.Popen], logs: list[tuple[Path, Path]], timeout: float,
+def _wait_all(procs: list[Any], logs: list[tuple[Path, Path]], timeout: float,
               finished: Callable[[int], bool]) -> list[tuple[int, str, str]]:
     """Wait for every rank; once one fails, give the others a few seconds, then kill them
     (they would otherwise sit in a collective until gloo's own timeout)."""
@@ -439,7 +442,7 @@ def _run_distributed_once(target: Any, nproc: int, args: Sequence[Any], kwargs: 
             out, err = job / f"rank-{rank}.out", job / f"rank-{rank}.err"
             logs.append((out, err))
             with out.open("w") as stdout, err.open("w") as stderr:  # files, not pipes: no blocking on full buffers
-                procs.append(subprocess.Popen([sys.executable, *argv], env=rank_env, stdout=stdout, stderr=stderr, cwd=cwd))
+                procs.append(forkserver.popen([sys.executable, *argv], env=rank_env, stdout=stdout, stderr=stderr, cwd=cwd))
 
         def finished(rank: int) -> bool:
             """A function's rank wrote its result and tore down cleanly (scripts have no marker)."""
@@ -455,6 +458,38 @@ def _run_distributed_once(target: Any, nproc: int, args: Sequence[Any], kwargs: 
         if callable(target):
             return [pickle.loads(job.joinpath(f"rank-{r}.pkl").read_bytes()) for r in range(nproc)]
         return [RankResult(rank, code, out, err) for rank, (code, out, err) in enumerate(outcomes)]
+
+
+def run_python(args: Sequence[Any], *, nproc: int = 1, env: dict[str, str] | None = None, cwd: str | Path | None = None,
+               timeout: float = 300.0, check: bool = False, input: str | None = None) -> subprocess.CompletedProcess:
+    """``python *args`` with its output captured as text, like ``subprocess.run(..., capture_output=True,
+    text=True)``, forked from :mod:`toolkit.forkserver`'s server (a second or more sooner per process).
+
+    ``nproc > 1`` runs it as ``torchrun --standalone --nproc-per-node nproc`` would: one process per rank with
+    RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT; once one rank fails the others get 5 seconds, then are killed.
+    The result holds the ranks' output one after another (rank 0 first) and the first failing rank's exit
+    code (0 when all succeed). ``timeout`` raises :class:`subprocess.TimeoutExpired`.
+    """
+    argv = [sys.executable, *map(str, args)]
+    if nproc == 1:
+        return forkserver.run(argv, env=env, cwd=cwd, timeout=timeout, check=check, capture_output=True, text=True, input=input)
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="toolkit-run-") as tmp:
+        procs, logs = [], []
+        for rank in range(nproc):
+            out, err = Path(tmp, f"rank-{rank}.out"), Path(tmp, f"rank-{rank}.err")
+            logs.append((out, err))
+            with out.open("w") as stdout, err.open("w") as stderr:
+                procs.append(forkserver.popen(argv, env=_rank_env(rank, nproc, port, env), stdout=stdout, stderr=stderr,
+                                              stdin=subprocess.DEVNULL, cwd=cwd))
+        outcomes = _wait_all(procs, logs, timeout, lambda rank: False)
+    if any("[run_distributed: killed after a timeout" in err for _, _, err in outcomes):
+        raise subprocess.TimeoutExpired(argv, timeout, "".join(o for _, o, _ in outcomes), "".join(e for _, _, e in outcomes))
+    code = next((c for c, _, _ in outcomes if c), 0)
+    done = subprocess.CompletedProcess(argv, code, "".join(o for _, o, _ in outcomes), "".join(e for _, _, e in outcomes))
+    if check:
+        done.check_returncode()
+    return done
 
 
 @pytest.fixture(name="run_distributed")

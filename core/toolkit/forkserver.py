@@ -1,0 +1,420 @@
+"""Python processes for tests, forked from one interpreter that has imported torch and transformers already.
+
+A two-step ``toolkit sft`` on a tiny model costs about 5 s of CPU, 4 of them importing torch, transformers and
+megatron-core; the test suites start several hundred such processes (CLI runs, torch.distributed ranks), which
+made their import time most of CI's. :func:`popen` and :func:`run` start ``python -m ...``, ``python -c ...`` or
+``python script.py`` as :mod:`subprocess` does, but by forking a server that imported those libraries once
+(per test process): the child gets the request's argv, environment, working directory and standard streams and
+runs the module, code or script as ``__main__``, in a session of its own, as a fresh interpreter would.
+
+Nothing of the project is imported by the server (plugins, entry points and ``TOOLKIT_*`` settings are read fresh
+by every child); only third-party libraries, and only where the child's environment agrees with the server's on
+every variable such a library reads at import (``HF_*``, ``TORCH*``, ``PYTHONHASHSEED``, ...): otherwise, for
+pipes, or with ``TOOLKIT_TEST_FORK=0``, the process is started by :mod:`subprocess` instead. The standard library's
+``multiprocessing.forkserver`` does this for ``multiprocessing`` workers only (a function, a pickled payload);
+these are command lines with their own streams and exit codes, hence this module.
+
+Run as a script, this file is the server: ``python forkserver.py SOCKET MODULE,MODULE,...``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+PRELOAD = ("numpy", "torch", "torch.distributed", "safetensors.torch", "transformers", "transformers.modeling_utils",
+           "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
+           "transformers.models.qwen3.modeling_qwen3", "transformers.models.qwen3_moe.modeling_qwen3_moe",
+           "transformers.models.mixtral.modeling_mixtral", "datasets", "peft", "megatron.core",
+           "megatron.core.models.gpt")
+"""Imported by the server before it forks; a module that is not installed is skipped."""
+
+# environment variables that a preloaded library may read at import: a child whose value differs is not forked
+# (TOKENIZERS_PARALLELISM is read when a batch is encoded, not at import)
+_IMPORT_SENSITIVE = ("PYTHON", "HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH", "CUDA", "NVIDIA", "OMP_",
+                     "MKL", "KMP_", "OPENBLAS", "DATASETS", "LD_", "MALLOC", "NVTE", "MEGATRON", "XDG_",
+                     "HOME", "TMPDIR", "PEFT")
+# ... of which the child applies these itself
+_APPLIED = {"PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONWARNINGS", "OMP_NUM_THREADS", "PYTHONFAULTHANDLER"}
+_BASE_ENV = dict(os.environ)  # the environment the server starts with: before any test changed os.environ
+
+_server: _Server | None = None
+forked_cpu_seconds = 0.0
+"""CPU seconds of the finished forked processes (with what they waited for): :class:`toolkit.testing.CpuReport`
+adds them, as the kernel does not count them as this process's children."""
+
+
+# ----------------------------------------------------------------------------- client
+
+
+class ForkedProcess:
+    """A :class:`subprocess.Popen`-like handle of a process the fork server started (``pid``, ``poll``, ``wait``,
+    ``kill``, ``terminate``, ``send_signal``, ``returncode``)."""
+
+    def __init__(self, args: list[str], connection: socket.socket, pid: int):
+        self.args, self.pid, self.returncode = args, pid, None
+        self._connection = connection
+        self._buffer = b""
+
+    def _read_status(self, timeout: float | None) -> bool:
+        self._connection.settimeout(timeout)
+        try:
+            while b"\n" not in self._buffer:
+                chunk = self._connection.recv(4096)
+                if not chunk:  # the server died: the process is gone with it
+                    self._finish({"code": -signal.SIGKILL, "cpu": 0.0})
+                    return True
+                self._buffer += chunk
+        except (TimeoutError, BlockingIOError):
+            return False
+        self._finish(json.loads(self._buffer.split(b"\n", 1)[0]))
+        return True
+
+    def _finish(self, status: dict[str, Any]) -> None:
+        global forked_cpu_seconds
+        self.returncode = status["code"]
+        forked_cpu_seconds += status["cpu"]
+        self._connection.close()
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._read_status(0.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None and not self._read_status(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def __enter__(self) -> ForkedProcess:
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.wait()
+
+
+class _Server:
+    """The server process of this (test) process, started on first use and stopped at exit."""
+
+    def __init__(self) -> None:
+        self.directory = tempfile.mkdtemp(prefix="toolkit-fork-")
+        self.address = os.path.join(self.directory, "socket")
+        preload = os.environ.get("TOOLKIT_TEST_PRELOAD", ",".join(PRELOAD))
+        self.log = open(os.path.join(self.directory, "server.log"), "wb")  # noqa: SIM115 - open while it runs
+        self.process = subprocess.Popen([sys.executable, __file__, self.address, preload], env=_BASE_ENV,
+                                        stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log,
+                                        start_new_session=True)
+        atexit.register(self.stop)
+
+    def connect(self, timeout: float = 300.0) -> socket.socket:
+        deadline = time.monotonic() + timeout
+        while True:
+            connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                connection.connect(self.address)
+                return connection
+            except (FileNotFoundError, ConnectionRefusedError):
+                connection.close()
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    log = Path(self.log.name).read_text(errors="replace")[-4000:]
+                    raise RuntimeError(f"the test fork server did not start ({self.process.returncode}):\n{log}") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+        for name in os.listdir(self.directory):
+            os.unlink(os.path.join(self.directory, name))
+        os.rmdir(self.directory)
+
+
+def forkable(args: Sequence[Any], env: dict[str, str] | None) -> bool:
+    """Whether ``args`` (``[sys.executable, "-m" | "-c" | script, ...]``) can be forked from the server."""
+    if os.environ.get("TOOLKIT_TEST_FORK", "1") == "0" or not hasattr(os, "fork") or len(args) < 2:
+        return False
+    if str(args[0]) != sys.executable or not (args[1] in ("-m", "-c") and len(args) > 2 or not str(args[1]).startswith("-")):
+        return False
+    env = os.environ if env is None else env
+    sensitive = {key for key in {*env, *_BASE_ENV} if key.startswith(_IMPORT_SENSITIVE) and key not in _APPLIED}
+    return all(env.get(key) == _BASE_ENV.get(key) for key in sensitive)
+
+
+def _stream(value: Any, default: int) -> tuple[int, bool]:
+    """A file descriptor for a Popen-style stream argument, and whether it must be closed after sending."""
+    if value is None:
+        return default, False
+    if value == subprocess.DEVNULL:
+        return os.open(os.devnull, os.O_RDWR), True
+    if isinstance(value, int):
+        return value, False
+    return value.fileno(), False
+
+
+def popen(args: Sequence[Any], *, env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None,
+          stdin: Any = None, stdout: Any = None, stderr: Any = None) -> ForkedProcess | subprocess.Popen:
+    """Start ``args`` like :class:`subprocess.Popen`; forked from the server where :func:`forkable` and the
+    streams are ``None`` (inherited), ``DEVNULL``, a descriptor or a file (``PIPE`` goes to subprocess)."""
+    global _server
+    args = [str(a) for a in args]
+    streams = (stdin, stdout, stderr)
+    if not forkable(args, env) or any(s in (subprocess.PIPE, subprocess.STDOUT) for s in streams):
+        return subprocess.Popen(args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr)
+    if _server is None or _server.process.poll() is not None:
+        _server = _Server()
+    request = json.dumps({"args": args, "env": dict(os.environ if env is None else env),
+                          "cwd": os.path.abspath(cwd if cwd is not None else os.getcwd())}).encode()
+    fds = [_stream(s, default) for s, default in zip(streams, (0, 1, 2), strict=True)]
+    connection = _server.connect()
+    try:
+        socket.send_fds(connection, [struct.pack("!Q", len(request)) + request], [fd for fd, _ in fds])
+    finally:
+        for fd, close in fds:
+            if close:
+                os.close(fd)
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = connection.recv(1)
+        if not chunk:
+            raise RuntimeError(f"the test fork server could not start {args}")
+        line += chunk
+    return ForkedProcess(args, connection, int(line))
+
+
+def run(args: Sequence[Any], *, env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None,
+        timeout: float | None = None, check: bool = False, capture_output: bool = False, text: bool = False,
+        input: str | bytes | None = None, stdout: Any = None, stderr: Any = None) -> subprocess.CompletedProcess:
+    """:func:`subprocess.run` for Python command lines, through :func:`popen` (output captured in files)."""
+    args = [str(a) for a in args]
+    with tempfile.TemporaryDirectory(prefix="toolkit-run-") as tmp:
+        files = {}
+        if capture_output:
+            stdout, stderr = (files.setdefault(n, open(os.path.join(tmp, n), "w+b")) for n in ("out", "err"))  # noqa: SIM115
+        stdin = None
+        if input is not None:
+            stdin = files["in"] = open(os.path.join(tmp, "in"), "w+b")  # noqa: SIM115
+            stdin.write(input.encode() if isinstance(input, str) else input)
+            stdin.seek(0)
+        try:
+            process = popen(args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr)
+            try:
+                code = process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+                raise
+            out = err = None
+            if capture_output:
+                out, err = (files[n].seek(0) or files[n].read() for n in ("out", "err"))
+                if text:
+                    out, err = out.decode(errors="replace"), err.decode(errors="replace")
+        finally:
+            for handle in files.values():
+                handle.close()
+    done = subprocess.CompletedProcess(args, code, out, err)
+    if check:
+        done.check_returncode()
+    return done
+
+
+# ----------------------------------------------------------------------------- server
+
+
+def _serve(address: str, preload: list[str]) -> None:
+    import importlib
+    import select
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # import-time notices (megatron-core's TE/Apex ones) belong to no test
+        for module in preload:
+            try:
+                importlib.import_module(module)
+            except Exception as exc:  # noqa: BLE001 - not installed or broken here: the children import it themselves
+                print(f"fork server: not preloaded: {module}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    import gc
+
+    gc.collect()
+    gc.freeze()  # what the server holds stays shared with the children (no copy-on-write from refcount scans)
+    parent = os.getppid()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address + ".tmp")
+    os.rename(address + ".tmp", address)  # clients connect only once every module is imported
+    listener.listen(64)
+    while os.getppid() == parent:  # the test process is gone: so is the server
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0]:  # reap the monitors of finished jobs
+                pass
+        except ChildProcessError:
+            pass
+        if not select.select([listener], [], [], 1.0)[0]:
+            continue
+        connection, _ = listener.accept()
+        header, fds, _, _ = socket.recv_fds(connection, 8, 3)
+        size, body = struct.unpack("!Q", header)[0], b""
+        while len(body) < size:
+            body += connection.recv(size - len(body))
+        if os.fork() == 0:
+            listener.close()
+            _monitor(connection, json.loads(body), fds)
+        connection.close()
+        for fd in fds:
+            os.close(fd)
+
+
+def _monitor(connection: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
+    """The server's child for one job: forks it, reports its pid, then its exit status and CPU time; kills its
+    process group when the client goes away first."""
+    import select
+
+    pid = os.fork()
+    if pid == 0:
+        connection.close()
+        _job(request, fds)
+    for fd in fds:
+        os.close(fd)
+    connection.sendall(f"{pid}\n".encode())
+    while True:
+        done, status, usage = os.wait4(pid, os.WNOHANG)
+        if done:
+            break
+        if select.select([connection], [], [], 0.05)[0] and not connection.recv(1):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            _, status, usage = os.wait4(pid, 0)
+            break
+    report = {"code": os.waitstatus_to_exitcode(status), "cpu": usage.ru_utime + usage.ru_stime}
+    try:
+        connection.sendall(json.dumps(report).encode() + b"\n")
+    except OSError:
+        pass
+    os._exit(0)
+
+
+def _job(request: dict[str, Any], fds: list[int]) -> None:
+    """The forked process: becomes the requested interpreter run, then exits with its status."""
+    import importlib
+    import io
+    import runpy
+    import threading
+
+    os.setsid()
+    for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    env, args = request["env"], request["args"]
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(env)
+    unbuffered = bool(env.get("PYTHONUNBUFFERED"))
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8", errors="surrogateescape")
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False) if unbuffered else io.BufferedWriter(io.FileIO(1, "w", closefd=False)),
+                                  encoding="utf-8", errors="surrogateescape", write_through=unbuffered)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
+                                  line_buffering=True, write_through=True)
+    sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
+    mode, target, rest = (args[1], args[2], args[3:]) if args[1] in ("-m", "-c") else ("", args[1], args[2:])
+    first = (os.path.dirname(os.path.realpath(target)) if not mode else os.getcwd() if mode == "-m" else "")
+    old_extra = [p for p in _BASE_ENV.get("PYTHONPATH", "").split(os.pathsep) if p]
+    extra = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [first, *extra, *(p for p in sys.path if p not in old_extra and p)]
+    importlib.invalidate_caches()
+    tempfile.tempdir = None
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()  # as a fresh interpreter's would be (random reseeds itself at fork)
+    if "torch" in sys.modules and env.get("OMP_NUM_THREADS", "").isdigit():
+        sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
+    import warnings
+
+    warnings.resetwarnings()
+    options = [o for o in env.get("PYTHONWARNINGS", "").split(",") if o]
+    if options:
+        warnings._processoptions(options)  # what -W / PYTHONWARNINGS do at start-up
+    if env.get("PYTHONFAULTHANDLER"):
+        import faulthandler
+
+        faulthandler.enable()
+    code = 0
+    try:
+        if mode == "-m":
+            sys.argv = [target, *rest]  # runpy puts the module's path in argv[0]
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        elif mode == "-c":
+            import types
+
+            sys.argv = ["-c", *rest]
+            main = sys.modules["__main__"] = types.ModuleType("__main__")  # not the server's own __main__ (this file)
+            main.__builtins__ = __builtins__
+            exec(compile(target, "<string>", "exec"), main.__dict__)
+        else:
+            sys.argv = [target, *rest]
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        code = -signal.SIGINT
+    except BaseException:  # noqa: BLE001 - what the interpreter does: print the traceback, exit 1
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    _exit_like_the_interpreter(code, threading)
+
+
+def _exit_like_the_interpreter(code: int, threading: Any) -> None:
+    """Wait for non-daemon threads, run atexit handlers, flush the streams, exit (as ``Py_FinalizeEx``)."""
+    try:
+        threading._shutdown()
+    except Exception:  # noqa: BLE001
+        pass
+    import atexit as _atexit
+
+    _atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed pipe: nothing left to say
+            pass
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code & 0xFF)
+
+
+if __name__ == "__main__":
+    sys.path.pop(0)  # this file's directory (core/toolkit) must not shadow top-level modules
+    _serve(sys.argv[1], [m for m in sys.argv[2].split(",") if m])
