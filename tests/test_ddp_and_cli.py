@@ -33,8 +33,11 @@ def metrics(run_dir):
 
 @pytest.mark.slow
 def test_two_ddp_ranks_equal_one_rank(tmp_path):
-    toolkit("sft", *COMMON, "--output", str(tmp_path / "one"), "--micro-batch-size", "2", "--global-batch-size", "4")
-    toolkit("sft", *COMMON, "--output", str(tmp_path / "two"), "--micro-batch-size", "2", "--global-batch-size", "4", nproc=2)
+    # 10 examples, 4 a step: step 3 ends epoch 0 with its last 2 examples (rank 0's share) and takes epoch 1's first 2
+    # (rank 1's), so no example is left out and the ranks still agree with one process over the epoch boundary
+    batch = ["--micro-batch-size", "2", "--global-batch-size", "4", "--max-samples", "10"]
+    toolkit("sft", *COMMON, "--output", str(tmp_path / "one"), *batch)
+    toolkit("sft", *COMMON, "--output", str(tmp_path / "two"), *batch, nproc=2)
     one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     assert len(one) == len(two) == 4
     for a, b in zip(one, two):

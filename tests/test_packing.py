@@ -111,16 +111,46 @@ def test_pt_rows_train_every_token_of_the_corpus_once(tokenizer, tmp_path, isola
                 offset += len(s.input_ids)
 
 
-def test_pt_rows_through_batches_cover_the_epoch(tokenizer, tmp_path):
+def trained_labels(per_rank: list[Batches], steps: range) -> dict[tuple[int, int], int]:
+    """(example, sequence) -> label tokens trained, summed over the steps' micro-batches of every DP rank (an
+    example's sequences come in order, so the k-th sequence of example i seen is its sequence k mod their count)."""
+    trained: dict[tuple[int, int], int] = {}
+    seen: dict[int, int] = {}
+    for step in steps:
+        for batches in per_rank:
+            for mb in batches.micro_batches(step):
+                labelled = mb["labels"] != IGNORE_INDEX
+                for s, example in enumerate(mb["sequence_meta"]["dataset_index"].tolist()):
+                    key = (example, seen.get(example, 0) % len(batches.examples[example].sequences))
+                    seen[example] = seen.get(example, 0) + 1
+                    trained[key] = trained.get(key, 0) + int((labelled & (mb["sequence_ids"] == s)).sum())
+    return trained
+
+
+@pytest.mark.parametrize("isolate", [False, True])
+def test_pt_rows_through_batches_train_every_token_once_per_epoch(tokenizer, tmp_path, isolate):
+    """A corpus whose rows are not a multiple of the global batch, over 2 DP ranks with accumulation: the steps of
+    one epoch train every label position of the corpus (none left after the last full global batch), the steps of
+    two epochs each twice, and a fresh object (a resumed run) rebuilds any step alike."""
     path = write_jsonl(tmp_path / "docs.jsonl", DOCS)
-    rows, _ = load_examples([path], tokenizer, seq_len=16, train_on="all", isolate_documents=True)
-    batches = Batches(rows, seed=0, seq_len=16, packing=True, micro_batch_size=2, global_batch_size=2, dp_rank=0,
-                      dp_world_size=1, pad_id=0)
-    seen = sorted(int(i) for s in range(batches.steps_per_epoch) for mb in batches.micro_batches(s)
-                  for i in mb["sequence_meta"]["dataset_index"].unique())
-    assert len(seen) + batches.left_over_examples(0) == len(rows) and len(seen) == len(set(seen))
-    batch = batches.micro_batches(0)[0]
-    assert batch["input_ids"].shape == (2, 16)  # one joined row each, documents inside as separate sequences
+    corpus = sum(len(tokenizer(d["text"], add_special_tokens=False)["input_ids"]) + 1 for d in DOCS)
+    rows, _ = load_examples([path], tokenizer, seq_len=16, train_on="all", isolate_documents=isolate)
+    kwargs = dict(seed=0, seq_len=16, packing=isolate, micro_batch_size=2, global_batch_size=8, dp_world_size=2, pad_id=0)
+    per_rank = [Batches(rows, dp_rank=r, **kwargs) for r in range(2)]
+    assert len(rows) % 8 and per_rank[0].steps_for(1) == -(-len(rows) // 8) == per_rank[0].steps_per_epoch
+    one = trained_labels(per_rank, range(per_rank[0].steps_for(1)))
+    labels = {(i, j): sum(1 for t in s.labels if t != IGNORE_INDEX) for i, e in enumerate(rows) for j, s in enumerate(e.sequences)}
+    assert set(one) == set(labels)  # every row, every piece of a document
+    # every token of the corpus is a label once (not the corpus' last; with isolation not a document's EOS either)
+    assert sum(labels.values()) == corpus - (len(DOCS) if isolate else 1)
+    assert all(one[k] >= labels[k] for k in labels)  # the last step's extra rows are the next epoch's first ones
+    two = trained_labels(per_rank, range(per_rank[0].steps_for(2)))
+    assert all(two[k] >= 2 * labels[k] for k in labels)
+    resumed = Batches(rows, dp_rank=1, **kwargs)
+    last = per_rank[0].steps_for(1) - 1
+    assert resumed.step_units(last) == per_rank[1].step_units(last) and len(resumed.step_units(last)) == 8
+    assert [b["input_ids"].tolist() for b in resumed.micro_batches(last)] == \
+        [b["input_ids"].tolist() for b in per_rank[1].micro_batches(last)]
 
 
 def test_stream_rows_name_where_each_row_begins():
@@ -194,3 +224,43 @@ def test_the_data_path_examples_run(cli_runner, tmp_path, command, config, says)
     result = cli_runner.invoke(command, "--config", str(example), "--max-steps", "2", "--output", str(tmp_path / "run"))
     assert result.exit_code == 0, result.output
     assert says in result.stderr and "truncated" not in result.stderr
+
+
+def test_a_pt_epoch_trains_its_last_partial_global_batch_and_resumes_across_it(tmp_path):
+    """`toolkit pt --epochs 1` on a corpus whose rows are not a multiple of the global batch: the run takes
+    ceil(rows / global batch) steps, its trained_tokens are those of every row (plus the next epoch's first rows
+    that complete the last step), and a run stopped before that last step and resumed ends bit-identical."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    from toolkit.models import resolve_model
+    from toolkit.recipe import resolve_recipe
+    from toolkit.train.runner import run_training
+
+    path = write_jsonl(tmp_path / "docs.jsonl", DOCS)
+    tokenizer = resolve_model("tiny-llama").tokenizer
+    rows, stats = load_examples([path], tokenizer, seq_len=64, train_on="all")
+    assert len(rows) % 8
+
+    def train(name, **values):
+        recipe = resolve_recipe({"model": "tiny-llama", "loss": "pt", "dataset": [path], "output": str(tmp_path / name),
+                                 "seq_len": 64, "micro_batch_size": 4, "global_batch_size": 8, "epochs": 1, "lr": 1e-3,
+                                 "log_every": 1, **values})
+        run_dir = run_training(recipe)
+        newest = sorted((run_dir / "checkpoints").iterdir(), key=lambda p: int(p.name.split("-")[1]))[-1]
+        metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return metrics, load_file(str(newest / "model.safetensors"))
+
+    metrics, straight = train("straight")
+    steps = -(-len(rows) // 8)
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    batches = Batches(rows, seed=42, seq_len=64, packing=False, micro_batch_size=4, global_batch_size=8, dp_rank=0,
+                      dp_world_size=1, pad_id=0)
+    trained = trained_labels([batches], range(steps))
+    assert {i for i, _ in trained} == set(range(len(rows)))
+    assert metrics[-1]["trained_tokens"] == sum(trained.values()) > stats.trained_tokens
+    train("resumed", stop_after=steps - 1)
+    _, resumed = train("resumed", resume="auto")
+    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)

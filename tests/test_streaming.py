@@ -19,10 +19,21 @@ CHATS = [{"messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistan
          for i in range(50)]
 
 
+INSTRUCTIONS = [{"instruction": f"say {i}", "output": "yes " * (1 + i % 5)} for i in range(30)]
+
+
 @pytest.fixture
 def data(tmp_path):
     path = tmp_path / "chats.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in CHATS))
+    return str(path)
+
+
+@pytest.fixture
+def other(tmp_path):
+    """A second set in another format (alpaca) to mix with ``data``."""
+    path = tmp_path / "instructions.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in INSTRUCTIONS))
     return str(path)
 
 
@@ -69,18 +80,61 @@ def test_a_restored_stream_continues_at_the_same_rows(data, packing):
     assert len(resumed._held) <= 2  # only the windows in use are held
 
 
+def test_a_streamed_mix_has_the_in_memory_mixes_proportions_and_restarts_used_up_sets(data, other):
+    from toolkit.data.pipeline import load_examples
+
+    tokenizer = resolve_model("tiny-llama").tokenizer
+    whole, _ = load_examples([data, other], tokenizer, seq_len=64, ratios=[0.75, 0.25], seed=1)
+    in_memory = sum(e.source.startswith(other) for e in whole) / len(whole)
+    batches = make([data, other], ratios=[0.75, 0.25])
+    units = [s for step in range(50) for s in sources(batches, step)]  # 200 records drawn, 16 a window
+    streamed = sum(s.startswith(other) for s in units) / len(units)
+    assert in_memory == 0.25 and streamed == pytest.approx(in_memory, abs=0.06)
+    # both sets were used up and restarted (50 + 30 records, 200 drawn): every record of each seen, some again
+    assert {s for s in units if s.startswith(other)} == {f"{other}, record {i}" for i in range(1, 31)}
+    assert {s for s in units if s.startswith(data)} == {f"{data}, record {i}" for i in range(1, 51)}
+    assert batches.dataset_lengths == {0: 50, 1: 30}
+    assert sources(make([data, other], ratios=[0.75, 0.25], seed=2), 0) != sources(batches, 0)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_a_mix_resumed_after_k_steps_continues_with_the_uninterrupted_rows(data, other, packing):
+    uninterrupted = make([data, other], packing=packing, ratios=[0.5, 0.5])
+    expected = [uninterrupted.micro_batches(step) for step in range(36)]
+    for k, lengths in ((3, {}), (27, {"0": 50, "1": 30})):  # stopped before any set was used up, and after both were
+        first = make([data, other], packing=packing, ratios=[0.5, 0.5])
+        for step in range(k):  # the stopped run: k steps, then its checkpoint
+            first.micro_batches(step)
+        state = json.loads(json.dumps(first.state()))
+        assert state["stream_dataset_lengths"] == lengths
+        resumed = make([data, other], packing=packing, ratios=[0.5, 0.5])
+        resumed.restore(state)
+        for step in range(k, k + 9):
+            for a, b in zip(expected[step], resumed.micro_batches(step), strict=True):
+                assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"])
+
+
+def test_mixed_streams_check_their_ratios(data, other):
+    with pytest.raises(ConfigError, match="gives 1 ratios for 2 datasets"):
+        make([data, other], ratios=[1.0])
+    with pytest.raises(ConfigError, match="ratios must be 0 or more"):
+        make([data, other], ratios=[0.0, 0.0])
+
+
 def test_streaming_needs_max_steps():
     with pytest.raises(ConfigError, match="give --max-steps"):
         resolve_recipe({"dataset": ["demo"], "streaming": True})
 
 
-@pytest.mark.parametrize("mode", [{"packing": False}, {"packing": True}, {"loss": "pt", "isolate_documents": True, "seq_len": 32}],
-                         ids=["padded", "packed", "pt-rows"])
-def test_a_streamed_run_resumed_mid_pass_ends_bit_identical(tmp_path, data, monkeypatch, mode):
+@pytest.mark.parametrize("mode", [{"packing": False}, {"packing": True}, {"loss": "pt", "isolate_documents": True, "seq_len": 32},
+                                  {"packing": True, "dataset_ratios": [0.6, 0.4]}],
+                         ids=["padded", "packed", "pt-rows", "mixed"])
+def test_a_streamed_run_resumed_mid_pass_ends_bit_identical(tmp_path, data, other, monkeypatch, mode):
     monkeypatch.setattr("toolkit.data.streaming.STREAM_WINDOW", 16)
+    sets = [data, other] if "dataset_ratios" in mode else [data]
 
     def train(name, **values):
-        recipe = resolve_recipe({"model": "tiny-llama", "dataset": [data], "output": str(tmp_path / name), "lr": 1e-3,
+        recipe = resolve_recipe({"model": "tiny-llama", "dataset": sets, "output": str(tmp_path / name), "lr": 1e-3,
                                  "seq_len": 64, "streaming": True, "max_steps": 10, "micro_batch_size": 2, **mode, **values})
         return run_training(recipe)
 

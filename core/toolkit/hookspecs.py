@@ -193,8 +193,11 @@ def toolkit_patch_model(model: Any, source: Any, recipe: Any) -> None:
     :class:`~toolkit.contracts.ModelSource`, ``recipe`` the resolved :class:`~toolkit.recipe.Recipe`
     (read your options with ``toolkit.recipe.thing_options``). Return nothing; do nothing unless
     your options ask for it. Example: toolkit-moe swaps the sparse MoE blocks for its own.
-    A patched model that produces an auxiliary loss exposes ``model.toolkit_pop_aux_loss()``
-    returning ``(loss_or_None, metrics)`` for the last forward; engines add that loss.
+    A patched model that produces an auxiliary loss exposes ``model.toolkit_pop_aux_loss(tokens=None)``
+    returning ``(loss_or_None, metrics)`` for the last forward; engines add that loss. They pass
+    ``tokens``, a bool tensor of the real (non-padding) positions of that forward flattened to
+    ``[B * T]`` (``sequence_ids >= 0``), for the loss to leave padding out; a pop without that
+    parameter is called without it.
     A parameter the plugin splits over ranks (dim 0, e.g. experts) carries
     ``param.toolkit_shard = toolkit.train.sharded.Shard(...)``: the ``local`` engine then leaves it
     out of DDP, sums its gradient over the replicas, counts it once in the gradient norm and

@@ -24,7 +24,9 @@ class Recipe:
     dataset: list[str] = option(["demo"], help="Dataset file (jsonl/json/parquet/csv) or bundled name; repeatable.")
     dataset_ratios: list[float] = option([], help="Mix the --dataset files in these proportions (one per --dataset, "
                                                   "repeatable, e.g. 0.7 then 0.3); the mix keeps their total size, "
-                                                  "drawing from small sets more than once. Default: each as it is.")
+                                                  "drawing from small sets more than once. With --streaming each record "
+                                                  "is drawn from a set with these odds (seeded), a set restarting when "
+                                                  "used up. Default: each as it is.")
     dataset_format: str = option("auto", help="Record format: auto, alpaca, messages, sharegpt, text, or a plugin's.")
     columns: dict[str, str] = option({}, help="Column remapping, 'ours=theirs' (e.g. instruction=question).")
     output: str = option("runs/latest", help="Run directory (recipe.yaml, metrics.jsonl, checkpoints/).")
@@ -64,7 +66,7 @@ class Recipe:
                                               "micro-batch (less padding); batches still come in a seeded random order.")
     streaming: bool = option(False, help="Read the datasets as a stream (datasets' streaming mode), a window of 4096 "
                                          "records at a time, for sets that do not fit in memory; needs --max-steps; "
-                                         "resumes exactly.")
+                                         "mixes by --dataset-ratios; resumes exactly.")
     isolate_documents: bool = option(False, help="PT: keep each document's attention and positions to itself inside "
                                                  "the joined rows (block-causal mask); default: attention runs across "
                                                  "document boundaries, as in Megatron's GPT pretraining.")
@@ -140,7 +142,6 @@ class Recipe:
                 (not self.max_steps, "a stream's length is unknown before it is read: give --max-steps"),
                 (self.eval_samples or self.eval_split, "--eval-samples/--eval-split hold examples out of a list; "
                  "not with --streaming (give --eval-dataset FILE)"),
-                (self.dataset_ratios, "--dataset-ratios mixes whole sets; not with --streaming"),
                 (self.precompute_reference, "--precompute-reference needs every example up front; not with --streaming"),
                 (self.max_samples, "--max-samples: give --max-steps instead with --streaming")) if flag]
         return problems

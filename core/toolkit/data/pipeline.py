@@ -1,13 +1,16 @@
 """From records to micro-batches: encode, truncate (SFT) or cut into rows (PT), filter, pack, shuffle by seed,
 shard over DP ranks.
 
-The order of every epoch is a pure function of (seed, epoch), and each optimizer step takes a
-fixed slice of it, so resuming at step N continues at exactly the sample it stopped at.
+The order of every epoch is a pure function of (seed, epoch); the epochs' units are laid end to end and each
+optimizer step takes a fixed slice of them (an epoch's last step completed by the next epoch's first units, so
+nothing is left out), so resuming at step N continues at exactly the sample it stopped at.
 """
 
 from __future__ import annotations
 
+import math
 import random
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,24 +34,23 @@ class DataStats:
     rows: int = 0
     """Rows of epoch 0 and the share of their capacity that real tokens fill (set by the runner)."""
     row_fill: float = 0.0
-    left_over_per_epoch: int = 0
-    """Examples of each epoch after its last full global batch (set by the runner; different ones each epoch)."""
     stream_window: int = 0
     """``--streaming``: records per window; the other figures are then those of the windows read so far (the
     first one at start-up), as a stream is not read ahead."""
+    stream_mix: str = ""
+    """``--streaming`` with ``--dataset-ratios``: the ratios, as the summary names them."""
     per_file: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> str:
         once = "each trained once per pass" if self.stream_window else "each trained once per epoch"
-        if self.left_over_per_epoch:
-            once += " but those of the rows left over"
         if self.documents:
             text = (f"{self.examples} rows of --seq-len cut from {self.documents} documents ({self.tokens} tokens, {once}) "
                     f"from {self.records} records")
         else:
             text = f"{self.examples} examples from {self.records} records"
         if self.stream_window:
-            text = f"streaming in windows of {self.stream_window} records; the first window: {text}"
+            mixed = f" drawn from the datasets by --dataset-ratios {self.stream_mix}" if self.stream_mix else ""
+            text = f"streaming in windows of {self.stream_window} records{mixed}; the first window: {text}"
         if self.rows:
             text += (f"; {self.rows} rows {'in it' if self.stream_window else 'per epoch'}, {self.row_fill:.1%} filled "
                      f"with real tokens, {self.trained_tokens} trained tokens")
@@ -56,9 +58,6 @@ class DataStats:
             text += f"; {self.truncated} sequences truncated to --seq-len"
         if self.dropped_no_labels:
             text += f"; {self.dropped_no_labels} examples dropped (no trainable tokens left)"
-        if self.left_over_per_epoch:
-            text += (f"; {self.left_over_per_epoch} {'rows' if self.documents else 'examples'} per epoch left over after "
-                     "the last full global batch (other ones each epoch)")
         return text
 
 
@@ -101,8 +100,8 @@ def load_examples(datasets: list[str], tokenizer: Any, *, dataset_format: str = 
 
     manager = manager or get_plugin_manager()
     stats = DataStats()
-    if ratios and len(ratios) != len(datasets):
-        raise ConfigError(f"--dataset-ratios gives {len(ratios)} ratios for {len(datasets)} datasets; give one per --dataset")
+    if ratios:
+        check_ratios(ratios, len(datasets))
     parts = []
     for reference in datasets:
         path, encoded, records = encode_dataset(reference, tokenizer, dataset_format=dataset_format, columns=columns,
@@ -197,24 +196,28 @@ def stream_encoder(tokenizer: Any, *, dataset_format: str, columns: dict[str, st
                    example_kinds: tuple[str, ...], options: dict[str, Any] | None, packing: bool, isolate_documents: bool,
                    stats: DataStats, manager: Any = None) -> Any:
     """For ``--streaming`` (:class:`toolkit.data.streaming.StreamBatches`): a function from one window's
-    ``(where, record)`` pairs to its examples, by the same rules as :func:`load_examples` (the format is
-    picked from the stream's first record)."""
+    ``(where, record)`` pairs to its examples, by the same rules as :func:`load_examples` (the format of each
+    stream, several with ``--dataset-ratios``, is picked from its first record)."""
     from toolkit.plugins import get_plugin_manager
 
     manager = manager or get_plugin_manager()
     template = ChatTemplate(tokenizer, train_on=train_on)
     rename = {theirs: ours for ours, theirs in (columns or {}).items()}
-    chosen: list[Any] = []
+    chosen: dict[str, Any] = {}  # the format of each stream ("file, record N" less the record), from its first record
 
-    def encode(window: list[tuple[str, dict[str, Any]]]) -> list[Example]:
-        if not chosen:
-            where, first = window[0]
-            fmt = pick_format(dataset_format, [rename.get(k, k) for k in first], where, manager, options)
+    def format_of(where: str, record: dict[str, Any]) -> Any:
+        stream = where.rsplit(", ", 1)[0]
+        if stream not in chosen:
+            fmt = pick_format(dataset_format, [rename.get(k, k) for k in record], where, manager, options)
             if fmt.example_kind not in example_kinds:
                 raise ConfigError(f"{where}: the stream is in format {fmt.name!r} ({fmt.example_kind} examples), but the "
                                   f"loss needs {' or '.join(example_kinds)} examples")
-            chosen.append(fmt)
-        examples = [encode_record(chosen[0], record, rename, tokenizer, template, where) for where, record in window]
+            chosen[stream] = fmt
+        return chosen[stream]
+
+    def encode(window: list[tuple[str, dict[str, Any]]]) -> list[Example]:
+        examples = [encode_record(format_of(where, record), record, rename, tokenizer, template, where)
+                    for where, record in window]
         stats.records += len(window)
         rows = pt_rows(fit(examples, train_on, seq_len, stats, packing), train_on, seq_len, isolate_documents, stats)
         stats.examples += len(rows)
@@ -225,12 +228,19 @@ def stream_encoder(tokenizer: Any, *, dataset_format: str, columns: dict[str, st
     return encode
 
 
+def check_ratios(ratios: list[float], datasets: int) -> None:
+    """``--dataset-ratios``: one per dataset, 0 or more, not all 0."""
+    if len(ratios) != datasets:
+        raise ConfigError(f"--dataset-ratios gives {len(ratios)} ratios for {datasets} datasets; give one per --dataset")
+    if any(not r >= 0 for r in ratios) or not sum(ratios) > 0:
+        raise ConfigError(f"--dataset-ratios {','.join(map(str, ratios))}: ratios must be 0 or more and not all 0")
+
+
 def mix(parts: list[list[Example]], ratios: list[float], seed: int) -> list[Example]:
     """The datasets mixed in proportion to ``ratios``, as many examples as they hold together: dataset ``i``
     gives ``ratio_i / sum(ratios)`` of them, drawn without replacement (seeded) while it has enough, and
     repeated whole (then drawn) where its share is larger than it is."""
-    if any(not r >= 0 for r in ratios) or not sum(ratios) > 0:
-        raise ConfigError(f"--dataset-ratios {','.join(map(str, ratios))}: ratios must be 0 or more and not all 0")
+    check_ratios(ratios, len(parts))
     total = sum(len(p) for p in parts)
     rng = random.Random(seed * 7_368_787 + 17)
     mixed: list[Example] = []
@@ -360,27 +370,58 @@ class Batches:
             raise ConfigError(f"--global-batch-size {self.global_batch_size} must be a multiple of --micro-batch-size "
                               f"{micro_batch_size} x data-parallel ranks {dp_world_size} = {per_step}")
         self.accumulation = self.global_batch_size // per_step
-        self._epoch_cache: tuple[int, list[list[int]]] | None = None
-        self.steps_per_epoch = len(self.units(0)) // self.global_batch_size
-        if self.steps_per_epoch == 0:
+        self._epoch_cache: OrderedDict[int, list[list[int]]] = OrderedDict()  # the two epochs a step may span
+        self._epoch_starts = [0]  # where each epoch's units begin in the sequence of all epochs (as far as counted)
+        if len(self.units(0)) < self.global_batch_size:
             raise DataError(f"the dataset gives {len(self.units(0))} {'packed rows' if packing else 'examples'}, fewer than one "
                             f"global batch ({self.global_batch_size}); lower --global-batch-size or add data")
+        # steps that train every unit of epoch 0 (the last one completed by the first units of epoch 1)
+        self.steps_per_epoch = -(-len(self.units(0)) // self.global_batch_size)
 
     def units(self, epoch: int) -> list[list[int]]:
-        if self._epoch_cache is None or self._epoch_cache[0] != epoch:
+        if epoch not in self._epoch_cache:
             order = list(range(len(self.examples)))
             random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-            self._epoch_cache = (epoch, build_units(self.examples, order, self.seq_len, self.packing, self.group))
-        return self._epoch_cache[1]
+            self._epoch_cache[epoch] = build_units(self.examples, order, self.seq_len, self.packing, self.group)
+            while len(self._epoch_cache) > 2:
+                self._epoch_cache.popitem(last=False)
+        return self._epoch_cache[epoch]
 
-    def left_over_examples(self, epoch: int) -> int:
-        """Examples of an epoch that no step takes: those after its last full global batch."""
-        return sum(len(unit) for unit in self.units(epoch)[self.steps_per_epoch * self.global_batch_size:])
+    def _epoch_start(self, epoch: int) -> int:
+        """Units of all epochs before ``epoch`` (packing gives each epoch's order its own number of rows)."""
+        while len(self._epoch_starts) <= epoch:
+            count = len(self.examples) if not self.packing else len(self.units(len(self._epoch_starts) - 1))
+            self._epoch_starts.append(self._epoch_starts[-1] + count)
+        return self._epoch_starts[epoch]
+
+    def _locate(self, position: int) -> tuple[int, int]:
+        """(epoch, unit within it) of unit ``position`` of the epochs' units laid end to end."""
+        if not self.packing:
+            return divmod(position, len(self.examples))
+        epoch = 0
+        while self._epoch_start(epoch + 1) <= position:
+            epoch += 1
+        return epoch, position - self._epoch_start(epoch)
+
+    def steps_for(self, epochs: float) -> int:
+        """Optimizer steps that train ``epochs`` epochs: every unit of each whole epoch (the step that ends an
+        epoch takes the first units of the next one to stay a full global batch), a fraction of the last."""
+        whole = int(epochs)
+        units = self._epoch_start(whole) + (epochs - whole) * (self._epoch_start(whole + 1) - self._epoch_start(whole))
+        return max(1, math.ceil(units / self.global_batch_size - 1e-9))
 
     def step_units(self, step: int) -> list[list[int]]:
-        epoch, index = divmod(step, self.steps_per_epoch)
-        start = index * self.global_batch_size
-        return self.units(epoch)[start:start + self.global_batch_size]
+        """The units of a (0-based) step's global batch: the epochs' units laid end to end, ``global_batch_size``
+        a step, so no unit is left out at an epoch's end; an epoch's last step is completed with the first units of
+        the next epoch (whose own steps then continue after them)."""
+        units = []
+        position, end = step * self.global_batch_size, (step + 1) * self.global_batch_size
+        while position < end:
+            epoch, index = self._locate(position)
+            taken = self.units(epoch)[index:index + end - position]
+            units.extend(taken)
+            position += len(taken)
+        return units
 
     def context(self, step: int) -> StepContext:
         units = self.step_units(step)

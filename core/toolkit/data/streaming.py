@@ -9,6 +9,13 @@ those counts go into every checkpoint (:meth:`StreamBatches.state`), so a resume
 needs (``IterableDataset.skip``, which parses but does not tokenize) and continues at exactly the same row.
 Only two windows are held at a time. Written here because ``datasets``' own shuffle buffer and
 ``state_dict`` resume per record, not per packed row of a seeded window.
+
+With ``--dataset-ratios`` each dataset is its own stream and the windows are drawn from them: record ``k`` of
+window ``w`` comes from dataset ``i`` with probability ``ratio_i / sum(ratios)``, the draws a pure function of
+(seed, w), so where each dataset stands at any window is known without reading. Each dataset restarts when it is
+used up (``interleave_datasets``' "all_exhausted" with probabilities, without its end: the mix is an endless stream
+that ``--max-steps`` cuts). Not ``interleave_datasets`` itself: it needs one schema, where mixed sets may differ in
+format, and its resume is per record; here a resume re-reads one window per dataset with ``IterableDataset.skip``.
 """
 
 from __future__ import annotations
@@ -29,12 +36,19 @@ class StreamBatches:
 
     def __init__(self, datasets: list[str], encode: Any, *, seed: int, seq_len: int, packing: bool, micro_batch_size: int,
                  global_batch_size: int, dp_rank: int, dp_world_size: int, pad_id: int, max_steps: int,
-                 group_by_length: bool = True, pad_multiple: int = 1, window: int = 0):
-        """``encode(records, where)``: encoded, truncated examples of a list of records (the pipeline's rules)."""
+                 group_by_length: bool = True, pad_multiple: int = 1, window: int = 0, ratios: list[float] | None = None):
+        """``encode(records, where)``: encoded, truncated examples of a list of records (the pipeline's rules);
+        ``ratios`` (one per dataset): draw the stream from the datasets in these proportions."""
         if not max_steps:
             raise ConfigError("--streaming needs --max-steps: a stream's length is not known before it is read",
                               source="--streaming")
-        self.datasets, self.encode = datasets, encode
+        if ratios:
+            from toolkit.data.pipeline import check_ratios
+
+            check_ratios(ratios, len(datasets))
+        self.datasets, self.encode, self.ratios = datasets, encode, list(ratios or [])
+        self.dataset_lengths: dict[int, int] = {}  # records of each mixed dataset, once it has been read to its end
+        self._draw_offsets: list[list[int]] = []  # where each mixed dataset stands at the start of each window
         self.seed, self.seq_len, self.packing, self.window = seed, seq_len, packing, window or STREAM_WINDOW
         self.micro_batch_size, self.dp_rank, self.dp_world_size = micro_batch_size, dp_rank, dp_world_size
         self.global_batch_size = global_batch_size or micro_batch_size * dp_world_size
@@ -59,10 +73,13 @@ class StreamBatches:
         from toolkit.data.reading import stream_records
 
         records = []
-        for where, record in stream_records(self.datasets, skip=local * self.window):
-            records.append((where, record))
-            if len(records) == self.window:
-                break
+        if self.ratios:
+            records = self._mixed_window(number)
+        else:
+            for where, record in stream_records(self.datasets, skip=local * self.window):
+                records.append((where, record))
+                if len(records) == self.window:
+                    break
         if not records:
             if local == 0:
                 raise DataError(f"{', '.join(self.datasets)} holds no records")
@@ -89,6 +106,52 @@ class StreamBatches:
         while len(self._held) > 2:
             self._held.popitem(last=False)
         return examples, units
+
+    # ------------------------------------------------------------------ --dataset-ratios
+    def _draws(self, number: int) -> list[int]:
+        """The dataset each record of window ``number`` of the mix comes from (seeded by the window alone)."""
+        rng = random.Random((self.seed * 1_000_003 + number) * 6_700_417 + 31)
+        return rng.choices(range(len(self.datasets)), weights=self.ratios, k=self.window)
+
+    def _offsets(self, number: int) -> list[int]:
+        """Records each mixed dataset gave before window ``number`` (counted over its restarts)."""
+        if not self._draw_offsets:
+            self._draw_offsets.append([0] * len(self.datasets))
+        while len(self._draw_offsets) <= number:
+            counts = list(self._draw_offsets[-1])
+            for i in self._draws(len(self._draw_offsets) - 1):
+                counts[i] += 1
+            self._draw_offsets.append(counts)
+        return self._draw_offsets[number]
+
+    def _cycle(self, i: int, start: int, count: int) -> list[tuple[str, dict[str, Any]]]:
+        """Records ``[start, start + count)`` of dataset ``i`` repeated end to end (its length learnt when first
+        read to the end: a dataset's reads never pass its end unnoticed, and the lengths go into checkpoints)."""
+        from toolkit.data.reading import stream_records
+
+        taken: list[tuple[str, dict[str, Any]]] = []
+        while len(taken) < count:
+            length = self.dataset_lengths.get(i)
+            position = start % length if length else start
+            got = 0
+            for item in stream_records([self.datasets[i]], skip=position):
+                taken.append(item)
+                got += 1
+                if len(taken) == count:
+                    break
+            else:
+                if length is None:
+                    self.dataset_lengths[i] = position + got
+                if not self.dataset_lengths[i]:
+                    raise DataError(f"{self.datasets[i]} holds no records (given ratio {self.ratios[i]} in --dataset-ratios)")
+            start += got
+        return taken
+
+    def _mixed_window(self, number: int) -> list[tuple[str, dict[str, Any]]]:
+        """Window ``number`` of the ``--dataset-ratios`` mix: each record from the dataset its draw names."""
+        draws, offsets = self._draws(number), self._offsets(number)
+        per_dataset = {i: iter(self._cycle(i, offsets[i], draws.count(i))) for i in sorted(set(draws))}
+        return [next(per_dataset[i]) for i in draws]
 
     def _locate(self, position: int) -> tuple[int, int]:
         """(window number, unit within it) of unit ``position`` of the whole stream."""
@@ -135,8 +198,9 @@ class StreamBatches:
     def step_sources(self, step: int) -> list[str]:
         return [e.source for unit in self.step_items(step) for e in unit]
 
-    def left_over_examples(self, epoch: int) -> int:
-        return 0
+    def steps_for(self, epochs: float) -> int:
+        """A stream's length is unknown before it is read: ``--max-steps`` is the run's length."""
+        return self.steps_per_epoch
 
     def epoch_fill(self, epoch: int = 0) -> tuple[int, float]:
         """Rows and fill of the first window's units (a stream is not read ahead)."""
@@ -146,8 +210,10 @@ class StreamBatches:
         return row_fill(examples, [units], self.micro_batch_size, self.packing, self.seq_len, self.pad_multiple)
 
     def state(self) -> dict[str, Any]:
-        return {"stream_window_units": list(self.window_units), "stream_windows_per_pass": self.windows_per_pass}
+        return {"stream_window_units": list(self.window_units), "stream_windows_per_pass": self.windows_per_pass,
+                "stream_dataset_lengths": {str(i): n for i, n in self.dataset_lengths.items()}}
 
     def restore(self, state: dict[str, Any]) -> None:
         self.window_units = list(state.get("stream_window_units", []))
         self.windows_per_pass = state.get("stream_windows_per_pass")
+        self.dataset_lengths = {int(i): n for i, n in state.get("stream_dataset_lengths", {}).items()}

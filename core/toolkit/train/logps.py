@@ -5,6 +5,8 @@ Shared by every strategy that runs HF modules (local/DDP, FSDP, DeepSpeed).
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -299,7 +301,7 @@ def router_aux_loss(inner: nn.Module, out: Any, sequence_ids: torch.Tensor) -> t
     """The weighted MoE auxiliary loss of this forward and routing metrics (both empty for dense models)."""
     patched_aux = getattr(inner, "toolkit_pop_aux_loss", None)
     if patched_aux is not None:  # a plugin replaced the MoE blocks (toolkit_patch_model) and owns the aux loss
-        loss, metrics = patched_aux()
+        loss, metrics = pop_aux_loss(patched_aux, (sequence_ids >= 0).flatten())
         return loss, {k: float(v) for k, v in (metrics or {}).items()}
     router_logits = getattr(out, "router_logits", None)
     coef = getattr(inner.config, "router_aux_loss_coef", 0.0)
@@ -313,6 +315,14 @@ def router_aux_loss(inner: nn.Module, out: Any, sequence_ids: torch.Tensor) -> t
     top_k = inner.config.num_experts_per_tok
     attention = (sequence_ids >= 0).long()
     return coef * load_balancing_loss_func(router_logits, experts, top_k, attention), {}
+
+
+def pop_aux_loss(pop: Callable[..., Any], tokens: torch.Tensor) -> Any:
+    """``model.toolkit_pop_aux_loss``'s result, given the real-token mask when it takes one (``tokens``).
+
+    A patched model whose pop takes no argument still works; its router losses then count padding.
+    """
+    return pop(tokens=tokens) if "tokens" in inspect.signature(pop).parameters else pop()
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

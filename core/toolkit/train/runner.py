@@ -285,13 +285,14 @@ def _train_loop(recipe: Recipe, run_dir: Path, engine: Any, loss: Any, tuner: An
                                 train_on=member(loss, "loss", "train_on"), seq_len=recipe.seq_len,
                                 example_kinds=loss.example_kinds, options=recipe.options, packing=recipe.packing,
                                 isolate_documents=recipe.isolate_documents, stats=stats)
-        batches: Any = StreamBatches(recipe.dataset, encode, max_steps=recipe.max_steps, **shared)
+        batches: Any = StreamBatches(recipe.dataset, encode, max_steps=recipe.max_steps, ratios=recipe.dataset_ratios,
+                                     **shared)
         stats.stream_window = batches.window
+        stats.stream_mix = ",".join(f"{r:g}" for r in recipe.dataset_ratios)
     else:
         batches = Batches(examples, **shared)
-    stats.left_over_per_epoch = batches.left_over_examples(0)
     stats.rows, stats.row_fill = batches.epoch_fill(0)
-    total_steps = recipe.max_steps or max(1, math.ceil(recipe.epochs * batches.steps_per_epoch))
+    total_steps = recipe.max_steps or batches.steps_for(recipe.epochs)
     engine.set_total_steps(total_steps)
     start_step = 0
     checkpoint = agree_on_resume(run_dir, recipe.resume, engine, recipe.checkpoint_verify) if recipe.resume else None

@@ -112,8 +112,8 @@ def test_router_losses_equal_toolkit_moe(tmp_path):
 
     toolkit-moe averages ``E * sum_e f_e P_e`` over layers; Megatron sums ``E/k * sum_e f_e P_e`` over
     layers, so Megatron's coefficient is toolkit-moe's * k / L (= 1 for this preset: k = L = 2); its
-    z-loss is summed over layers where toolkit-moe averages: z coefficient / L. PT rows are full (no
-    padding position, which toolkit-moe would count and Megatron masks), so the two agree to round-off.
+    z-loss is summed over layers where toolkit-moe averages: z coefficient / L. The last PT row of the
+    epoch ends in padding (step 4): both leave it out of the router losses, so the two agree to round-off.
     """
     pytest.importorskip("toolkit_moe", reason="the reference is toolkit-moe's router losses")
     args = ["pt", "--model", "tiny-qwen3-moe", "--dataset", "demo-text", *COMMON[2:]]

@@ -106,6 +106,81 @@ def test_model_aux_loss_is_added_and_cleared_per_forward() -> None:
     assert model.toolkit_pop_aux_loss() == (None, {})
 
 
+def _padded_forward(model):
+    """A forward of two rows, the second ending in 5 padding positions; the router logits per MoE layer and the real mask."""
+    logits = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _i, out: logits.append(out[0].detach()))
+             for layer in model.model.layers]
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(6))
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, 7:] = 0
+    model(input_ids=ids, attention_mask=attention_mask)
+    for hook in hooks:
+        hook.remove()
+    return logits, attention_mask
+
+
+def test_aux_loss_leaves_padding_out_like_hf_with_an_attention_mask() -> None:
+    """Given the real tokens, each layer's aux loss is transformers' Switch loss with that attention mask."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from toolkit_moe.patch import patch_moe_blocks, patched_blocks
+    from toolkit_moe.routing import load_balancing_loss
+
+    model = _hf_model("qwen3_moe")
+    patch_moe_blocks(model, aux_loss_coef=1.0, z_loss_coef=0.0, experts_backend="loop")
+    layer_logits, attention_mask = _padded_forward(model)
+    real = attention_mask.flatten().bool()
+    experts, top_k = model.config.num_experts, model.config.num_experts_per_tok
+    expected = [load_balancing_loss_func((logits,), experts, top_k, attention_mask) for logits in layer_logits]
+    routings = list(patched_blocks(model)[0].collector.routings)
+    assert len(routings) == len(expected) == 2
+    for routing, reference in zip(routings, expected, strict=True):
+        torch.testing.assert_close(load_balancing_loss(routing.probs, routing.experts, real), reference, rtol=0, atol=1e-6)
+    loss, metrics = model.toolkit_pop_aux_loss(tokens=real)
+    torch.testing.assert_close(loss, torch.stack(expected).mean(), rtol=0, atol=1e-6)
+    z = [(torch.logsumexp(logits, -1) ** 2)[real].mean() for logits in layer_logits]
+    torch.testing.assert_close(metrics["moe_z_loss"], torch.stack(z).mean(), rtol=0, atol=1e-6)
+    unmasked = [load_balancing_loss_func((logits,), experts, top_k) for logits in layer_logits]
+    assert abs(float(loss.detach()) - float(torch.stack(unmasked).mean())) > 1e-3  # the padding positions did count before
+
+
+def test_aux_loss_without_tokens_counts_every_position() -> None:
+    """``toolkit_pop_aux_loss()`` keeps its old meaning: every position, padding included, counts (bit for bit)."""
+    from toolkit_moe.patch import patch_moe_blocks
+
+    model = _hf_model("qwen3_moe")
+    patch_moe_blocks(model, aux_loss_coef=0.5, z_loss_coef=0.25, experts_backend="loop")
+    layer_logits, _ = _padded_forward(model)
+    experts, top_k = model.config.num_experts, model.config.num_experts_per_tok
+    layers = []
+    for logits in layer_logits:  # the formula as toolkit-moe computed it in the block before the mask existed
+        probs = torch.softmax(logits.float(), dim=-1)
+        counts = torch.bincount(torch.topk(probs, top_k, dim=-1).indices.flatten(), minlength=experts)
+        aux = experts * torch.sum(counts.float() / logits.shape[0] * probs.mean(dim=0))
+        layers.append(0.5 * aux + 0.25 * torch.logsumexp(logits.float(), dim=-1).square().mean())
+    loss, _ = model.toolkit_pop_aux_loss()
+    assert torch.equal(loss.detach(), torch.stack(layers).sum() / len(layers))
+
+
+def test_engine_forward_passes_the_real_tokens() -> None:
+    """Through the core's ``CausalLMLogps`` with padding, one MoE layer's loss equals the core's own HF path."""
+    from toolkit.train.logps import CausalLMLogps
+    from toolkit_moe.patch import patch_moe_blocks
+
+    reference = _hf_model("qwen3_moe", num_hidden_layers=1, router_aux_loss_coef=0.1)
+    ours = copy.deepcopy(reference)
+    patch_moe_blocks(ours, z_loss_coef=0.0, experts_backend="loop")
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(7))
+    sequence_ids = torch.zeros_like(ids)
+    sequence_ids[1, 7:] = -1
+    positions = torch.arange(12).expand(2, 12)
+    labels = ids.masked_fill(sequence_ids < 0, -100)
+    expected = CausalLMLogps(reference)(ids, labels, positions, sequence_ids)[1]
+    aux = CausalLMLogps(ours)(ids, labels, positions, sequence_ids)[1]
+    torch.testing.assert_close(aux, expected, rtol=0, atol=1e-6)
+
+
 def test_unknown_family_is_a_clear_error() -> None:
     import transformers
 

@@ -44,10 +44,10 @@ def _check_case(rank: int, family: str, capacity_factor: float, group) -> None:
     from toolkit_moe.families import FAMILIES
 
     hf_block, config = _block(family)
-    options = BlockOptions(capacity_factor=capacity_factor, aux_loss_coef=0.1, z_loss_coef=0.01, experts_backend="loop")
+    options = BlockOptions(capacity_factor=capacity_factor, experts_backend="loop")
     family_facts = FAMILIES[family]
-    ep1 = MoeBlock(copy.deepcopy(hf_block), family_facts, config, options, None, AuxCollector()).train()
-    ep2 = MoeBlock(copy.deepcopy(hf_block), family_facts, config, options, group, AuxCollector()).train()
+    ep1, ep2 = (MoeBlock(copy.deepcopy(hf_block), family_facts, config, options, expert_group,
+                         AuxCollector(aux_loss_coef=0.1, z_loss_coef=0.01)).train() for expert_group in (None, group))
     # Rank r's tokens; rank 1 gets a different number of tokens so the splits are uneven.
     inputs = [torch.randn(2, 6 + 3 * r, config.hidden_size, generator=torch.Generator().manual_seed(10 + r)) for r in range(WORLD)]
     probes = [torch.randn(x.shape, generator=torch.Generator().manual_seed(20 + r)) for r, x in enumerate(inputs)]

@@ -18,48 +18,50 @@ from toolkit_moe.experts import compute_dtype, expert_ffn, grouped_mm_available
 from toolkit_moe.families import MoeFamily
 from toolkit_moe.parallel import ExpertGroup, expert_parallel_ffn
 from toolkit_moe.permute import inverse_permutation, reduce_rows, replicate_rows
-from toolkit_moe.routing import Routing, route
+from toolkit_moe.routing import Routing, load_balancing_loss, route, router_z_loss
 
 
 @dataclass
 class BlockOptions:
     capacity_factor: float = 0.0
-    aux_loss_coef: float = 0.0
-    z_loss_coef: float = 0.0
     experts_backend: str = "auto"
     """``auto`` (grouped_mm on CUDA, loop elsewhere), ``grouped_mm`` or ``loop``."""
 
 
 @dataclass
 class AuxCollector:
-    """Weighted aux/z losses and routing statistics of the MoE layers in one forward pass.
+    """The routings of the MoE layers in one forward pass, turned into weighted aux/z losses on ``pop``.
 
-    ``pop()`` returns ``(loss, metrics)``: ``loss`` is ``aux_coef * mean_layers(aux) + z_coef *
-    mean_layers(z)`` for the last forward (``None`` before any), ``metrics`` detached tensors.
+    ``pop(tokens=None)`` returns ``(loss, metrics)``: ``loss`` is ``aux_loss_coef * mean_layers(aux) +
+    z_loss_coef * mean_layers(z)`` for the last forward (``None`` before any), ``metrics`` detached
+    tensors. ``tokens`` (bool, the real positions of that forward flattened as the blocks saw them)
+    leaves padding out of the aux and z losses; the dropped and load counts still include it.
     """
 
-    losses: list[torch.Tensor] = field(default_factory=list)
-    stats: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    routings: list[Routing] = field(default_factory=list)
 
     def clear(self, *_: Any) -> None:
-        self.losses.clear()
-        self.stats.clear()
+        self.routings.clear()
 
-    def record(self, loss: torch.Tensor, stats: dict[str, torch.Tensor]) -> None:
-        self.losses.append(loss)
-        self.stats.append(stats)
+    def record(self, routing: Routing) -> None:
+        self.routings.append(routing)
 
-    def pop(self) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
-        if not self.losses:
+    def pop(self, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        if not self.routings:
             return None, {}
-        layers = len(self.losses)
-        loss = torch.stack(self.losses).sum() / layers
-        metrics = {key: torch.stack([s[key] for s in self.stats]).float().mean() for key in ("moe_aux_loss", "moe_z_loss")}
-        routed = torch.stack([s["routed"] for s in self.stats]).sum()
-        dropped = torch.stack([s["dropped"] for s in self.stats]).sum()
-        metrics["moe_dropped_fraction"] = dropped.float() / routed.clamp(min=1).float()
+        routings, layers = self.routings, len(self.routings)
+        aux = [load_balancing_loss(r.probs, r.experts, tokens) for r in routings]
+        z = [router_z_loss(r.logsumexp, tokens) for r in routings]
+        loss = torch.stack([self.aux_loss_coef * a + self.z_loss_coef * b for a, b in zip(aux, z, strict=True)]).sum() / layers
+        metrics = {"moe_aux_loss": torch.stack(aux).detach().mean(), "moe_z_loss": torch.stack(z).detach().mean()}
+        counts = torch.stack([r.tokens_per_expert for r in routings])
+        dropped = torch.stack([r.dropped for r in routings]).sum()
+        metrics["moe_dropped_fraction"] = dropped.float() / counts.sum().clamp(min=1).float()
         metrics["moe_dropped_tokens"] = dropped.float()
-        metrics["moe_max_load"] = torch.stack([s["max_load"] for s in self.stats]).float().max()
+        loads = counts.max(dim=1).values.float() * counts.shape[1] / counts.sum(dim=1).clamp(min=1).float()
+        metrics["moe_max_load"] = loads.max()
         self.clear()
         return loss, metrics
 
@@ -162,19 +164,8 @@ class MoeBlock(nn.Module):
         if self.family.shared_expert:
             out = out + torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
         if self.training and self.collector is not None:
-            self._record(routing)
+            self.collector.record(routing)
         return out.reshape(shape).to(hidden_states.dtype)
-
-    def _record(self, routing: Routing) -> None:
-        loss = self.options.aux_loss_coef * routing.aux_loss + self.options.z_loss_coef * routing.z_loss
-        counts = routing.tokens_per_expert
-        self.collector.record(loss, {
-            "moe_aux_loss": routing.aux_loss.detach(),
-            "moe_z_loss": routing.z_loss.detach(),
-            "routed": counts.sum(),
-            "dropped": routing.dropped,
-            "max_load": counts.max().float() * self.num_experts / counts.sum().clamp(min=1).float(),
-        })
 
     def extra_repr(self) -> str:
         ep = f", expert_parallel={self.expert_group.size}" if self.expert_group else ""

@@ -1,8 +1,10 @@
 """Replace the HF sparse MoE blocks of a built model with :class:`~toolkit_moe.block.MoeBlock`.
 
-After patching, ``model.toolkit_pop_aux_loss()`` returns ``(aux_loss, metrics)`` of the last
-forward pass: the weighted load-balancing + z loss to add to the objective (``None`` when the
-model has no routed layer) and detached routing metrics.
+After patching, ``model.toolkit_pop_aux_loss(tokens=None)`` returns ``(aux_loss, metrics)`` of the
+last forward pass: the weighted load-balancing + z loss to add to the objective (``None`` when the
+model has no routed layer) and detached routing metrics. ``tokens``, a bool tensor of the real
+(non-padding) positions of that forward flattened to ``[B * T]`` (``sequence_ids >= 0``), leaves
+padding out of both losses, as transformers' and Megatron's load-balancing losses do.
 """
 
 from __future__ import annotations
@@ -39,13 +41,9 @@ def patch_moe_blocks(
 
         raise ModelError(f"toolkit-moe does not know model type {model_type!r}; "
                          f"supported: {', '.join(sorted(FAMILIES))}. Drop the moe section (or --moe-enabled) for this model.")
-    options = BlockOptions(
-        capacity_factor=capacity_factor,
-        aux_loss_coef=family.aux_loss_coef(config) if aux_loss_coef is None else aux_loss_coef,
-        z_loss_coef=z_loss_coef,
-        experts_backend=experts_backend,
-    )
-    collector = AuxCollector()
+    options = BlockOptions(capacity_factor=capacity_factor, experts_backend=experts_backend)
+    collector = AuxCollector(aux_loss_coef=family.aux_loss_coef(config) if aux_loss_coef is None else aux_loss_coef,
+                             z_loss_coef=z_loss_coef)
     targets = [(name, module) for name, module in model.named_modules() if type(module).__name__ == family.block_class]
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")

@@ -1,5 +1,7 @@
 """Top-k routing: family normalisation, capacity with dropped-token accounting, aux and z losses.
 
+The losses can leave out padding positions (``real``): padding must not steer the router.
+
 Everything here stays on the device (no ``.item()``, no ``nonzero``), so a routed layer never
 waits for the host; counts are built with ``scatter_add_`` rather than ``bincount``.
 """
@@ -34,10 +36,20 @@ class Routing:
     """``[N * k]`` bool, assignment kept (token-major)."""
     tokens_per_expert: torch.Tensor
     """``[E]`` int64 assignments routed to each expert before capacity."""
-    aux_loss: torch.Tensor
-    """Switch load-balancing loss (unweighted): ``E * sum_e f_e * P_e``."""
-    z_loss: torch.Tensor
-    """Router z-loss (unweighted): ``mean(logsumexp(logits) ** 2)``."""
+    probs: torch.Tensor
+    """``[N, E]`` fp32 router probabilities (softmax over all experts, with grad)."""
+    logsumexp: torch.Tensor
+    """``[N]`` fp32 ``logsumexp`` of the router logits (with grad)."""
+
+    @property
+    def aux_loss(self) -> torch.Tensor:
+        """Switch load-balancing loss (unweighted) over every token: see :func:`load_balancing_loss`."""
+        return load_balancing_loss(self.probs, self.experts)
+
+    @property
+    def z_loss(self) -> torch.Tensor:
+        """Router z-loss (unweighted) over every token: see :func:`router_z_loss`."""
+        return router_z_loss(self.logsumexp)
 
     @property
     def dropped(self) -> torch.Tensor:
@@ -92,9 +104,6 @@ def route(
         order = order[torch.argsort((~kept_sorted).to(torch.int8), stable=True)]
         top_probs = top_probs * kept.view_as(top_probs)
 
-    fraction = counts.to(torch.float32) / num_tokens
-    aux_loss = num_experts * torch.sum(fraction * probs.mean(dim=0))
-    z_loss = torch.logsumexp(logits32, dim=-1).square().mean()
     return Routing(
         weights=top_probs.to(weight_dtype or logits.dtype),
         experts=experts,
@@ -102,9 +111,38 @@ def route(
         kept_per_expert=kept_per_expert,
         kept=kept,
         tokens_per_expert=counts,
-        aux_loss=aux_loss,
-        z_loss=z_loss,
+        probs=probs,
+        logsumexp=torch.logsumexp(logits32, dim=-1),
     )
+
+
+def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+    """Switch load-balancing loss (unweighted) ``E * sum_e f_e * P_e`` of one layer.
+
+    ``f_e`` is the number of assignments to expert ``e`` over the number of tokens, ``P_e`` the mean
+    router probability of ``e`` (``probs [N, E]``, ``experts [N, k]``). ``real`` (``[N]`` bool) counts
+    only those tokens, as transformers' ``load_balancing_loss_func`` does with an attention mask.
+    """
+    num_tokens, num_experts = probs.shape
+    weight = None if real is None else real.reshape(-1).to(probs.device, probs.dtype)
+    per_assignment = torch.ones_like(experts, dtype=probs.dtype) if weight is None else weight[:, None].expand_as(experts)
+    counts = probs.new_zeros(num_experts).scatter_add_(0, experts.reshape(-1), per_assignment.reshape(-1))
+    fraction = counts / (num_tokens if weight is None else weight.sum().clamp(min=1))
+    return num_experts * torch.sum(fraction * _token_mean(probs, weight))
+
+
+def router_z_loss(logsumexp: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+    """Router z-loss (unweighted) ``mean(logsumexp(logits) ** 2)`` of one layer, over the ``real`` tokens when given."""
+    weight = None if real is None else real.reshape(-1).to(logsumexp.device, logsumexp.dtype)
+    return _token_mean(logsumexp.square(), weight)
+
+
+def _token_mean(values: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """Mean over tokens (dim 0); weighted by ``weight`` (1 real, 0 padding) rather than indexed, so the host never waits."""
+    if weight is None:
+        return values.mean(dim=0)
+    weight = weight.reshape(-1, *[1] * (values.dim() - 1))
+    return (values * weight).sum(dim=0) / weight.sum().clamp(min=1)
 
 
 def route_reference(logits: torch.Tensor, top_k: int, *, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
