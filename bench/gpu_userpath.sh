@@ -49,7 +49,7 @@ case "$part" in
     timeout 560 python3 bench/userpath.py --case-timeout 135 --cases export-infer,sft-qlora,sft-dora,pt-isolated
     ;;
   7)
-    (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 timeout 170 python3 -m pytest -q -p no:cacheprovider -n 8 plugins/toolkit-megatron/tests \
+    (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 timeout ${MEGATRON_TESTS_TIMEOUT:-170} python3 -m pytest -q -p no:cacheprovider -n 8 plugins/toolkit-megatron/tests \
       > "$OUT/megatron-tests.log" 2>&1; echo "megatron tests: rc $?" >> "$OUT/megatron-tests.log") &
     tests=$!
     tiny=sft-qlora,moe-megatron,sft-megatron-torchrun,sft-deepspeed,sft-fsdp,export-infer,moe-sft,sft-dora,rm,dpo-pure

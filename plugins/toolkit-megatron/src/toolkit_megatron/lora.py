@@ -89,23 +89,6 @@ class _ReplicatedA(torch.autograd.Function):
         return grad_x, grad_weight.to(weight.dtype), None
 
 
-class _SumRotaryGrad(torch.autograd.Function):
-    """Identity; backward sums the gradient of the columns from ``latent`` on (MLA's rotary key) over TP."""
-
-    @staticmethod
-    def forward(ctx: Any, delta: torch.Tensor, latent: int, group: Any) -> torch.Tensor:
-        ctx.latent, ctx.group = latent, group
-        return delta.view_as(delta)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        grad = grad.clone()
-        rotary = grad[..., ctx.latent:].contiguous()
-        torch.distributed.all_reduce(rotary, group=ctx.group)
-        grad[..., ctx.latent:] = rotary
-        return grad, None, None
-
-
 def _megatron_rows(part: str, rows: torch.Tensor, geo: Any, tp: int) -> torch.Tensor:
     """The output rows of a fused HF linear's adapter (``B``, DoRA's magnitude) in Megatron's order, so that each
     TP rank's contiguous slice is its shard: ``qkv`` ([all q; all k; all v]) interleaved per query group,
@@ -217,9 +200,11 @@ class LoRALinear(torch.nn.Module):
         key's columns get the gradient of this rank's heads only: it is summed over TP, as KVDownProjection does."""
         from megatron.core import parallel_state as ps
 
+        from toolkit_megatron.mla import SumRotaryGrad
+
         delta = torch.nn.functional.linear(torch.nn.functional.linear(self.dropout(x), self.lora_a_kv_down), self.lora_b_kv_down)
         if not self.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1:
-            delta = _SumRotaryGrad.apply(delta, self.base.config.kv_lora_rank, ps.get_tensor_model_parallel_group())
+            delta = SumRotaryGrad.apply(delta, self.base.config.kv_lora_rank, ps.get_tensor_model_parallel_group())
         return delta
 
     def _delta_weight(self) -> torch.Tensor:

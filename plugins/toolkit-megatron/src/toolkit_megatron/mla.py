@@ -19,6 +19,29 @@ import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 
+def sum_rotary_grad(grad: torch.Tensor, latent: int, group: Any) -> torch.Tensor:
+    """``grad`` (a copy) with its columns from ``latent`` on, the rotary key's, summed over ``group`` (TP): each
+    rank holds that gradient for its own heads only."""
+    grad = grad.clone()
+    rotary = grad[..., latent:].contiguous()
+    torch.distributed.all_reduce(rotary, group=group)
+    grad[..., latent:] = rotary
+    return grad
+
+
+class SumRotaryGrad(torch.autograd.Function):
+    """Identity; backward: :func:`sum_rotary_grad` (for a delta added to the whole projection, LoRA's)."""
+
+    @staticmethod
+    def forward(ctx: Any, delta: torch.Tensor, latent: int, group: Any) -> torch.Tensor:
+        ctx.latent, ctx.group = latent, group
+        return delta.view_as(delta)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return sum_rotary_grad(grad, ctx.latent, ctx.group), None, None
+
+
 class _GatherSummingRotary(torch.autograd.Function):
     """All-gather the last dimension over TP; backward: all-reduce the columns from ``latent`` on (the rotary
     key, whose gradient each rank holds for its heads only), then keep this rank's columns."""
@@ -33,10 +56,7 @@ class _GatherSummingRotary(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        grad = grad.clone()
-        rotary = grad[..., ctx.latent:].contiguous()
-        torch.distributed.all_reduce(rotary, group=ctx.group)
-        grad[..., ctx.latent:] = rotary
+        grad = sum_rotary_grad(grad, ctx.latent, ctx.group)
         return grad[..., ctx.rank * ctx.width:(ctx.rank + 1) * ctx.width].contiguous(), None, None
 
 
