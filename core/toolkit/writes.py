@@ -8,7 +8,8 @@ failure counts as a full disk when the folder has (almost) no space left. Used b
 the run directory's recipe.yaml.
 
 :func:`staged_directory` is the one way a folder is written complete or not at all (exports, adapters,
-the mcore exporter's HF staging, presets).
+the mcore exporter's HF staging, presets); :func:`replace_directory` the one way a finished folder takes an
+existing one's place (those, training checkpoints, Megatron checkpoints).
 """
 
 from __future__ import annotations
@@ -74,9 +75,28 @@ def staged_directory(output: Path) -> Iterator[Path]:
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}-{os.getpid()}-", dir=output.parent))
     try:
         yield staging
-        if output.exists():
-            shutil.rmtree(output)
-        os.replace(staging, output)
+        replace_directory(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def replace_directory(staging: Path, output: Path, retired: Path | None = None) -> None:
+    """Move the finished folder ``staging`` to ``output``. An existing ``output`` is renamed aside first (to
+    ``retired``, default ``.del-NAME-PID`` beside it) and removed only after, so ``output`` is at every moment the
+    old folder, the new one, or (between the two renames) absent: never half of either, whenever a kill comes."""
+    output = Path(output)
+    if output.exists():
+        retired = Path(retired) if retired is not None else output.with_name(f".del-{output.name}-{os.getpid()}")
+        shutil.rmtree(retired, ignore_errors=True)
+        os.replace(output, retired)
+    else:
+        retired = None
+    try:
+        os.replace(staging, output)
+    except BaseException:
+        if retired is not None:  # the old folder goes back where it was
+            os.replace(retired, output)
+        raise
+    if retired is not None:
+        shutil.rmtree(retired, ignore_errors=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.errors import ToolkitError
-from toolkit.writes import is_disk_full, is_write_failure
+from toolkit.writes import is_disk_full, is_write_failure, replace_directory
 
 STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"
@@ -287,12 +287,9 @@ def seal_and_publish(staging: Path, final: Path, trainer_state: dict[str, Any], 
     """Rank 0, after every rank wrote its part: trainer state, manifest (last), rename, then prune older ones."""
     (staging / STATE_FILE).write_text(json.dumps({**trainer_state, "checkpoint_format": CHECKPOINT_FORMAT}, indent=2))
     write_manifest(staging)
-    retired = final.with_name(f".del-{final.name}")
-    if final.exists():  # the same step written again after resuming from an older checkpoint
-        os.replace(final, retired)
-    os.replace(staging, final)
+    # the same step may be written again after resuming from an older checkpoint; LEFTOVER_DIR names the old one
+    replace_directory(staging, final, retired=final.with_name(f".del-{final.name}"))
     _fsync_dir(final.parent)
-    shutil.rmtree(retired, ignore_errors=True)
     older = [p for p in step_dirs(final.parent.parent) if step_of(p) < step_of(final) and step_of(p) != keep]
     for old in older[: max(0, len(older) - (keep_last - 1))]:  # only now that the new one is whole
         _remove(old)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
-import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 from toolkit.errors import LayoutError, ModelError
 from toolkit.parallel import ParallelLayout
 from toolkit.train.distributed import one_process_group
+from toolkit.writes import replace_directory
 from toolkit_megatron.bridge import unwrap
 from toolkit_megatron.compat import cpu_compat
 
@@ -93,9 +93,7 @@ class _Finalize:
                 from toolkit_megatron.hf_io import copy_tokenizer_files
 
                 copy_tokenizer_files(tokenizer_source, tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            replace_directory(tmp, final)
         torch.distributed.barrier()
 
 
