@@ -24,18 +24,6 @@ class FSDPConfig:
         "for HF's sdpa attention) or auto (flex on a CUDA device when it can run, else sdpa-mask); as --local-packed-attention.")
 
 
-def decoder_layers(model: Any) -> list[Any]:
-    from toolkit.train.logps import unwrap
-
-    inner = unwrap(model)
-    layers = getattr(inner.get_decoder(), "layers", None)
-    if layers is None:
-        from toolkit.errors import ModelError
-
-        raise ModelError(f"--strategy fsdp: cannot find the decoder layers of {type(inner).__name__} (expected model.layers)")
-    return list(layers)
-
-
 class FSDPEngine(LocalEngine):
     """The local engine's loop on an FSDP2-sharded model: same loss contract, sharded state."""
 
@@ -74,7 +62,9 @@ class FSDPEngine(LocalEngine):
         """``fully_shard`` each decoder layer of ``module.model``, then ``module`` itself (embeddings, norm, head)."""
         from torch.distributed.fsdp import fully_shard
 
-        for layer in decoder_layers(module.model):
+        from toolkit.train.logps import decoder_layers
+
+        for layer in decoder_layers(module.model, "--strategy fsdp: "):
             fully_shard(layer, **self.shard_options)
         fully_shard(module, **self.shard_options)
         return module

@@ -228,6 +228,18 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
+def decoder_layers(model: nn.Module, who: str = "") -> nn.ModuleList:
+    """The decoder layers (``model.layers``) of the HF causal LM under DDP/PEFT wrappers; ``who`` starts the error
+    (``"--strategy fsdp: "``). Used by FSDP's per-layer sharding and the kernel patches (compile, checkpointing)."""
+    inner = unwrap(model)
+    layers = getattr(inner.get_decoder(), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        from toolkit.errors import ModelError
+
+        raise ModelError(f"{who}cannot find the decoder layers of {type(inner).__name__} (expected model.layers)")
+    return layers
+
+
 class CausalLMLogps(nn.Module):
     """Wraps an HF causal LM so its forward returns label log-probs (what DDP/FSDP/DeepSpeed wrap)."""
 

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from toolkit.train.logps import decoder_layers
+
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 COMPILE_BACKEND = "inductor"
 """What ``compile_decoder_layers`` compiles with (tests on CPU use ``aot_eager``: no C++ toolchain)."""
@@ -114,15 +116,6 @@ def restore_rope() -> None:
         current = getattr(module, "apply_rotary_pos_emb", None)
         if isinstance(current, _RopeDispatch):
             module.apply_rotary_pos_emb = current.original
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    from toolkit.errors import ModelError
-
-    layers = getattr(_inner(model).get_decoder(), "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise ModelError(f"cannot find the decoder layers of {type(_inner(model)).__name__} (expected model.layers)")
-    return layers
 
 
 def compile_decoder_layers(model: nn.Module) -> int:
