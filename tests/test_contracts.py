@@ -319,8 +319,8 @@ def test_a_plugin_outside_the_repository_written_to_the_contract_trains(tmp_path
     with its option (scale 2 doubles every step's loss against the core's sft on the same run) and its
     callback, with only on_step_end, hears every step."""
     import os
-    import subprocess
-    import sys
+
+    from toolkit.testing import run_python
 
     site = tmp_path / "site"
     (site / "outside_plugin-0.1.dist-info").mkdir(parents=True)
@@ -333,7 +333,7 @@ def test_a_plugin_outside_the_repository_written_to_the_contract_trains(tmp_path
               "--lr", "1e-3"]
 
     def run(*args):
-        result = subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, env=env, timeout=300)
+        result = run_python(["-m", "toolkit", *args], env=env, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
         return result
 

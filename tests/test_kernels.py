@@ -8,13 +8,12 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from toolkit.testing import run_python
 from toolkit.train.kernels import load_ops
 from toolkit.train.kernels.patch import apply_kernels, restore_rope
 from toolkit.train.kernels.reference import TorchOps
@@ -103,6 +102,6 @@ def test_triton_kernels_equal_references_under_the_interpreter(tmp_path):
     """Forward and backward of each Triton kernel vs the torch reference, run by Triton's CPU interpreter."""
     script = Path(__file__).with_name("kernels_interpreted.py")
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    done = run_python([script], env=env, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("OK") == 9, done.stdout

@@ -8,13 +8,12 @@ import os
 import pickle
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from toolkit.testing import CodePayload as Payload
-from toolkit.testing import plant_model_code, point_dcp_entry_at
+from toolkit.testing import plant_model_code, point_dcp_entry_at, run_python
 from toolkit.testing import reseal_checkpoint as reseal
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -31,8 +30,8 @@ def one_line_refusal(result, expected: str) -> None:
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("fsdp") / "run"
-    done = subprocess.run([sys.executable, "-m", "toolkit", *TRAIN, "--model", "tiny-llama", "--strategy", "fsdp",
-                           "--output", str(run)], capture_output=True, text=True, env=ENV, timeout=300)
+    done = run_python(["-m", "toolkit", *TRAIN, "--model", "tiny-llama", "--strategy", "fsdp", "--output", str(run)],
+                      env=ENV, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return run
 
@@ -158,7 +157,7 @@ def test_infer_refuses_pickled_bin_weights_in_one_line(tmp_path, cli_runner):
 # ----------------------------------------------------------------------------------------------- plugins, stdout
 def run_toolkit(site: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**ENV, "PYTHONPATH": os.pathsep.join([str(site), ENV.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, env=env, timeout=300)
+    return run_python(["-m", "toolkit", *args], env=env, timeout=300)
 
 
 def test_a_plugin_that_calls_sys_exit_at_import_is_contained(tmp_path):

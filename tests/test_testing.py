@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 
+from toolkit import forkserver
 from toolkit.testing import DistributedError, RankResult, run_distributed
 
 
@@ -201,3 +205,19 @@ def test_cpu_report_counts_the_subprocesses_a_test_waits_for_not_its_sleep(pytes
     assert top.endswith("test_spends_cpu_in_a_subprocess") and float(spent.rstrip("s")) >= 1.4
     slept, second = lines[2].split()
     assert second.endswith("test_sleeps") and float(slept.rstrip("s")) < 0.5
+
+
+def test_children_fork_once_the_conftest_defaults_are_in_the_servers_environment(monkeypatch):
+    """A default a conftest puts in ``os.environ`` after toolkit.forkserver was imported (``HF_HUB_OFFLINE``, which
+    huggingface_hub reads at import) stops forking until the tests are collected; ``TORCH_EXTENSIONS_DIR``, read only
+    when an extension is built, never does."""
+    argv = [sys.executable, "-c", "pass"]
+    monkeypatch.delenv("TOOLKIT_TEST_FORK", raising=False)
+    monkeypatch.setattr(forkserver, "_server", None)
+    monkeypatch.setattr(forkserver, "_BASE_ENV", {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"})
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert not forkserver.forkable(argv, None)
+    forkserver.take_environment()
+    assert forkserver.forkable(argv, None)
+    assert forkserver.forkable(argv, {**os.environ, "TORCH_EXTENSIONS_DIR": "/elsewhere"})
+    assert not forkserver.forkable(argv, {**os.environ, "HF_HUB_OFFLINE": "0"})

@@ -47,6 +47,8 @@ _IMPORT_SENSITIVE = ("PYTHON", "HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "P
                      "HOME", "TMPDIR", "PEFT")
 # ... of which the child applies these itself
 _APPLIED = {"PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONWARNINGS", "OMP_NUM_THREADS", "PYTHONFAULTHANDLER"}
+# ... and these are read when used, not at import (torch.utils.cpp_extension's build directory, DeepSpeed's ops)
+_READ_WHEN_USED = {"TORCH_EXTENSIONS_DIR"}
 _BASE_ENV = dict(os.environ)  # the environment the server starts with: before any test changed os.environ
 
 _server: _Server | None = None
@@ -154,6 +156,15 @@ class _Server:
         os.rmdir(self.directory)
 
 
+def take_environment() -> None:
+    """Start the server, when it starts, with ``os.environ`` as it is now: :mod:`toolkit.testing` calls this once
+    the tests are collected, so that the defaults conftest files and test modules put there (``HF_HUB_OFFLINE``,
+    ``TORCH_EXTENSIONS_DIR``) do not make every child that inherits them unforkable. A running server keeps its own."""
+    global _BASE_ENV
+    if _server is None:
+        _BASE_ENV = dict(os.environ)
+
+
 def forkable(args: Sequence[Any], env: dict[str, str] | None) -> bool:
     """Whether ``args`` (``[sys.executable, "-m" | "-c" | script, ...]``) can be forked from the server."""
     if os.environ.get("TOOLKIT_TEST_FORK", "1") == "0" or not hasattr(os, "fork") or len(args) < 2:
@@ -161,7 +172,8 @@ def forkable(args: Sequence[Any], env: dict[str, str] | None) -> bool:
     if str(args[0]) != sys.executable or not (args[1] in ("-m", "-c") and len(args) > 2 or not str(args[1]).startswith("-")):
         return False
     env = os.environ if env is None else env
-    sensitive = {key for key in {*env, *_BASE_ENV} if key.startswith(_IMPORT_SENSITIVE) and key not in _APPLIED}
+    sensitive = {key for key in {*env, *_BASE_ENV}
+                 if key.startswith(_IMPORT_SENSITIVE) and key not in _APPLIED and key not in _READ_WHEN_USED}
     return all(env.get(key) == _BASE_ENV.get(key) for key in sensitive)
 
 

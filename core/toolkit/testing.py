@@ -185,6 +185,11 @@ def pytest_configure(config: Any) -> None:
     config.pluginmanager.register(CpuReport(config.getoption("toolkit_cpu_report", 0)), "toolkit-cpu-report")
 
 
+def pytest_collection_finish(session: Any) -> None:
+    """Processes forked for the tests start from the environment the conftest files and test modules set up."""
+    forkserver.take_environment()
+
+
 def pytest_addoption(parser: Any) -> None:
     parser.addoption("--toolkit-cpu-report", type=int, default=0, metavar="N",
                      help="After the run, print the suite's CPU seconds and the N tests that used the most "

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,11 +25,10 @@ class ScenarioReport(dict):
 
 
 def torchrun(script: Path, *args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    from toolkit.train.distributed import free_port
+    """``script`` on two torch.distributed ranks, as torchrun would start them."""
+    from toolkit.testing import run_python
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-               str(script), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return run_python([script, *args], nproc=2, env={**os.environ, **(env or {})}, timeout=timeout)
 
 
 @pytest.fixture(scope="session")

@@ -8,20 +8,18 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+
+from toolkit.testing import run_python
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/toolkit/torch_extensions"))}
 
 
 def toolkit(*args, nproc=1):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable]
-    command = [*launcher, "-m", "toolkit", *args]
-    result = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=600)
-    assert result.returncode == 0, f"{command} failed ({result.returncode}):\n{result.stdout}\n{result.stderr[-3000:]}"
+    result = run_python(["-m", "toolkit", *args], nproc=nproc, env=ENV, timeout=600)
+    assert result.returncode == 0, f"{args} on {nproc} ranks failed ({result.returncode}):\n{result.stdout}\n{result.stderr[-3000:]}"
 
 
 @pytest.mark.slow

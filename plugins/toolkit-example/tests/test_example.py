@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from toolkit.contracts import StepContext, TokenLogps
 from toolkit.errors import ConfigError
 from toolkit.recipe import resolve_recipe, thing_options
-from toolkit.testing import run_distributed
+from toolkit.testing import run_distributed, run_python
 from toolkit_example.losses import FocalConfig, FocalLoss
 
 
@@ -142,7 +142,7 @@ def train(tmp_path, name: str, *args: str, nproc: int = 1) -> list[dict]:
         run_distributed(argv, nproc=nproc, env=env, cwd=tmp_path)
     else:
         environment = {**{k: v for k, v in os.environ.items() if not k.startswith("TOOLKIT_")}, **env}
-        result = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=environment, timeout=300, cwd=tmp_path)
+        result = run_python(argv, env=environment, timeout=300, cwd=tmp_path)
         assert result.returncode == 0, result.stderr
     return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -173,12 +172,12 @@ def tp1():
 
 
 def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 240) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               str(HERE / script), *args]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-    if result.returncode:
-        raise AssertionError(f"{script} failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}")
+    """``script`` on ``nproc`` ranks with torchrun's environment (one rank too): the workers join the process group
+    themselves. A failing rank raises with its output."""
+    from toolkit.testing import run_distributed
+
+    run_distributed(HERE / script, nproc=nproc, args=args, timeout=timeout,
+                    env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"})
 
 
 def run_worker(script: str, tmp_path: Path, *args: str) -> dict:

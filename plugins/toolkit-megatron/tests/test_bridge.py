@@ -210,13 +210,13 @@ def test_mcore_export_at_tp2_loads_at_pp2_and_back_to_hf(tiny_models, bridge):
 
 def test_cli_export_preset_to_mcore_and_back_is_bit_exact(tmp_path):
     import os
-    import subprocess
-    import sys
+
+    from toolkit.testing import run_python
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
     def toolkit(*args: str) -> None:
-        result = subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, env=env, timeout=300)
+        result = run_python(["-m", "toolkit", *args], env=env, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
 
     toolkit("export", "tiny-qwen2", "--to", "mcore", "--output", str(tmp_path / "mcore"), "--tp", "2")

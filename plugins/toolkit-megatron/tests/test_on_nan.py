@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.testing import write_plugin_distribution
+from toolkit.testing import run_python, write_plugin_distribution
 
 pytestmark = pytest.mark.slow
 
@@ -31,11 +31,10 @@ def toolkit(tmp_path: Path, run: Path, *args: str, nproc: int = 1) -> subprocess
     write_plugin_distribution(site, "toolkit-nan-test", NAN_PLUGIN.read_text(), module="toolkit_nan_test")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "PYTHONPATH": os.pathsep.join([str(site), *sys.path]), "TOOLKIT_PLUGINS": "nan-test,megatron"}
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable]
-    command = [*launcher, "-m", "toolkit", "train", "--model", "tiny-llama", "--dataset", str(dataset(tmp_path / "data.jsonl")),
+    command = ["-m", "toolkit", "train", "--model", "tiny-llama", "--dataset", str(dataset(tmp_path / "data.jsonl")),
                "--dataset-format", "poisoned", "--loss", "nan-sft", "--output", str(run), "--seq-len", "64", "--max-steps", "6",
                "--micro-batch-size", "1", "--global-batch-size", "2", "--save-every", "2", *args]
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=400)
+    return run_python(command, nproc=nproc, env=env, timeout=400)
 
 
 def lines(run: Path) -> list[dict]:

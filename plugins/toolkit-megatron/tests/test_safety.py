@@ -8,11 +8,10 @@ import os
 import pickle
 import shutil
 import subprocess
-import sys
 
 import pytest
 
-from toolkit.testing import CodePayload, plant_model_code, point_dcp_entry_at, reseal_checkpoint
+from toolkit.testing import CodePayload, plant_model_code, point_dcp_entry_at, reseal_checkpoint, run_python
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 TRAIN = ["sft", "--model", "tiny-llama", "--dataset", "demo", "--seq-len", "64", "--micro-batch-size", "2",
@@ -20,8 +19,7 @@ TRAIN = ["sft", "--model", "tiny-llama", "--dataset", "demo", "--seq-len", "64",
 
 
 def toolkit(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "toolkit", *map(str, args)], capture_output=True, text=True, env=ENV,
-                          timeout=400)
+    return run_python(["-m", "toolkit", *args], env=ENV, timeout=400)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +76,7 @@ def test_exporting_an_mcore_directory_that_names_its_own_code_runs_none_of_it(me
     shutil.copytree(megatron_run / "checkpoints" / "step-2" / "mcore", mcore)
     marker = tmp_path / "ran"
     plant_model_code(mcore, "evil", marker)
-    done = subprocess.run([sys.executable, "-m", "toolkit", "export", str(mcore), "--to", "hf", "--output",
-                           str(tmp_path / "out")], input="y\n", capture_output=True, text=True, env=ENV, timeout=400)
+    done = run_python(["-m", "toolkit", "export", mcore, "--to", "hf", "--output", tmp_path / "out"], input="y\n", env=ENV,
+                      timeout=400)
     refused(done, f"{mcore / 'config.json'} asks to run the model's own Python code (configuration_evil); it was not run")
     assert not marker.exists()

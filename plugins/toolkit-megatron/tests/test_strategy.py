@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from toolkit.testing import run_distributed
+from toolkit.testing import run_distributed, run_python
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +24,7 @@ def toolkit(*args: str, nproc: int = 1) -> None:
         run_distributed(["-m", "toolkit", *args], nproc=nproc, timeout=400,
                         env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"})
         return
-    result = subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, env=ENV, timeout=400)
+    result = run_python(["-m", "toolkit", *args], env=ENV, timeout=400)
     assert result.returncode == 0, f"{args} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
 
 

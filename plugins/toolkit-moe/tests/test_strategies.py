@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from toolkit.testing import run_python
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 COMMON = ["--model", "tiny-qwen3-moe", "--dataset", "demo", "--seq-len", "64", "--lr", "1e-3", "--max-steps", "3",
@@ -22,8 +22,7 @@ EP_RUN = ["--model", "tiny-qwen3-moe", "--dataset", "demo", "--seq-len", "64", "
 
 
 def toolkit(*args: str, nproc: int = 1, common: list[str] = COMMON) -> str:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable]
-    result = subprocess.run([*launcher, "-m", "toolkit", "sft", *common, *args], capture_output=True, text=True, env=ENV, timeout=300)
+    result = run_python(["-m", "toolkit", "sft", *common, *args], nproc=nproc, env=ENV, timeout=300)
     assert result.returncode == 0, f"{args} failed:\n{result.stdout}\n{result.stderr[-3000:]}"
     return result.stdout + result.stderr
 
@@ -77,8 +76,8 @@ def test_expert_parallel_training_equals_one_process_and_resumes(tmp_path):
     reference_logits = logits(tmp_path / "one/export")
     torch.testing.assert_close(logits(tmp_path / "ep2/export"), reference_logits, rtol=1e-4, atol=1e-5)
     # the checkpoint holds full expert tensors: `toolkit export` (one process) gives the same model
-    subprocess.run([sys.executable, "-m", "toolkit", "export", str(tmp_path / "ep2"), "--to", "hf", "--output",
-                    str(tmp_path / "from-checkpoint")], check=True, capture_output=True, env=ENV, timeout=300)
+    run_python(["-m", "toolkit", "export", tmp_path / "ep2", "--to", "hf", "--output", tmp_path / "from-checkpoint"],
+               check=True, env=ENV, timeout=300)
     torch.testing.assert_close(logits(tmp_path / "from-checkpoint"), logits(tmp_path / "ep2/export"), rtol=0, atol=1e-6)
 
     toolkit("--output", str(tmp_path / "resumed"), "--moe-expert-parallel", "2", "--stop-after", "3", nproc=2, common=EP_RUN)

@@ -141,15 +141,14 @@ def test_qlora_without_bitsandbytes_says_what_to_install(monkeypatch, source):
 def test_lora_on_two_ddp_ranks_equals_one_rank(tmp_path):
     """DDP (gloo, 2 processes) over the adapted model gives the adapters one process gives."""
     import os
-    import subprocess
-    import sys
+
+    from toolkit.testing import run_python
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     flags = [*COMMON, "--tuner", "lora", "--lora-rank", "4", "--max-steps", "3", "--micro-batch-size", "2",
              "--global-batch-size", "4"]
-    for name, launcher in (("one", []), ("two", ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"])):
-        command = [sys.executable, *launcher, "-m", "toolkit", "sft", *flags, "--output", str(tmp_path / name)]
-        result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    for name, nproc in (("one", 1), ("two", 2)):
+        result = run_python(["-m", "toolkit", "sft", *flags, "--output", tmp_path / name], nproc=nproc, env=env, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
     assert [round(x, 5) for x in losses(tmp_path / "one")] == [round(x, 5) for x in losses(tmp_path / "two")]
     one, two = (load_file(str(tmp_path / n / "checkpoints" / "step-3" / "model.safetensors")) for n in ("one", "two"))

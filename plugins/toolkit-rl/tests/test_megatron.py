@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from toolkit.testing import run_python
 
 pytest.importorskip("toolkit_megatron")
 pytestmark = pytest.mark.slow
@@ -29,9 +29,7 @@ COMMON = ["--model", "tiny-llama", "--dataset", "demo", "--max-samples", "16", "
 
 
 def grpo(*args: str, nproc: int = 1) -> list[dict]:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable]
-    result = subprocess.run([*launcher, "-m", "toolkit", "grpo", *COMMON, *args], capture_output=True, text=True, env=ENV,
-                            timeout=400)
+    result = run_python(["-m", "toolkit", "grpo", *COMMON, *args], nproc=nproc, env=ENV, timeout=400)
     assert result.returncode == 0, f"{args} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
     output = Path(args[args.index("--output") + 1])
     return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]

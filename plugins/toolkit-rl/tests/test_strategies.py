@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from toolkit.testing import run_python
 
 pytestmark = pytest.mark.slow
 
@@ -28,9 +28,7 @@ COMMON = ["--model", "tiny-llama", "--dataset", "demo", "--max-samples", "16", "
 
 
 def grpo(output: Path, *args: str) -> list[dict]:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    result = subprocess.run([*launcher, "-m", "toolkit", "grpo", *COMMON, *args, "--output", str(output)],
-                            capture_output=True, text=True, env=ENV, timeout=600)
+    result = run_python(["-m", "toolkit", "grpo", *COMMON, *args, "--output", output], nproc=2, env=ENV, timeout=600)
     assert result.returncode == 0, f"{args} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
     return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
 

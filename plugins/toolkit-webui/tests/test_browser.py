@@ -7,11 +7,12 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from toolkit.testing import run_python
 
 pytestmark = pytest.mark.browser
 SHOTS = os.environ.get("TOOLKIT_WEBUI_SCREENSHOTS")  # a directory: also save a screenshot of each tab there
@@ -51,7 +52,7 @@ def shot(page, name: str, full_page: bool = False) -> None:
 
 def toolkit(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, cwd=cwd, env=env, check=True)
+    return run_python(["-m", "toolkit", *args], cwd=cwd, env=env, check=True)
 
 
 def loss_line_points(page, at_least: int, timeout: float = 120, plot: str = "loss") -> int:
