@@ -49,7 +49,8 @@ def sharded_layout(offload: bool) -> dict:
     """What the fsdp engine built on this rank (bf16 policy), and the gradients of one step."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
-    from toolkit.builtins.fsdp import FSDPConfig, FSDPStrategy, decoder_layers
+    from toolkit.builtins.fsdp import FSDPConfig, FSDPStrategy
+    from toolkit.train.logps import decoder_layers
     from toolkit.builtins.losses import SFTLoss
     from toolkit.builtins.tuners import FullTuner
     from toolkit.data.pipeline import Batches, load_examples
