@@ -50,12 +50,12 @@ def sharded_layout(offload: bool) -> dict:
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
     from toolkit.builtins.fsdp import FSDPConfig, FSDPStrategy
-    from toolkit.train.logps import decoder_layers
     from toolkit.builtins.losses import SFTLoss
     from toolkit.builtins.tuners import FullTuner
     from toolkit.data.pipeline import Batches, load_examples
     from toolkit.models import resolve_model
     from toolkit.recipe import resolve_recipe
+    from toolkit.train.logps import decoder_layers
 
     recipe = resolve_recipe({"model": "tiny-llama", "precision": "bf16", "seq_len": 64, "micro_batch_size": 2, "output": "unused"})
     source = resolve_model("tiny-llama")

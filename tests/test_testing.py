@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -210,7 +211,8 @@ def test_cpu_report_counts_the_subprocesses_a_test_waits_for_not_its_sleep(pytes
 def test_children_fork_once_the_conftest_defaults_are_in_the_servers_environment(monkeypatch):
     """A default a conftest puts in ``os.environ`` after toolkit.forkserver was imported (``HF_HUB_OFFLINE``, which
     huggingface_hub reads at import) stops forking until the tests are collected; ``TORCH_EXTENSIONS_DIR``, read only
-    when an extension is built, never does."""
+    when an extension is built, never does, nor ``NVTE_FLASH_ATTN`` (set by megatron-core as it builds a model in the
+    test process) without Transformer Engine."""
     argv = [sys.executable, "-c", "pass"]
     monkeypatch.delenv("TOOLKIT_TEST_FORK", raising=False)
     monkeypatch.setattr(forkserver, "_server", None)
@@ -221,3 +223,5 @@ def test_children_fork_once_the_conftest_defaults_are_in_the_servers_environment
     assert forkserver.forkable(argv, None)
     assert forkserver.forkable(argv, {**os.environ, "TORCH_EXTENSIONS_DIR": "/elsewhere"})
     assert not forkserver.forkable(argv, {**os.environ, "HF_HUB_OFFLINE": "0"})
+    with_engine = importlib.util.find_spec("transformer_engine") is not None
+    assert forkserver.forkable(argv, {**os.environ, "NVTE_FLASH_ATTN": "0"}) is not with_engine

@@ -20,6 +20,7 @@ Run as a script, this file is the server: ``python forkserver.py SOCKET MODULE,M
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import signal
@@ -47,8 +48,12 @@ _IMPORT_SENSITIVE = ("PYTHON", "HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "P
                      "HOME", "TMPDIR", "PEFT")
 # ... of which the child applies these itself
 _APPLIED = {"PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONWARNINGS", "OMP_NUM_THREADS", "PYTHONFAULTHANDLER"}
-# ... and these are read when used, not at import (torch.utils.cpp_extension's build directory, DeepSpeed's ops)
-_READ_WHEN_USED = {"TORCH_EXTENSIONS_DIR"}
+# ... and these are read when used, not at import; libraries also set the last two in the test process itself
+# (torch's inductor when it first compiles, ``import deepspeed``), which would stop every later child from forking
+_READ_WHEN_USED = {"TORCH_EXTENSIONS_DIR", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK"}
+# ... and these prefixes only where the library that reads them is installed: megatron-core sets NVTE_*_ATTN in the
+# test process whenever it builds a model, for Transformer Engine
+_ONLY_WITH = {"NVTE": "transformer_engine"}
 _BASE_ENV = dict(os.environ)  # the environment the server starts with: before any test changed os.environ
 
 _server: _Server | None = None
@@ -172,9 +177,22 @@ def forkable(args: Sequence[Any], env: dict[str, str] | None) -> bool:
     if str(args[0]) != sys.executable or not (args[1] in ("-m", "-c") and len(args) > 2 or not str(args[1]).startswith("-")):
         return False
     env = os.environ if env is None else env
-    sensitive = {key for key in {*env, *_BASE_ENV}
-                 if key.startswith(_IMPORT_SENSITIVE) and key not in _APPLIED and key not in _READ_WHEN_USED}
+    sensitive = {key for key in {*env, *_BASE_ENV} if _read_at_import(key)}
     return all(env.get(key) == _BASE_ENV.get(key) for key in sensitive)
+
+
+def _read_at_import(key: str) -> bool:
+    if not key.startswith(_IMPORT_SENSITIVE) or key in _APPLIED or key in _READ_WHEN_USED:
+        return False
+    owner = next((module for prefix, module in _ONLY_WITH.items() if key.startswith(prefix)), None)
+    return owner is None or _installed(owner)
+
+
+@functools.cache
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
 
 
 def _stream(value: Any, default: int) -> tuple[int, bool]:
