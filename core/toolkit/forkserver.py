@@ -163,8 +163,8 @@ class _Server:
 
 def take_environment() -> None:
     """Start the server, when it starts, with ``os.environ`` as it is now: :mod:`toolkit.testing` calls this once
-    the tests are collected, so that the defaults conftest files and test modules put there (``HF_HUB_OFFLINE``,
-    ``TORCH_EXTENSIONS_DIR``) do not make every child that inherits them unforkable. A running server keeps its own."""
+    the tests are collected, so that a default that conftest files and test modules put there (``HF_HUB_OFFLINE``
+    when the shell has none) does not make every child that inherits it unforkable. A running server keeps its own."""
     global _BASE_ENV
     if _server is None:
         _BASE_ENV = dict(os.environ)
