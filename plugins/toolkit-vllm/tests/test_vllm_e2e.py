@@ -70,6 +70,31 @@ def vllm_greedy(model_dir: Path, prompts: list[str], lora: str = "") -> list[tup
     return [(item["text"], item["token_ids"]) for item in json.loads(done.stdout.strip().splitlines()[-1])]
 
 
+def assert_greedy_equal_up_to_ties(net, tok, prompts: list[str], got: list[list[int]], expected: list[list[int]],
+                                   tie: float) -> None:
+    """``got`` equals transformers' ``expected`` greedy tokens, or first differs where transformers' own logits rank
+    the two tokens within ``tie`` of each other (bf16 kernels that sum in another order may break a near-tie the
+    other way; from there on the continuations are different texts). Several tokens must agree before that."""
+    import torch
+
+    from toolkit_vllm.backend import prompt_token_ids
+
+    agreed = 0
+    for prompt, ours, theirs in zip(prompts, got, expected, strict=True):
+        split = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+        if split is None:
+            assert len(ours) == len(theirs), (prompt, ours, theirs)
+            agreed += len(theirs)
+            continue
+        ids = torch.tensor([prompt_token_ids(tok, prompt, chat_template=True) + theirs[:split]])
+        with torch.no_grad():
+            logits = net(ids).logits[0, -1].float()
+        gap = float(logits[theirs[split]] - logits[ours[split]])
+        assert gap <= tie, f"{prompt!r}: token {split} is {ours[split]}, transformers' {theirs[split]} by a logit gap of {gap:.3f}"
+        agreed += split
+    assert agreed >= 4, "the comparison must cover several generated tokens"
+
+
 def strip_eos(ids: list[int], tok) -> list[int]:
     end = {tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")}
     return ids[:-1] if ids and ids[-1] in end else ids
@@ -134,7 +159,10 @@ def test_gptq_export_generates_in_vllm_like_transformers(tmp_path):
     expected = hf_greedy(reference, tok, PROMPTS)
     got = vllm_greedy(out, PROMPTS)  # dtype auto: bfloat16 for a W4A16 export on CPU
     assert max(len(ids) for ids in expected) >= 4, "the comparison must cover several generated tokens"
-    assert [strip_eos(ids, tok) for _, ids in got] == [strip_eos(ids, tok) for ids in expected]
+    # a W4A16 kernel in bf16 against transformers' dequantised bf16 matmuls: the same tokens but at near-ties (on
+    # 2026-12-06 one prompt's first token went the other way on an AVX-512 machine), 0.125 = a bf16 step at |logit| 16
+    assert_greedy_equal_up_to_ties(reference, tok, PROMPTS, [strip_eos(ids, tok) for _, ids in got],
+                                   [strip_eos(ids, tok) for ids in expected], tie=0.125)
 
 
 def test_lora_export_merged_and_adapter_on_base_both_match_the_merged_reference(tmp_path):
