@@ -41,6 +41,7 @@ from toolkit.train.distributed import free_port
 # Marks a rank that finished its work; an abort at interpreter exit after it is harmless.
 _DONE = "done"
 _EXIT_ABORT = "terminate called without an active exception"
+_KILLED_AT_TIMEOUT = "killed after a timeout"  # _wait_all's note on a rank it killed at the deadline
 
 
 # ----------------------------------------------------------------------------- plugin manager
@@ -358,6 +359,19 @@ def _worker() -> None:
     os._exit(0)
 
 
+def _start_ranks(argv: list[str], envs: list[dict[str, str]], directory: Path, cwd: str | Path | None,
+                 stdin: Any = None) -> tuple[list[Any], list[tuple[Path, Path]]]:
+    """One process per rank (``envs[rank]``), forked from :mod:`toolkit.forkserver`'s server, its output in
+    ``directory/rank-N.out|err``: files, not pipes, so no rank blocks on a full buffer."""
+    procs, logs = [], []
+    for rank, rank_env in enumerate(envs):
+        out, err = directory / f"rank-{rank}.out", directory / f"rank-{rank}.err"
+        logs.append((out, err))
+        with out.open("w") as stdout, err.open("w") as stderr:
+            procs.append(forkserver.popen(argv, env=rank_env, stdin=stdin, stdout=stdout, stderr=stderr, cwd=cwd))
+    return procs, logs
+
+
 def _wait_all(procs: list[Any], logs: list[tuple[Path, Path]], timeout: float,
               finished: Callable[[int], bool]) -> list[tuple[int, str, str]]:
     """Wait for every rank; once one fails, give the others a few seconds, then kill them
@@ -372,8 +386,8 @@ def _wait_all(procs: list[Any], logs: list[tuple[Path, Path]], timeout: float,
         if failed_at is None and any(p.returncode not in (None, 0) and not finished(r) for r, p in enumerate(procs)):
             failed_at = now
         if now > deadline or (failed_at is not None and now - failed_at > 5):
-            why = f"after a timeout of {timeout:.0f}s" if now > deadline else "after another rank failed"
-            note = f"\n[run_distributed: killed {why}]"
+            why = f"{_KILLED_AT_TIMEOUT} of {timeout:.0f}s" if now > deadline else "killed after another rank failed"
+            note = f"\n[run_distributed: {why}]"
             for proc in procs:
                 if proc.poll() is None:
                     proc.kill()
@@ -441,13 +455,8 @@ def _run_distributed_once(target: Any, nproc: int, args: Sequence[Any], kwargs: 
             argv = [str(target), *map(str, args)]
         else:
             argv = [*map(str, target), *map(str, args)]
-        procs, logs = [], []
-        for rank in range(nproc):
-            rank_env = {**_rank_env(rank, nproc, port), "TOOLKIT_DIST_TIMEOUT": str(timeout), **(env or {})}
-            out, err = job / f"rank-{rank}.out", job / f"rank-{rank}.err"
-            logs.append((out, err))
-            with out.open("w") as stdout, err.open("w") as stderr:  # files, not pipes: no blocking on full buffers
-                procs.append(forkserver.popen([sys.executable, *argv], env=rank_env, stdout=stdout, stderr=stderr, cwd=cwd))
+        envs = [{**_rank_env(rank, nproc, port), "TOOLKIT_DIST_TIMEOUT": str(timeout), **(env or {})} for rank in range(nproc)]
+        procs, logs = _start_ranks([sys.executable, *argv], envs, job, cwd)
 
         def finished(rank: int) -> bool:
             """A function's rank wrote its result and tore down cleanly (scripts have no marker)."""
@@ -480,15 +489,10 @@ def run_python(args: Sequence[Any], *, nproc: int = 1, env: dict[str, str] | Non
         return forkserver.run(argv, env=env, cwd=cwd, timeout=timeout, check=check, capture_output=True, text=True, input=input)
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="toolkit-run-") as tmp:
-        procs, logs = [], []
-        for rank in range(nproc):
-            out, err = Path(tmp, f"rank-{rank}.out"), Path(tmp, f"rank-{rank}.err")
-            logs.append((out, err))
-            with out.open("w") as stdout, err.open("w") as stderr:
-                procs.append(forkserver.popen(argv, env=_rank_env(rank, nproc, port, env), stdout=stdout, stderr=stderr,
-                                              stdin=subprocess.DEVNULL, cwd=cwd))
+        procs, logs = _start_ranks(argv, [_rank_env(rank, nproc, port, env) for rank in range(nproc)], Path(tmp), cwd,
+                                   stdin=subprocess.DEVNULL)
         outcomes = _wait_all(procs, logs, timeout, lambda rank: False)
-    if any("[run_distributed: killed after a timeout" in err for _, _, err in outcomes):
+    if any(_KILLED_AT_TIMEOUT in err for _, _, err in outcomes):
         raise subprocess.TimeoutExpired(argv, timeout, "".join(o for _, o, _ in outcomes), "".join(e for _, _, e in outcomes))
     code = next((c for c, _, _ in outcomes if c), 0)
     done = subprocess.CompletedProcess(argv, code, "".join(o for _, o, _ in outcomes), "".join(e for _, _, e in outcomes))

@@ -5,6 +5,7 @@ Shared by every strategy that runs HF modules (local/DDP, FSDP, DeepSpeed).
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -334,7 +335,13 @@ def pop_aux_loss(pop: Callable[..., Any], tokens: torch.Tensor) -> Any:
 
     A patched model whose pop takes no argument still works; its router losses then count padding.
     """
-    return pop(tokens=tokens) if "tokens" in inspect.signature(pop).parameters else pop()
+    return pop(tokens=tokens) if _takes_tokens(getattr(pop, "__func__", pop)) else pop()
+
+
+@functools.cache
+def _takes_tokens(function: Callable[..., Any]) -> bool:
+    """Read once per function, not on every micro-batch."""
+    return "tokens" in inspect.signature(function).parameters
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
