@@ -69,20 +69,33 @@ def child_main(argv: list[str]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- parent side
-def command(mode: str, run_dir: Path, args: argparse.Namespace) -> list[str]:
+def command(mode: str, run_dir: Path, args: argparse.Namespace) -> tuple[list[str], int]:
+    """The child's arguments (after ``python``) and its number of ranks."""
     flags = ["sft", "--model", "tiny-llama", "--dataset", "demo", "--seq-len", "64", "--lr", "1e-3",
              "--max-steps", str(args.steps), "--save-every", str(args.save_every), "--keep-last", "2",
              "--micro-batch-size", "2", "--global-batch-size", "4", "--log-every", "1", "--export", "hf",
              "--output", str(run_dir), "--resume", "auto"]
     if mode == "local":
-        return [sys.executable, str(SCRIPT), "--child", *flags]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(SCRIPT), "--child",
-            *flags, "--strategy", "megatron", "--tp", "2"]
+        return [str(SCRIPT), "--child", *flags], 1
+    return [str(SCRIPT), "--child", *flags, "--strategy", "megatron", "--tp", "2"], 2
 
 
-def start(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
-    handle = log.open("w")
-    return subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env)
+def start(child: tuple[list[str], int], log: Path, env: dict[str, str], fork: bool) -> subprocess.Popen:
+    """``python`` (under ``torchrun`` for several ranks) with the child's arguments; with ``fork``, forked from
+    toolkit.forkserver's server (torch imported once, not in every round; ranks started as torchrun would)."""
+    args, nproc = child
+    with log.open("w") as handle:
+        if fork and nproc == 1:
+            from toolkit import forkserver
+
+            return forkserver.popen([sys.executable, *args], env=env, stdin=subprocess.DEVNULL, stdout=handle,
+                                    stderr=handle)
+        if fork:
+            from toolkit.testing import popen_ranks
+
+            return popen_ranks(args, nproc, env=env, stdout=handle, stderr=handle)
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
+        return subprocess.Popen([sys.executable, *launcher, *args], stdout=handle, stderr=subprocess.STDOUT, env=env)
 
 
 def kill_tree(process: subprocess.Popen) -> None:
@@ -90,9 +103,10 @@ def kill_tree(process: subprocess.Popen) -> None:
 
     torchrun starts its workers in sessions of their own, so killing its process group would leave them
     running: stop the whole tree first (nothing can move on while we look), then kill all of it."""
+    roots = set(getattr(process, "pids", [process.pid]))  # popen_ranks: every rank's process
     stopped: set[int] = set()
     while True:
-        tree = _descendants(process.pid) | {process.pid}
+        tree = set().union(roots, *map(_descendants, roots))
         fresh = tree - stopped
         if not fresh:
             break
@@ -239,7 +253,8 @@ def run_kill_test(args: argparse.Namespace) -> dict[str, object]:
     reference, run_dir = work / "reference", work / "killed"
     started = time.monotonic()
     # slowed like the killed rounds (it changes no number), so its timing tells where kills can land
-    process = start(command(args.mode, reference, args), work / "reference.log", {**env, "KILL_TEST_SLOW_SAVE": str(args.slow_save)})
+    process = start(command(args.mode, reference, args), work / "reference.log", {**env, "KILL_TEST_SLOW_SAVE": str(args.slow_save)},
+                    args.fork)
     saw_training = wait_for(training_started(reference, time.time() - 1), process, args.timeout, poll=0.01)
     first_step_at = time.monotonic() - started
     if process.wait(timeout=args.timeout) != 0 or not saw_training:
@@ -263,7 +278,7 @@ def run_kill_test(args: argparse.Namespace) -> dict[str, object]:
                      # kills would then depend on timing): the killed rounds wait inside the last checkpoint write
                      "KILL_TEST_HOLD_AT": "" if disk_full else f".tmp-step-{args.steps}"}
         since = time.time()
-        process = start(command(args.mode, run_dir, args), log, child_env)
+        process = start(command(args.mode, run_dir, args), log, child_env, args.fork)
         summary["rounds"] += 1  # type: ignore[operator]
         if disk_full:
             code = process.wait(timeout=args.timeout)
@@ -325,7 +340,7 @@ def run_kill_test(args: argparse.Namespace) -> dict[str, object]:
                 summary["corrupted"].append(pending_damaged.name)  # type: ignore[union-attr]
     if not failures and not finished:  # the last round runs to the end, untouched
         log = work / "final.log"
-        process = start(command(args.mode, run_dir, args), log, env)
+        process = start(command(args.mode, run_dir, args), log, env, args.fork)
         code = process.wait(timeout=args.timeout)
         summary["rounds"] += 1  # type: ignore[operator]
         pending_damaged = _check_damaged(log.read_text(), pending_damaged, summary)
@@ -380,6 +395,9 @@ def main() -> None:
                         help="seconds each slowed phase of a checkpoint write sleeps, so kills can land inside it")
     parser.add_argument("--corrupt-every", type=int, default=0, help="flip a byte in the newest checkpoint after every K-th kill")
     parser.add_argument("--disk-full-round", type=int, default=0, help="round whose second checkpoint write fails with ENOSPC (on the last rank)")
+    parser.add_argument("--fork", action="store_true",
+                        help="fork every run from one process that imported torch once (toolkit.forkserver; the tests), "
+                             "ranks started as torchrun would, instead of a fresh python/torchrun per round")
     parser.add_argument("--workdir", default="kill-test")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--json", default=os.path.join(os.environ["OUT"], "kill_test.json") if os.environ.get("OUT") else None)

@@ -1,6 +1,7 @@
 """scripts/kill_test.py, short: a local run and a megatron TP2 run (2 gloo processes) SIGKILLed twice (aimed at
 random moments, most inside checkpoint writes), one disk-full round and one corrupted checkpoint, then finished;
-their weights equal an uninterrupted run."""
+their weights equal an uninterrupted run. Every run is forked from one process that imported torch once
+(``--fork``), ranks started as torchrun would."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "kill_test.py"
 def run_kill_test(tmp_path: Path, *args: str) -> dict:
     summary = tmp_path / "summary.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, str(SCRIPT), "--workdir", str(tmp_path / "work"), "--json", str(summary), *args],
+    result = subprocess.run([sys.executable, str(SCRIPT), "--workdir", str(tmp_path / "work"), "--json", str(summary), "--fork", *args],
                             capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr[-3000:]}"
     return json.loads(summary.read_text())

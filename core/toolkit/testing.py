@@ -372,29 +372,78 @@ def _start_ranks(argv: list[str], envs: list[dict[str, str]], directory: Path, c
     return procs, logs
 
 
+class RankProcesses:
+    """A :class:`subprocess.Popen`-like handle (``pid``, ``pids``, ``poll``, ``wait``, ``kill``, ``returncode``) of
+    the ranks of one job, ending as ``torchrun`` does: once a rank fails, the others get 5 seconds, then are
+    killed (they would otherwise sit in a collective until gloo's own timeout); the status is the first
+    failing rank's, 0 when every rank succeeded. ``finished(rank)``: a rank that failed after it reported
+    being done does not count as failing (a known harmless abort at interpreter exit)."""
+
+    GRACE = 5.0
+
+    def __init__(self, procs: list[Any], finished: Callable[[int], bool] = lambda rank: False):
+        self.procs, self.finished = procs, finished
+        self.pids = [p.pid for p in procs]
+        self.pid = self.pids[0]
+        self.returncode: int | None = None
+        self.killed_after_failure = False
+        self._failed_at: float | None = None
+
+    def poll(self) -> int | None:
+        import time
+
+        codes = [p.poll() for p in self.procs]  # a list, not any(): every process must be polled
+        if self._failed_at is None and any(c not in (None, 0) and not self.finished(r) for r, c in enumerate(codes)):
+            self._failed_at = time.monotonic()
+        if None in codes and self._failed_at is not None and time.monotonic() - self._failed_at > self.GRACE:
+            self.killed_after_failure = True
+            self.kill()
+            codes = [p.wait() for p in self.procs]
+        if None not in codes:
+            self.returncode = next((c for c in codes if c), 0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired([str(pid) for pid in self.pids], timeout)
+            time.sleep(0.05)
+        return self.returncode  # type: ignore[return-value]
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def popen_ranks(args: Sequence[Any], nproc: int, *, env: dict[str, str] | None = None, cwd: str | Path | None = None,
+                stdout: Any = None, stderr: Any = None) -> RankProcesses:
+    """Start ``python *args`` as ``torchrun --standalone --nproc-per-node nproc`` would (one process per rank with
+    RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT), forked from :mod:`toolkit.forkserver`'s server; every rank
+    writes to ``stdout``/``stderr`` (files). For a test that must signal a running job (scripts/kill_test.py
+    --fork); :func:`run_python` waits for one."""
+    argv, port = [sys.executable, *map(str, args)], free_port()
+    return RankProcesses([forkserver.popen(argv, env=_rank_env(rank, nproc, port, env), stdin=subprocess.DEVNULL,
+                                           stdout=stdout, stderr=stderr, cwd=cwd) for rank in range(nproc)])
+
+
 def _wait_all(procs: list[Any], logs: list[tuple[Path, Path]], timeout: float,
               finished: Callable[[int], bool]) -> list[tuple[int, str, str]]:
-    """Wait for every rank; once one fails, give the others a few seconds, then kill them
-    (they would otherwise sit in a collective until gloo's own timeout)."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    failed_at: float | None = None
+    """Wait for every rank (:class:`RankProcesses`); at the deadline, kill them all."""
+    job = RankProcesses(procs, finished)
     note = ""
-    while None in [p.poll() for p in procs]:  # a list, not any(): every process must be polled
-        now = time.monotonic()
-        if failed_at is None and any(p.returncode not in (None, 0) and not finished(r) for r, p in enumerate(procs)):
-            failed_at = now
-        if now > deadline or (failed_at is not None and now - failed_at > 5):
-            why = f"{_KILLED_AT_TIMEOUT} of {timeout:.0f}s" if now > deadline else "killed after another rank failed"
-            note = f"\n[run_distributed: {why}]"
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-            for proc in procs:
-                proc.wait()
-            break
-        time.sleep(0.05)
+    try:
+        job.wait(timeout)
+        if job.killed_after_failure:
+            note = "\n[run_distributed: killed after another rank failed]"
+    except subprocess.TimeoutExpired:
+        note = f"\n[run_distributed: {_KILLED_AT_TIMEOUT} of {timeout:.0f}s]"
+        job.kill()
+        for proc in procs:
+            proc.wait()
     results = []
     for proc, (out, err) in zip(procs, logs):
         killed = note if proc.returncode == -9 else ""
