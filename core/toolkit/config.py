@@ -13,9 +13,14 @@ import typing
 from typing import Any, Literal, get_args, get_origin
 
 
-def option(default: Any = dataclasses.MISSING, *, help: str, flag: str | None = None, aliases: tuple[str, ...] = (), **kw: Any) -> Any:
-    """A documented dataclass field: ``help`` becomes the flag's help, ``aliases`` extra flags."""
-    metadata = {"help": help, "flag": flag, "aliases": aliases}
+def option(default: Any = dataclasses.MISSING, *, help: str, flag: str | None = None, aliases: tuple[str, ...] = (),
+           replaced_by: str | None = None, **kw: Any) -> Any:
+    """A documented dataclass field: ``help`` becomes the flag's help, ``aliases`` extra flags.
+
+    ``replaced_by`` (a plugin section's field only) names the :class:`~toolkit.recipe.Recipe` field that took
+    over its job: a value given there is moved to that field with one deprecation line (``resolve_recipe``);
+    the field's default must be ``None`` (not given)."""
+    metadata = {"help": help, "flag": flag, "aliases": aliases, "replaced_by": replaced_by}
     if isinstance(default, (list, dict, set)):
         value = default
         return dataclasses.field(default_factory=lambda: type(value)(value), metadata=metadata, **kw)

@@ -125,12 +125,12 @@ def unsupported_axes(recipe: Recipe, strategy_cls: type, manager: Any) -> list[s
 
     providers = {}
     for axis in AXES:
-        able = [name for name, cls in manager.registry("strategy").items() if axis in member(cls, "strategy", "parallel_axes")]
+        able = [name for name, cls in manager.registry("strategy").items() if axis in manager.parallel_axes(cls)]
         if able:
             providers[axis] = able[0]
         elif ("strategy", "megatron") in FIRST_PARTY:
             providers[axis] = f"megatron ({install_hint(FIRST_PARTY[('strategy', 'megatron')])})"
-    return ParallelLayout.from_recipe(recipe).unsupported(strategy_cls.name, member(strategy_cls, "strategy", "parallel_axes"), providers)
+    return ParallelLayout.from_recipe(recipe).unsupported(strategy_cls.name, manager.parallel_axes(strategy_cls), providers)
 
 
 def choose_auto_strategy(recipe: Recipe, world_size: int) -> Recipe:
