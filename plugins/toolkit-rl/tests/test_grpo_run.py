@@ -16,7 +16,7 @@ VOWELS = f"{Path(__file__).parent / 'toy_rewards.py'}:vowels"
 BASE = {"model": "tiny-llama", "dataset": ["demo"], "loss": "grpo", "max_samples": 16, "micro_batch_size": 4,
         "seq_len": 96, "lr": 1e-2, "schedule": "constant", "seed": 3,
         "grpo": {"rewards": ["answer:1", VOWELS], "num_generations": 4, "prompts_per_rollout": 2,
-                 "max_completion_length": 6}, "answer": {"mode": "contains"}}
+                 "max_new_tokens": 6}, "answer": {"mode": "contains"}}
 
 
 def run(tmp_path, name, **overrides):
@@ -35,7 +35,7 @@ def test_cli_trains_logs_and_samples_rollouts(tmp_path, cli_runner):
     out = tmp_path / "cli"
     result = cli_runner.invoke("grpo", "--model", "tiny-llama", "--dataset", "demo", "--max-samples", "8",
                                "--reward", "answer", "--reward", "length:0.1", "--num-generations", "4",
-                               "--grpo-prompts-per-rollout", "2", "--max-completion-length", "6", "--grpo-beta", "0.04",
+                               "--grpo-prompts-per-rollout", "2", "--max-new-tokens", "6", "--grpo-beta", "0.04",
                                "--loss-type", "dapo", "--max-steps", "2", "--micro-batch-size", "4", "--seq-len", "96",
                                "--output", str(out))
     assert result.exit_code == 0, result.output
@@ -49,6 +49,30 @@ def test_cli_trains_logs_and_samples_rollouts(tmp_path, cli_runner):
     assert {r["step"] for r in rollouts} == {1, 2} and rollouts[0]["prompt"].endswith("assistant\n")
     assert set(rollouts[0]["rewards"]) == {"answer", "length"}
     assert (out / "checkpoints" / "step-2").is_dir() and (out / "recipe.yaml").is_file()
+
+
+def test_sampling_flags_reach_the_rollout_sampler(tmp_path, cli_runner):
+    """``toolkit grpo`` takes ``toolkit infer``'s sampling flags and the rollouts are drawn with them: at a tiny
+    --temperature the sampler is greedy (each prompt's group holds one completion, the one --top-k 1 gives, the
+    same seed), at the default temperature the tiny model's near-uniform distribution gives a group distinct
+    completions. A sampler that ignored --temperature (or --top-k) would sample every run at temperature 1."""
+
+    def groups(*flags: str) -> list[list[str]]:
+        out = tmp_path / "-".join(flags or ("default",))
+        result = cli_runner.invoke("grpo", "--model", "tiny-llama", "--dataset", "demo", "--max-samples", "8",
+                                   "--reward", "length:0.1", "--num-generations", "4", "--grpo-prompts-per-rollout", "2",
+                                   "--max-new-tokens", "6", "--grpo-log-completions", "8", "--max-steps", "1",
+                                   "--micro-batch-size", "4", "--seq-len", "96", "--output", str(out), *flags)
+        assert result.exit_code == 0, result.output
+        rows = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+        assert len(rows) == 8
+        return [[r["completion"] for r in rows if r["prompt"] == prompt] for prompt in dict.fromkeys(r["prompt"] for r in rows)]
+
+    greedy = groups("--top-k", "1")
+    assert all(len(set(group)) == 1 for group in greedy), greedy
+    assert groups("--temperature", "1e-4") == greedy
+    assert groups("--top-p", "1e-6") == greedy
+    assert any(len(set(group)) > 1 for group in groups()), "temperature 1 sampled one completion per prompt"
 
 
 def test_entropy_of_completions_sampled_elsewhere_equals_generates_own():
@@ -65,7 +89,7 @@ def test_entropy_of_completions_sampled_elsewhere_equals_generates_own():
     from toolkit_rl.rollout import HFRollouts
 
     source = resolve_model("tiny-llama")
-    config = GRPOConfig(num_generations=3, max_completion_length=10, temperature=0.7)
+    config = GRPOConfig(num_generations=3, max_new_tokens=10, temperature=0.7)
     rollouts = HFRollouts(source, Recipe(model="tiny-llama", precision="fp32"), config, torch.device("cpu"))
     template = ChatTemplate(source.tokenizer)
     prompts = [source.tokenizer(template.render([{"role": "user", "content": text}], add_generation_prompt=True),
@@ -76,7 +100,7 @@ def test_entropy_of_completions_sampled_elsewhere_equals_generates_own():
     forward = rollouts.sampling_entropy(rows, sampled.ids, chunk=4)
     assert forward == pytest.approx(sampled.entropy, rel=1e-4, abs=1e-5)
     assert min(sampled.entropy) > 0.01
-    rollouts.config = GRPOConfig(num_generations=3, max_completion_length=10, temperature=1.4)
+    rollouts.config = GRPOConfig(num_generations=3, max_new_tokens=10, temperature=1.4)
     assert all(hot > cold for hot, cold in zip(rollouts.sampling_entropy(rows, sampled.ids), forward, strict=True))
 
 
