@@ -98,10 +98,9 @@ def model_directory(reference: str, workdir: Path, trust_remote_code: bool = Fal
 
 
 def backend_instance(name: str, values: dict[str, Any]) -> Any:
-    from toolkit.plugins import get_plugin_manager
-
     from toolkit.config import build_dataclass
     from toolkit.errors import ConfigError
+    from toolkit.plugins import get_plugin_manager
 
     cls = get_plugin_manager().get("inference_backend", name)
     fields = {f.name for f in dataclasses.fields(cls.Config)}
