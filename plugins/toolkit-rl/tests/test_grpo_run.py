@@ -121,6 +121,26 @@ def test_rollouts_use_the_weights_of_the_last_step(tmp_path, monkeypatch, tuner)
     assert max(abs(m["loss"]) for m in stale[1:]) > 1e-5, [m["loss"] for m in stale]
 
 
+def test_a_run_saved_with_trls_option_name_resumes(tmp_path):
+    """A recipe.yaml written before --max-new-tokens (TRL's max_completion_length) is the same training; a real
+    change of a sampling option is still refused."""
+    import copy
+
+    import yaml
+
+    from toolkit.errors import ConfigError
+    from toolkit.train.runner import check_resume_changes
+
+    recipe = resolve_recipe({**BASE, "output": str(tmp_path), "resume": "auto"})
+    saved = copy.deepcopy(recipe.to_yaml_dict())
+    saved["grpo"]["max_completion_length"] = saved["grpo"].pop("max_new_tokens")
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(saved))
+    check_resume_changes(recipe, is_main=True)
+    hotter = resolve_recipe({**BASE, "output": str(tmp_path), "resume": "auto", "grpo": {**BASE["grpo"], "temperature": 1.5}})
+    with pytest.raises(ConfigError, match="'temperature': 1.0.*'temperature': 1.5"):
+        check_resume_changes(hotter, is_main=True)
+
+
 def test_resume_is_exact(tmp_path):
     """Prompt order, rollout sampling and weights continue as if never stopped (two optimizer steps per batch)."""
     from safetensors.torch import load_file
