@@ -30,13 +30,14 @@ def toolkit_strategy_axes(strategy: str) -> list[str]:
 @hookimpl
 def toolkit_patch_model(model: Any, source: Any, recipe: Any) -> None:
     from toolkit.errors import ConfigError
+    from toolkit.parallel import ParallelLayout
     from toolkit.recipe import thing_options
     from toolkit_moe.architecture import MoeArchitecture
 
     options = thing_options(recipe, MoeArchitecture)
-    splits = recipe.expert_parallel > 1 and recipe.strategy == "local"
-    if splits and not options.enabled:
-        raise ConfigError(f"--ep {recipe.expert_parallel} with --strategy local splits toolkit-moe's experts: add "
-                          "--moe-enabled (YAML moe: {enabled: true})", source="--ep")
+    ep = ParallelLayout.from_recipe(recipe).expert  # the layout's one expert-parallel axis (--ep)
+    if ep > 1 and recipe.strategy == "local" and not options.enabled:
+        raise ConfigError(f"--ep {ep} with --strategy local splits toolkit-moe's experts: add --moe-enabled "
+                          "(YAML moe: {enabled: true})", source="--ep")
     if options.enabled:  # a model toolkit-moe cannot patch is refused there, naming the families it knows
-        MoeArchitecture(options).patch(model, source, strategy=recipe.strategy, expert_parallel=recipe.expert_parallel)
+        MoeArchitecture(options).patch(model, source, strategy=recipe.strategy, expert_parallel=ep)
