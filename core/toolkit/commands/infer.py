@@ -9,10 +9,10 @@ def sampling_options() -> list[click.Option]:
     """``--max-new-tokens``, ``--temperature``, ``--top-p``, ``--top-k`` from :class:`toolkit.inference.SamplingOptions`
     (their one definition; ``toolkit grpo`` gets the same flags from it). A flag left out is absent from the values
     (``None``), so the backend's ``Config`` keeps its default."""
-    from toolkit.commands.train import recipe_options_of
+    from toolkit.commands.train import dataclass_options
     from toolkit.inference import SamplingOptions
 
-    return recipe_options_of(SamplingOptions)
+    return dataclass_options(SamplingOptions)
 
 
 def given(values: dict) -> dict:
