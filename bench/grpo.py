@@ -66,7 +66,7 @@ def toolkit_grpo(model_dir: Path, prompts: Path, args, out: Path) -> dict:
         "max_steps": args.steps + args.warmup, "micro_batch_size": args.micro_batch, "seq_len": args.completion + 128,
         "precision": "bf16" if torch.cuda.is_available() else "fp32", "lr": 1e-6, "schedule": "constant",
         "log_every": 1, "grpo": {"rewards": [f"{Path(__file__).resolve()}:spread_reward"], "num_generations": args.group,
-                                 "prompts_per_rollout": args.prompts, "max_completion_length": args.completion,
+                                 "prompts_per_rollout": args.prompts, "max_new_tokens": args.completion,
                                  "raw_prompts": True, "log_completions": 0}})
     start = time.perf_counter()
     run_grpo(recipe)

@@ -14,7 +14,7 @@ Shape of Qwen3-30B-A3B with 4 layers (hidden 2048, 128 experts, top-8, expert FF
   megatron      ``--strategy megatron`` (toolkit-megatron's bridge and engine), EP1, 1 GPU (torchrun), with
                 its default grouped-matmul experts (toolkit_megatron.experts.GroupedExperts)
   megatron-seq  the same with ``--megatron-moe-experts sequential`` (Megatron's SequentialMLP: a loop over experts)
-  toolkit-ep2   the local engine with --moe-expert-parallel 2 on 2 GPUs (torchrun; DDP for the rest)
+  toolkit-ep2   the local engine with --moe-enabled --ep 2 on 2 GPUs (torchrun; DDP for the rest)
   megatron-ep2  --strategy megatron --ep 2 on 2 GPUs
 
 The EP2 cases run when two GPUs are visible (or with ``--tiny``, on CPU over gloo). Each case runs
@@ -271,9 +271,9 @@ def hf_loop(args, device, rank: int):
 
 
 def engine_case(args, device, rank: int):
-    """The strategy's engine exactly as ``toolkit sft`` builds it: ``local`` with ``--moe-enabled
-    [--moe-expert-parallel N] [--local-bf16-mode pure]``, or ``megatron`` with ``--ep N`` (N = number of
-    processes) and grouped or sequential experts."""
+    """The strategy's engine exactly as ``toolkit sft`` builds it, with ``--ep N`` (N = number of processes):
+    ``local`` with ``--moe-enabled [--local-bf16-mode pure]`` (toolkit-moe's expert parallelism), or ``megatron``
+    with grouped or sequential experts."""
     import torch
     from common import full_rows
 
@@ -284,16 +284,16 @@ def engine_case(args, device, rank: int):
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     values = {"model": str(args.model_dir), "precision": "bf16" if device.type == "cuda" else "fp32", "lr": 1e-5,
-              "max_grad_norm": 1.0, "seq_len": args.seq, "micro_batch_size": args.batch}
+              "max_grad_norm": 1.0, "seq_len": args.seq, "micro_batch_size": args.batch, "expert_parallel": world}
     if args.case == "toolkit-pure":  # bf16 on the CPU too: the mode exists only under --precision bf16
         values.update(precision="bf16", local={"bf16_mode": "pure"})
     if args.case.startswith("megatron"):
-        values.update(strategy="megatron", expert_parallel=world,
+        values.update(strategy="megatron",
                       megatron={"moe_experts": "sequential" if args.case == "megatron-seq" else "grouped"})
         if not torch.distributed.is_initialized():  # Megatron wants a process group even for one process
             torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
     else:
-        values.update(strategy="local", moe={"enabled": True, "expert_parallel": world})
+        values.update(strategy="local", moe={"enabled": True})
     strategy, tuner, loss, recipe = resolve_components(resolve_recipe(values), world)
     source = load_hf_directory(str(args.model_dir), args.model_dir)
     engine = strategy.build(source, tuner, loss, recipe)

@@ -82,12 +82,14 @@ def sharded_layout(offload: bool) -> dict:
             "param_dtype": str(q.dtype), "policy": (str(policy.param_dtype), str(policy.reduce_dtype)),
             "offload": isinstance(layers[0]._get_fsdp_state()._fsdp_param_group.offload_policy, CPUOffloadPolicy),
             "q_grad": grads.get("model.layers.0.self_attn.q_proj.weight"),
-            "every_trainable_got_a_grad": len(grads) == sum(p.requires_grad for p in engine.model.parameters())}
+            "every_trainable_got_a_grad": len(grads) == sum(p.requires_grad for p in engine.model.parameters()),
+            "state_bytes": engine.training_state_bytes()}
 
 
 @pytest.mark.slow
 def test_layers_are_sharded_with_the_bf16_policy_and_offload(tmp_path):
-    for rank in run_distributed(sharded_layout, nproc=2, args=(True,), timeout=300):
+    ranks = run_distributed(sharded_layout, nproc=2, args=(True,), timeout=300)
+    for rank in ranks:
         assert rank["all_layers_sharded"] and rank["placement"] == "(Shard(dim=0),)"
         assert rank["local"][0] * 2 == rank["global"][0], "each rank holds half of each weight's rows"
         assert rank["param_dtype"] == "torch.float32", "sharded master weights stay fp32"
@@ -95,3 +97,12 @@ def test_layers_are_sharded_with_the_bf16_policy_and_offload(tmp_path):
         assert rank["offload"]
         assert rank["q_grad"] == ("torch.float32", rank["local"], rank["global"]), "sharded fp32 gradients"
         assert rank["every_trainable_got_a_grad"]
+    # Between steps (gradients freed) a rank holds its shards of the fp32 weights and of AdamW's two moments: the ranks
+    # together hold each number once (the planner's measurement harness reads this; the local engine's is checked
+    # against the CPU allocator in test_plan_measure.py).
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.models import preset_config
+
+    parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(preset_config("tiny-llama")).parameters())
+    assert sum(rank["state_bytes"] for rank in ranks) == 3 * 4 * parameters

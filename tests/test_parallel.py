@@ -101,6 +101,27 @@ def test_a_strategy_is_refused_the_axes_it_does_not_declare_naming_one_that_has_
                                                                             "parallelism only", "--strategy splitter splits models along tp")]
 
 
+def test_a_plugin_adds_an_axis_to_a_strategy_it_did_not_register(toolkit_manager):
+    """toolkit_strategy_axes: the axis becomes supported by that strategy only, and is named as its provider."""
+    from toolkit import hookimpl
+    from toolkit.recipe import resolve_recipe
+    from toolkit.train.runner import unsupported_axes
+
+    class ContextForLocal:
+        @staticmethod
+        @hookimpl
+        def toolkit_strategy_axes(strategy):
+            return ["cp"] if strategy == "local" else []
+
+    manager = toolkit_manager(ContextForLocal, installed=False)
+    local, fsdp = manager.get("strategy", "local"), manager.get("strategy", "fsdp")
+    assert manager.parallel_axes(local) == {"cp"} and manager.parallel_axes(fsdp) == frozenset()
+    recipe = resolve_recipe({"tensor_parallel": 2, "context_parallel": 2})
+    assert [p.split(" (")[0] for p in unsupported_axes(recipe, local, manager)] == ["--tp 2 needs --strategy megatron"]
+    assert unsupported_axes(resolve_recipe({"context_parallel": 2}), fsdp, manager) == [
+        "--cp 2 needs --strategy local: --strategy fsdp splits models along data parallelism only"]
+
+
 def test_the_planner_refuses_what_the_layout_refuses():
     """The planner's structural check and ParallelLayout agree on every rule they share."""
     from toolkit.plan.memory import Layout, Workload

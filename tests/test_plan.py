@@ -619,3 +619,48 @@ def test_forward_flops_match_torch_flop_counter(family):
     forward_causal = (dense + routed) / 3  # forward + backward = 3 forwards without recompute
     square_scores = 2 * shape.layers * seq * shape.attention_width  # the upper triangle the counter adds
     assert counter.get_total_flops() == pytest.approx(batch * seq * (forward_causal + square_scores), rel=1e-9)
+
+
+@pytest.mark.parametrize(("family", "recompute"), [("llama", False), ("qwen2_moe", False), ("qwen3_moe", False),
+                                                   ("qwen3_moe_mixed", False), ("mixtral", False), ("deepseek_v3", False),
+                                                   ("llama", True), ("qwen2_moe", True), ("qwen3_moe", True),
+                                                   ("deepseek_v3", True)])
+def test_lora_training_flops_match_torch_flop_counter(family, recompute):
+    """Issue 27: LoRA's training FLOPs (forward + backward, recompute) against torch's FLOP counter on a PEFT model
+    (r=4 on every linear, as toolkit-peft's default), so every matmul PEFT and autograd actually run counts: the
+    frozen base's input gradients without weight gradients (none through the first layer's input projections), the
+    adapters, top-k routed experts (frozen in qwen2_moe; folded ``W + s*A_e B_e`` in qwen3_moe/mixtral/deepseek,
+    whose folded weights do get a gradient), the router, shared experts and their gate, dense layers between MoE
+    layers. The counter counts the attention scores over the whole square, the planner the causal half (exact
+    difference added below). Without recompute the counts agree exactly. With recompute torch's non-reentrant
+    checkpoint stops re-running a layer once backward has every tensor it saved, so the trailing matmul of each
+    layer whose output nothing saves (the last adapter's B, a frozen down projection) is skipped: the planner, which
+    counts a whole second forward, may be high by at most one linear's forward per layer, never low."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from toolkit.plan.timing import train_flops_per_token
+
+    config = transformers.AutoConfig.for_model(**TINY_CONFIGS[family], attn_implementation="eager",
+                                              experts_implementation="eager")  # a loop over routed tokens
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).train()
+    if recompute:  # as toolkit.models.load_hf_model enables it, before the tuner
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    rank, batch, seq = 4, 2, 24
+    model = peft.get_peft_model(model, peft.LoraConfig(r=rank, target_modules="all-linear"))
+    with FlopCounterMode(display=False) as counter:
+        model(torch.randint(0, config.vocab_size, (batch, seq))).logits.float().logsumexp(-1).mean().backward()
+    shape = shape_from_config(config.to_dict())
+    dense, routed = train_flops_per_token(shape, Workload(seq_len=seq, micro_batch_size=batch, tuner="lora",
+                                                          lora_rank=rank), recompute=recompute)
+    upper_triangle = (8 if recompute else 6) * shape.layers * seq * shape.attention_width  # forward(s) and backward
+    planned, measured = batch * seq * (dense + routed + upper_triangle), counter.get_total_flops()
+    if not recompute:
+        assert measured == pytest.approx(planned, rel=1e-12)
+        return
+    widths = [(shape.hidden, shape.ffn), (shape.hidden, shape.expert_ffn), (shape.hidden, shape.shared_expert_ffn)]
+    one_linear = max(2 * (i * o + rank * (i + o)) for i, o in widths)
+    assert 0 <= planned - measured <= batch * seq * shape.layers * one_linear, (planned, measured)

@@ -131,3 +131,23 @@ def test_infer_takes_backend_options_and_names_the_valid_ones(cli_runner):
     assert short.stdout.strip().splitlines()[-1] == two.strip() != eight.strip()  # the option won over the flag's 8
     wrong = cli_runner.invoke("infer", "tiny-llama", "--prompt", "Hello", "--option", "nosuch=1")
     assert wrong.exit_code != 0 and "nosuch" in wrong.output and "its options: max_new_tokens" in wrong.output
+
+
+def test_infer_samples_with_the_sampling_flags_and_refuses_bad_ones(cli_runner):
+    """--temperature/--top-p/--top-k (toolkit.inference.SamplingOptions, the flags toolkit grpo takes too) reach
+    transformers' generate: --top-k 1 and a tiny --top-p are greedy at any temperature, a hot temperature alone is
+    not (the tiny model's distribution is near uniform), and a value outside its range is refused before loading."""
+    import transformers
+
+    def completion(*flags: str) -> str:
+        transformers.set_seed(0)
+        result = cli_runner.invoke("infer", "tiny-llama", "--prompt", "Hello", "--max-new-tokens", "12", *flags)
+        assert result.exit_code == 0, result.output
+        return result.stdout.strip().splitlines()[-1]
+
+    greedy = completion()
+    assert completion("--temperature", "5", "--top-k", "1") == greedy
+    assert completion("--temperature", "5", "--top-p", "1e-6") == greedy
+    assert completion("--temperature", "5") != greedy
+    bad = cli_runner.invoke("infer", "tiny-llama", "--prompt", "Hello", "--top-p", "0", "--top-k", "-1")
+    assert bad.exit_code != 0 and "top_p must lie in (0, 1], got 0.0" in bad.output and "top_k must be 0" in bad.output

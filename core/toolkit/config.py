@@ -13,9 +13,14 @@ import typing
 from typing import Any, Literal, get_args, get_origin
 
 
-def option(default: Any = dataclasses.MISSING, *, help: str, flag: str | None = None, aliases: tuple[str, ...] = (), **kw: Any) -> Any:
-    """A documented dataclass field: ``help`` becomes the flag's help, ``aliases`` extra flags."""
-    metadata = {"help": help, "flag": flag, "aliases": aliases}
+def option(default: Any = dataclasses.MISSING, *, help: str, flag: str | None = None, aliases: tuple[str, ...] = (),
+           replaced_by: str | None = None, **kw: Any) -> Any:
+    """A documented dataclass field: ``help`` becomes the flag's help, ``aliases`` extra flags (and YAML keys).
+
+    ``replaced_by`` (a plugin section's field only) names the :class:`~toolkit.recipe.Recipe` field that took
+    over its job: a value given there is moved to that field with one deprecation line (``resolve_recipe``);
+    the field's default must be ``None`` (not given)."""
+    metadata = {"help": help, "flag": flag, "aliases": aliases, "replaced_by": replaced_by}
     if isinstance(default, (list, dict, set)):
         value = default
         return dataclasses.field(default_factory=lambda: type(value)(value), metadata=metadata, **kw)
@@ -127,9 +132,12 @@ def coerce(value: Any, tp: Any) -> Any:
 def build_dataclass(cls: type, data: dict[str, Any], where: str, problems: list[str]) -> Any:
     """Instantiate ``cls`` from ``data``; append every problem (unknown key, bad type) to ``problems``."""
     hints = field_types(cls)
+    # A field's flag aliases are YAML keys too (``--max-completion-length`` -> ``max_completion_length``).
+    aliases = {flag.lstrip("-").replace("-", "_"): f.name for f in dataclasses.fields(cls) for flag in f.metadata.get("aliases", ())}
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         name = key.replace("-", "_")
+        name = aliases.get(name, name)
         if name not in hints:
             close = difflib.get_close_matches(name, list(hints), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(hints)}"

@@ -266,6 +266,12 @@ class Engine(Protocol):
     norm before its optimizer step and skip a non-finite update; needed by ``--on-nan skip``, which
     sets ``engine.skip_nonfinite = True``) and ``supports_rollback`` (default True:
     ``load_checkpoint`` works in a running job; needed by ``--on-nan rollback``).
+    For the planner's measurement harness (:mod:`toolkit.plan.measure`, which checks the memory model
+    against a real engine): ``forward_loss(micro_batch, loss, ctx)``, the :class:`LossOutput` of one
+    micro-batch's training forward as ``train_step`` runs it (autograd records; nothing is reduced,
+    stepped or freed), and ``training_state_bytes()``, the bytes this rank holds for training between
+    steps (parameters, gradients, master weights and their gradients, optimizer states). Default None
+    each: the engine cannot be measured (the harness says so).
     """
 
     dp_rank: int
@@ -399,7 +405,7 @@ def _available() -> bool:
 
 OPTIONAL: dict[str, dict[str, Any]] = {
     "engine": {"adapter_export": None, "model": None, "device": None, "release_reference": None, "skips_nonfinite_updates": False,
-               "supports_rollback": True, "skip_nonfinite": False},
+               "supports_rollback": True, "skip_nonfinite": False, "forward_loss": None, "training_state_bytes": None},
     "strategy": {"parallel_axes": frozenset()},
     "tuner": {"adapter_export": None, "adapter_from_checkpoint": None, "disabled_adapters": None, "optimizer_factory": None,
               "quantized": False, "zero3_compatible": True, "before_step": None, "initial_adapters": None},
@@ -450,6 +456,8 @@ class EngineBase:
     skips_nonfinite_updates: ClassVar[bool] = False
     supports_rollback: ClassVar[bool] = True
     skip_nonfinite: bool = False
+    forward_loss: Any = None
+    training_state_bytes: Any = None
 
     def release_reference(self) -> None:
         """Nothing to free."""

@@ -66,6 +66,19 @@ def toolkit_register_strategies(register: Register) -> None:
 
 
 @hookspec
+def toolkit_strategy_axes(strategy: str) -> list[str]:
+    """Parallel axes (names in :data:`toolkit.parallel.AXES`) your plugin implements inside the strategy
+    named ``strategy``, which another plugin registered; return ``[]`` for strategies you do not extend.
+
+    The runner accepts an axis when the strategy's own ``parallel_axes`` or any plugin's answer here
+    holds it, and refuses it otherwise before anything loads. A plugin that claims an axis does the
+    splitting itself (toolkit-moe answers ``["ep"]`` for ``local`` and splits its experts over
+    ``recipe.expert_parallel`` ranks in :func:`toolkit_patch_model`), and refuses a run where it cannot.
+    Called when a training command checks its layout.
+    """
+
+
+@hookspec
 def toolkit_register_tuners(register: Register) -> None:
     """Register tuners (``full``, ``freeze``, ``lora``, ``dora``, ``qlora``).
 

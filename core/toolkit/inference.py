@@ -17,12 +17,42 @@ from toolkit.errors import ModelError, ToolkitError
 
 
 @dataclasses.dataclass(kw_only=True)
-class GenerationOptions:
+class SamplingOptions:
+    """How completions are drawn: one definition with one set of flags (``--max-new-tokens``, ``--temperature``,
+    ``--top-p``, ``--top-k``) for ``toolkit infer``, ``toolkit eval`` and toolkit-rl's rollouts (``toolkit grpo``,
+    whose config inherits it with its own defaults), so a flag means the same to every command and backend."""
+
+    max_new_tokens: int = option(64, flag="--max-new-tokens", help="Most tokens to generate per prompt.")
+    temperature: float = option(0.0, flag="--temperature", help="Sampling temperature; 0 is greedy.")
+    top_p: float = option(1.0, flag="--top-p", help="Nucleus sampling: draw from the smallest set of tokens whose "
+                                                    "probability reaches this (1: every token).")
+    top_k: int = option(0, flag="--top-k", help="Draw from the k most likely tokens (0: no limit).")
+
+    def check(self) -> list[str]:
+        problems = []
+        if self.max_new_tokens < 1:
+            problems.append(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            problems.append(f"temperature must be 0 (greedy) or positive, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            problems.append(f"top_k must be 0 (no limit) or positive, got {self.top_k}")
+        return problems
+
+    def transformers_sampling(self) -> dict[str, Any]:
+        """The sampling arguments of transformers' ``generate`` (greedy at temperature 0). ``top_k=0`` is passed, not
+        left out, so a model's ``generation_config.json`` (Qwen3 ships ``top_k: 20``) never limits what was asked."""
+        if self.temperature <= 0:
+            return {"do_sample": False}
+        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+
+
+@dataclasses.dataclass(kw_only=True)
+class GenerationOptions(SamplingOptions):
     """The options every inference backend's ``Config`` starts with (``toolkit infer`` and ``toolkit eval``
     take them as ``--option`` or flags): one definition, so they mean the same on hf, vllm and lmdeploy."""
 
-    max_new_tokens: int = option(64, help="Tokens to generate per prompt.")
-    temperature: float = option(0.0, help="Sampling temperature; 0 is greedy.")
     chat_template: bool = option(True, help="Wrap each prompt as a user turn of the model's chat template.")
     system: str = option("", help="System message placed before each prompt.")
 
@@ -68,11 +98,17 @@ def model_directory(reference: str, workdir: Path, trust_remote_code: bool = Fal
 
 
 def backend_instance(name: str, values: dict[str, Any]) -> Any:
+    from toolkit.config import build_dataclass
+    from toolkit.errors import ConfigError
     from toolkit.plugins import get_plugin_manager
 
     cls = get_plugin_manager().get("inference_backend", name)
-    fields = {f.name for f in __import__("dataclasses").fields(cls.Config)}
-    return cls(cls.Config(**{k: v for k, v in values.items() if k in fields}))
+    fields = {f.name for f in dataclasses.fields(cls.Config)}
+    problems: list[str] = []
+    config = build_dataclass(cls.Config, {k: v for k, v in values.items() if k in fields}, f"--backend {name}", problems)
+    if problems:  # e.g. --top-p 0 (SamplingOptions.check), before any model loads
+        raise ConfigError(problems, source=f"--backend {name}")
+    return cls(config)
 
 
 def run_infer(reference: str, prompts: list[str], backend: str, extra: tuple[str, ...] = (), **options: Any) -> list[str]:

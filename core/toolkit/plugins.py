@@ -231,6 +231,13 @@ class Toolkit:
     def resolve_export_source(self, path: str) -> Any:
         return self.pm.hook.toolkit_resolve_export_source(path=path)
 
+    def parallel_axes(self, strategy_cls: type) -> frozenset[str]:
+        """The axes a strategy supports: its own ``parallel_axes`` and those plugins add (``toolkit_strategy_axes``)."""
+        from toolkit.contracts import member
+
+        added = self.pm.hook.toolkit_strategy_axes(strategy=strategy_cls.name)
+        return frozenset(member(strategy_cls, "strategy", "parallel_axes")).union(*map(frozenset, added))
+
     def patch_model(self, model: Any, source: Any, recipe: Any) -> None:
         """Let plugins modify a built HF model before the tuner (``toolkit_patch_model``)."""
         self.pm.hook.toolkit_patch_model(model=model, source=source, recipe=recipe)

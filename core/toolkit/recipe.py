@@ -269,9 +269,38 @@ def resolve_recipe(values: dict[str, Any], source: str = "recipe", manager: Any 
         owner = _option_owner(manager, section)
         options[section] = dataclasses.asdict(build_dataclass(owner.Config, content, f"{source}: {section}", problems))
     recipe.options = options
+    problems += _move_replaced_options(recipe, manager, explicit=set(top))
     if problems:
         raise ConfigError(problems, source=source)
     return recipe
+
+
+def _move_replaced_options(recipe: Recipe, manager: Any, explicit: set[str]) -> list[str]:
+    """Move the values of deprecated section fields (``option(replaced_by=...)``) to the Recipe field that
+    replaced them, printing one line per field (on the main rank); a conflicting value given both ways is a problem."""
+    import os
+    import sys
+
+    from toolkit.config import flag_name
+
+    problems = []
+    for section, values in recipe.options.items():
+        for field in dataclasses.fields(_option_owner(manager, section).Config):
+            target = field.metadata.get("replaced_by")
+            if not target or values.get(field.name) is None:
+                continue
+            value, values[field.name] = values[field.name], None
+            new_flag = flag_name(None, next(f for f in dataclasses.fields(Recipe) if f.name == target))
+            old_flag = flag_name(section, field)
+            if target in explicit and getattr(recipe, target) != value:
+                problems.append(f"{old_flag} {value} (deprecated) and {new_flag} {getattr(recipe, target)} disagree: "
+                                f"give {new_flag} only")
+                continue
+            setattr(recipe, target, value)
+            if os.environ.get("RANK", "0") == "0":
+                print(f"toolkit: {old_flag} (YAML {section}: {field.name}) is deprecated; use {new_flag} {value} "
+                      f"(YAML {target}: {value})", file=sys.stderr)
+    return problems
 
 
 def _option_names(manager: Any) -> list[str]:

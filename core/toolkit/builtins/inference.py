@@ -36,7 +36,6 @@ class HFBackend:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, options.dtype), trust_remote_code=trust,
                                                      use_safetensors=True).to(device).eval()
-        sampling = {"do_sample": True, "temperature": options.temperature} if options.temperature > 0 else {"do_sample": False}
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         texts = [tokenizer(format_prompt(tokenizer, p, options.chat_template, options.system), add_special_tokens=False).input_ids
                  for p in prompts]
@@ -52,7 +51,7 @@ class HFBackend:
             mask = torch.tensor([[0] * (width - len(t)) + [1] * len(t) for t in batch], device=device)
             with torch.no_grad():
                 out = model.generate(ids, attention_mask=mask, max_new_tokens=options.max_new_tokens, pad_token_id=pad_id,
-                                     **sampling)
+                                     **options.transformers_sampling())
             results += [_until_end(row[width:].tolist(), ends) for row in out]
         return results
 

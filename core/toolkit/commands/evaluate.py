@@ -12,6 +12,7 @@ import click
 
 
 def build_eval_command(manager: Any) -> click.Command:
+    from toolkit.commands.infer import given, sampling_options
     from toolkit.commands.train import add_registered_options, collect_values
 
     params: list[click.Parameter] = [
@@ -24,8 +25,7 @@ def build_eval_command(manager: Any) -> click.Command:
         click.Option(["--output"], default=None, help="Folder for predictions.jsonl and scores.json [default: "
                                                       "RUN/eval-<dataset> for a run, else ./eval-<dataset>]."),
         click.Option(["--batch-size"], default=8, show_default=True, type=int, help="Prompts generated together (hf)."),
-        click.Option(["--max-new-tokens"], default=64, show_default=True, type=int),
-        click.Option(["--temperature"], default=0.0, show_default=True, type=float, help="0 means greedy."),
+        *sampling_options(),
         click.Option(["--system"], default="", help="System message placed before each prompt (chat template)."),
         click.Option(["--no-chat-template"], is_flag=True, help="Feed text prompts as raw text."),
         click.Option(["--dtype"], default="float32", show_default=True,
@@ -40,16 +40,18 @@ def build_eval_command(manager: Any) -> click.Command:
     ]
     sections = add_registered_options(params, manager, ("metric",))
 
+    sampling = {option.name for option in sampling_options()}
+
     def callback(model: str, dataset: str, metrics: tuple[str, ...], backend: str, output: str | None, batch_size: int,
-                 max_new_tokens: int, temperature: float, system: str, no_chat_template: bool, dtype: str,
-                 prompt_column: str, answer_column: str, max_samples: int, extra: tuple[str, ...], trust_remote_code: bool,
-                 **metric_flags: Any) -> None:
+                 system: str, no_chat_template: bool, dtype: str, prompt_column: str, answer_column: str, max_samples: int,
+                 extra: tuple[str, ...], trust_remote_code: bool, **metric_flags: Any) -> None:
         from toolkit.scoring import default_output, run_eval
 
+        generation = given({name: metric_flags.pop(name) for name in sampling})
         summary = run_eval(model, dataset, list(metrics), backend=backend, output=output,
                            metric_options=collect_values(metric_flags, sections), prompt_column=prompt_column,
                            answer_column=answer_column, max_samples=max_samples, extra=extra, batch_size=batch_size,
-                           max_new_tokens=max_new_tokens, temperature=temperature, system=system,
+                           **generation, system=system,
                            chat_template=not no_chat_template, dtype=dtype, trust_remote_code=trust_remote_code)
         where = output or default_output(model, dataset)
         for name, value in summary["metrics"].items():

@@ -123,13 +123,18 @@ def add_registered_options(params: list[click.Parameter], manager: Any, kinds: t
     return sections
 
 
+def dataclass_options(cls: type) -> list[click.Option]:
+    """The flags of a dataclass's fields (``--NAME`` or the field's ``flag``), each option named after its field."""
+    return _options_for(cls, None, "")
+
+
 def recipe_options() -> list[click.Option]:
     """The flags of :class:`Recipe`'s own fields (``--model``, ``--tp``); each option's name is its field's.
 
     With :func:`add_registered_options` this is the training commands' whole flag table, which
     toolkit-webui writes its command lines from, so they parse back to the same recipe.
     """
-    return _options_for(Recipe, None, "")
+    return dataclass_options(Recipe)
 
 
 def make_training_command(name: str, loss: str | None, help_text: str, manager: Any,

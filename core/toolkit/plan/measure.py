@@ -66,17 +66,6 @@ def cpu_peak_bytes(step: Callable[[], Any], baseline: int) -> int:
     return baseline + peak
 
 
-def allocated_bytes(model: Any, optimizer: Any) -> int:
-    """Bytes of parameters, gradients and optimizer state tensors that exist right now."""
-    import torch
-
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    total += sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
-    for state in optimizer.state.values():
-        total += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t) and t.dim())
-    return total
-
-
 def local_engine(config: dict, directory: Any, *, tuner: str = "full", seq_len: int, micro_batch_size: int = 1,
                  recompute: bool = False, precision: str = "bf16", bf16_mode: str = "master",
                  lora_rank: int = 16, chunk_tokens: int = 2048, recompute_logits: bool = False,
@@ -93,7 +82,7 @@ def local_engine(config: dict, directory: Any, *, tuner: str = "full", seq_len: 
     import torch
     import transformers
 
-    from toolkit.contracts import ModelSource, StepContext
+    from toolkit.contracts import ModelSource, StepContext, member
     from toolkit.plugins import get_plugin_manager
     from toolkit.recipe import resolve_recipe
 
@@ -129,12 +118,15 @@ def local_engine(config: dict, directory: Any, *, tuner: str = "full", seq_len: 
              "sequence_ids": torch.arange(rows)[:, None].expand(-1, seq_len).contiguous(),
              "sequence_meta": {"example_ids": torch.arange(rows), "roles": torch.zeros(rows, dtype=torch.long)},
              "num_sequences": rows}
-    batch = {k: (v.to(engine.device) if torch.is_tensor(v) else v) for k, v in batch.items()}
+    device = member(engine, "engine", "device")
+    batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
     ctx = StepContext(label_tokens=rows * seq_len * micro_batches, sequences=rows * micro_batches,
                       examples=rows * micro_batches)
 
+    forward_loss = _measured(engine, "forward_loss")
+
     def loss_fn() -> Any:
-        return engine._forward_loss(batch, loss, ctx)[1].loss
+        return forward_loss(batch, loss, ctx).loss
 
     def step() -> float:
         return engine.train_step([batch] * micro_batches, loss, ctx).loss
@@ -144,10 +136,15 @@ def local_engine(config: dict, directory: Any, *, tuner: str = "full", seq_len: 
 
 def engine_allocated_bytes(engine: Any) -> int:
     """Bytes of the engine's parameters, fp32 master weights (and their gradients) and optimizer states."""
-    total = allocated_bytes(engine.model, engine.optimizer)
-    if getattr(engine, "master", None) is not None:
-        for master in engine.master.master:
-            total += master.numel() * master.element_size()
-            if master.grad is not None:
-                total += master.grad.numel() * master.grad.element_size()
-    return total
+    return _measured(engine, "training_state_bytes")()
+
+
+def _measured(engine: Any, name: str) -> Any:
+    """The engine's ``name`` member (``contracts.Engine``, optional), or an error saying this engine cannot be measured."""
+    from toolkit.contracts import member
+    from toolkit.errors import ToolkitError
+
+    found = member(engine, "engine", name)
+    if found is None:
+        raise ToolkitError(f"{type(engine).__name__} has no {name}(): the planner's measurement harness cannot measure it")
+    return found

@@ -1,7 +1,7 @@
 """Step-time model of one layout: compute at an efficiency, communication, pipeline bubble, optimizer.
 
-Compute is training FLOPs (6 per matmul weight per token, 4 for frozen LoRA bases, +2 with
-recompute, plus causal attention) at a matmul efficiency that grows with the rows of the matmul
+Compute is training FLOPs (6 per matmul weight per token, 4 for frozen LoRA bases with their
+adapters counted where PEFT puts them, +2 with recompute, plus causal attention) at a matmul efficiency that grows with the rows of the matmul
 (tokens of a micro-batch; for routed experts, the tokens each expert receives) and the per-GPU
 hidden size. Collectives use ring volumes over NVLink when the
 group stays inside a node and over the network when it spans nodes (Megatron's rank order:
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from toolkit.plan.hardware import Cluster
 from toolkit.plan.memory import Layout, Workload, fused_kernels, params_on_stage
-from toolkit.plan.model import ModelShape
+from toolkit.plan.model import PEFT_FUSED_EXPERT_FAMILIES, ModelShape
 
 BASE_EFFICIENCY = {"local": 0.435, "fsdp": 0.45, "deepspeed": 0.45, "megatron": 0.38}
 """Fraction of the bf16 peak reached by large matmuls in training, calibrated on one H200.
@@ -103,19 +103,70 @@ def train_flops_per_token(shape: ModelShape, workload: Workload, recompute: bool
     """(dense, routed-expert) FLOPs of forward and backward (and recompute) for one token.
 
     Dense covers attention/shared matmuls, the LM head (recomputed in backward with
-    ``recompute_logits``) and causal attention scores."""
+    ``recompute_logits``) and causal attention scores; adapters are counted where LoRA puts them
+    (:func:`lora_flops_per_token`)."""
+    attention = (8.0 if recompute else 6.0) * shape.layers * workload.seq_len * shape.attention_width
+    if workload.tuner != "full":
+        dense, routed = lora_flops_per_token(shape, workload, recompute)
+        return dense + attention, routed
     routed = shape.moe_layers * shape.experts_per_token * 3 * shape.hidden * shape.expert_ffn
     matmul = shape.active_matmul_params - routed
-    if workload.tuner == "full":
-        coefficient = 8.0 if recompute else 6.0
-        extra = 0.0
-    else:  # frozen base: no weight gradients; adapters are small but counted
-        coefficient = 6.0 if recompute else 4.0
-        extra = 6.0 * shape.lora_params(workload.lora_rank) * (shape.experts_per_token / shape.experts if shape.is_moe else 1)
-    attention = (8.0 if recompute else 6.0) * shape.layers * workload.seq_len * shape.attention_width
-    if workload.tuner == "full" and workload.recompute_logits and not workload.fused_loss:
-        extra += 2.0 * shape.vocab * shape.hidden  # the head GEMM again in backward, for each chunk
-    return coefficient * matmul + extra + attention, coefficient * routed
+    coefficient = 8.0 if recompute else 6.0
+    extra = 2.0 * shape.vocab * shape.hidden if workload.recompute_logits and not workload.fused_loss else 0.0
+    return coefficient * matmul + extra + attention, coefficient * routed  # extra: the head GEMM again in backward
+
+
+FIRST_LAYER_INPUTS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "q_a_proj", "kv_a_proj_with_mqa")
+"""Linears that read a decoder layer's input: in the first layer it is the frozen embedding's output, which needs no
+gradient (without recompute), so under LoRA autograd computes no input gradient through them there."""
+
+
+def lora_flops_per_token(shape: ModelShape, workload: Workload, recompute: bool) -> tuple[float, float]:
+    """(dense, routed-expert) matmul FLOPs of one token's forward and backward with LoRA on every linear (toolkit-peft's
+    default ``all-linear``, through PEFT), causal attention scores left out. The base weights are frozen: a plain
+    adapted linear ``y = x W^T + s B A x`` computes no gradient for ``W``, only the input's (none in the first layer's
+    input projections) and the adapter's. PEFT adapts transformers 5's fused experts and the router of
+    :data:`~toolkit.plan.model.PEFT_FUSED_EXPERT_FAMILIES` differently: it folds the adapter into the weight once per
+    forward (``W + s * A_e B_e``, a batched matmul over experts) and multiplies by the folded weight, which therefore
+    gets a weight gradient (passed on to ``A`` and ``B``); that fold, counted per micro-batch, is spread over its
+    tokens. qwen2_moe's experts and router stay frozen, its shared expert and gate get adapters. Checked against
+    torch's FLOP counter on PEFT models in tests/test_plan.py."""
+    r, h, passes = workload.lora_rank, shape.hidden, 2 if recompute else 1
+
+    def adapted(i: int, o: int, input_grad: bool = True) -> float:
+        return passes * 2 * (i * o + r * (i + o)) + 4 * r * o + 2 * r * i + (2 * i * o + 2 * r * i if input_grad else 0)
+
+    def frozen(i: int, o: int) -> float:
+        return (2 * passes + 2) * i * o
+
+    def folded(i: int, o: int) -> float:  # per token: forward, input gradient and weight gradient
+        return (2 * passes + 4) * i * o
+
+    mlp_names = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
+    linears = shape.linear_params_per_layer(False)
+    attention = sum(adapted(i, o) for name, (i, o) in linears.items() if name not in mlp_names)
+    # With recompute, transformers' gradient_checkpointing_enable marks the embedding output as needing a gradient
+    # (enable_input_require_grads), so the first layer's inputs get one like every other layer's.
+    first_layer = 0 if recompute else sum(adapted(i, o) - adapted(i, o, input_grad=False)
+                                          for name, (i, o) in linears.items() if name in FIRST_LAYER_INPUTS)
+    converted = shape.is_moe and shape.model_type in PEFT_FUSED_EXPERT_FAMILIES
+    dense_mlp = sum((frozen if converted else adapted)(i, o) for name, (i, o) in linears.items() if name in mlp_names)
+    dense = shape.layers * attention - first_layer + shape.dense_layers * dense_mlp + 4 * shape.vocab * h
+    if not shape.is_moe:
+        return dense, 0.0
+    e, f, shared = shape.experts, shape.expert_ffn, shape.shared_expert_ffn
+    if converted:  # router and experts folded; shared experts (DeepSeek) and dense MLPs keep no adapter
+        router = folded(h, e) + 3 * frozen(h, shared)
+        expert = folded(h, 2 * f) + folded(f, h)
+        # Router rank r, experts' gate_up 2r and down r. The experts' fold runs twice per forward: torch's
+        # register_parametrization, which PEFT calls on every forward, evaluates it once to check its shape.
+        fold = (2 * passes + 4) * r * h * e + (4 * passes + 4) * e * (2 * r * h * 2 * f + r * f * h)
+        router += fold / workload.micro_batch_tokens
+    else:
+        gate = adapted(h, 1) if shared and shape.shared_expert_gate else 0.0
+        router = frozen(h, e) + (2 * adapted(h, shared) + adapted(shared, h) if shared else 0.0) + gate
+        expert = frozen(h, 2 * f) + frozen(f, h)
+    return dense + shape.moe_layers * router, shape.moe_layers * shape.experts_per_token * expert
 
 
 def matmul_efficiency(shape: ModelShape, layout: Layout, workload: Workload, rows: float | None = None) -> float:

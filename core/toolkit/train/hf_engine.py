@@ -184,6 +184,26 @@ class LocalEngine(EngineBase):
         return out.sequence_sums().detach()
 
     # ------------------------------------------------------------------ stepping
+    def forward_loss(self, micro_batch: dict, loss: Any, ctx: StepContext) -> Any:
+        """One micro-batch's training forward, as ``train_step`` runs it (the planner's measurement harness)."""
+        return self._forward_loss(micro_batch, loss, ctx)[1]
+
+    def training_state_bytes(self) -> int:
+        """Bytes this rank holds between steps: parameters (this rank's shards under FSDP), their gradients, fp32
+        master weights and theirs, and optimizer states (the planner's measurement harness)."""
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        def size(tensor: Any) -> int:
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            return local.numel() * local.element_size()
+
+        tensors = [*self.model.parameters(), *(self.master.master if self.master is not None else [])]
+        total = sum(size(t) + (size(t.grad) if t.grad is not None else 0) for t in tensors)
+        for state in self.optimizer.state.values():
+            total += sum(size(t) for t in state.values() if torch.is_tensor(t) and t.dim())
+        return total
+
     def _forward_loss(self, micro_batch: dict, loss: Any, ctx: StepContext) -> Any:
         from toolkit.train.logps import token_logps
         from toolkit.train.speed import fused_head_ops, sdpa_preference

@@ -125,12 +125,12 @@ def unsupported_axes(recipe: Recipe, strategy_cls: type, manager: Any) -> list[s
 
     providers = {}
     for axis in AXES:
-        able = [name for name, cls in manager.registry("strategy").items() if axis in member(cls, "strategy", "parallel_axes")]
+        able = [name for name, cls in manager.registry("strategy").items() if axis in manager.parallel_axes(cls)]
         if able:
             providers[axis] = able[0]
         elif ("strategy", "megatron") in FIRST_PARTY:
             providers[axis] = f"megatron ({install_hint(FIRST_PARTY[('strategy', 'megatron')])})"
-    return ParallelLayout.from_recipe(recipe).unsupported(strategy_cls.name, member(strategy_cls, "strategy", "parallel_axes"), providers)
+    return ParallelLayout.from_recipe(recipe).unsupported(strategy_cls.name, manager.parallel_axes(strategy_cls), providers)
 
 
 def choose_auto_strategy(recipe: Recipe, world_size: int) -> Recipe:
@@ -172,6 +172,7 @@ def check_resume_changes(recipe: Recipe, is_main: bool) -> None:
         saved = yaml.safe_load(path.read_text()) or {}
     except (OSError, yaml.YAMLError):
         return  # written by an older or broken run: the checkpoint checks still apply
+    _respell_sections(saved, recipe)
     current = recipe.to_yaml_dict()
     sections = {recipe.tuner, recipe.optimizer, recipe.loss, recipe.dataset_format}
     keys = [k for k in dict.fromkeys([*saved, *current]) if k not in RESUME_MAY_CHANGE
@@ -188,6 +189,23 @@ def check_resume_changes(recipe: Recipe, is_main: bool) -> None:
                           "is then rewritten), or give the run's settings, or choose another --output")
     if is_main:
         print(f"toolkit: resuming with changed settings (--resume-changed): {'; '.join(changes)}", file=sys.stderr)
+
+
+def _respell_sections(saved: dict, recipe: Recipe) -> None:
+    """The saved recipe's tuner, optimizer, loss and format sections as this toolkit spells them: an option's alias
+    (toolkit-rl's ``max_completion_length``, now ``max_new_tokens``) under its name, options added since at their
+    defaults. A section that no longer builds is left as saved (and reported as changed)."""
+    from toolkit.config import build_dataclass, to_dict
+    from toolkit.plugins import get_plugin_manager
+
+    manager = get_plugin_manager()
+    for kind, name in (("tuner", recipe.tuner), ("optimizer", recipe.optimizer), ("loss", recipe.loss),
+                       ("dataset_format", recipe.dataset_format)):
+        if isinstance(saved.get(name), dict) and name in manager.registry(kind):
+            problems: list[str] = []
+            config = build_dataclass(manager.get(kind, name).Config, saved[name], name, problems)
+            if not problems:
+                saved[name] = to_dict(config)
 
 
 def run_training(recipe: Recipe, raise_if_stopped: bool = False) -> Path:

@@ -51,8 +51,36 @@ def test_training_with_patched_blocks_follows_hf(tmp_path) -> None:
     assert ours[0]["aux_loss"] != hf[0]["aux_loss"]
 
 
-def test_expert_parallel_is_refused_under_fsdp(tmp_path) -> None:
-    from toolkit.errors import ConfigError
+def test_expert_parallel_is_the_local_strategys_ep_axis_and_refused_elsewhere(tmp_path) -> None:
+    """--ep is toolkit-moe's axis under --strategy local only: fsdp is refused before any model loads."""
+    from toolkit.errors import LayoutError
+    from toolkit.plugins import get_plugin_manager
 
-    with pytest.raises(ConfigError, match="not --strategy fsdp"):
-        _train(tmp_path, "ep", strategy="fsdp", moe={"enabled": True, "expert_parallel": 2})
+    manager = get_plugin_manager()
+    assert "ep" in manager.parallel_axes(manager.get("strategy", "local"))
+    assert "ep" not in manager.parallel_axes(manager.get("strategy", "fsdp"))
+    with pytest.raises(LayoutError, match="--ep 2 .*--strategy fsdp splits models along data parallelism only"):
+        _train(tmp_path, "ep", strategy="fsdp", expert_parallel=2, moe={"enabled": True})
+
+
+def test_expert_parallel_without_moe_blocks_is_refused(tmp_path) -> None:
+    from toolkit.errors import ConfigError, ModelError
+
+    with pytest.raises(ConfigError, match="add --moe-enabled"):
+        _train(tmp_path, "off", expert_parallel=2)
+    with pytest.raises(ModelError, match="does not know model type 'llama'"):
+        _train(tmp_path, "dense", model="tiny-llama", expert_parallel=2, moe={"enabled": True})
+
+
+def test_deprecated_moe_expert_parallel_moves_to_ep(capsys) -> None:
+    """The old flag still works: one deprecation line, the value lands on the layout's ep axis."""
+    from toolkit.errors import ConfigError
+    from toolkit.recipe import resolve_recipe
+
+    recipe = resolve_recipe({"model": "tiny-qwen3-moe", "moe": {"enabled": True, "expert_parallel": 2}})
+    assert recipe.expert_parallel == 2 and recipe.options["moe"]["expert_parallel"] is None
+    lines = [line for line in capsys.readouterr().err.splitlines() if "deprecated" in line]
+    assert lines == ["toolkit: --moe-expert-parallel (YAML moe: expert_parallel) is deprecated; use --ep 2 (YAML expert_parallel: 2)"]
+    assert resolve_recipe({"expert_parallel": 2, "moe": {"expert_parallel": 2}}).expert_parallel == 2
+    with pytest.raises(ConfigError, match="disagree: give --ep only"):
+        resolve_recipe({"expert_parallel": 4, "moe": {"expert_parallel": 2}})

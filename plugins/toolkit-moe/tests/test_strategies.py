@@ -62,12 +62,12 @@ def _same_run(reference: list[dict], other: list[dict], name: str) -> None:
 
 @pytest.mark.slow
 def test_expert_parallel_training_equals_one_process_and_resumes(tmp_path):
-    """--moe-expert-parallel 2 on 2 gloo ranks == 1 process == DDP (losses, clipped grad norms, drops, export,
+    """--ep 2 on 2 gloo ranks == 1 process == DDP (losses, clipped grad norms, drops, export,
     export from the checkpoint); a run stopped at step 3 resumes (at EP2, and from the same checkpoint at EP1)
     to the same end."""
     toolkit("--output", str(tmp_path / "one"), "--export", "hf", common=EP_RUN)
     toolkit("--output", str(tmp_path / "ddp"), nproc=2, common=EP_RUN)
-    out = toolkit("--output", str(tmp_path / "ep2"), "--moe-expert-parallel", "2", "--export", "hf", nproc=2, common=EP_RUN)
+    out = toolkit("--output", str(tmp_path / "ep2"), "--ep", "2", "--export", "hf", nproc=2, common=EP_RUN)
     assert "experts split over groups of 2 ranks" in out
     one = metrics(tmp_path / "one")
     assert all(m["grad_norm"] > 0.5 for m in one) and sum(m["moe_dropped_tokens"] for m in one) > 0
@@ -80,10 +80,10 @@ def test_expert_parallel_training_equals_one_process_and_resumes(tmp_path):
                check=True, env=ENV, timeout=300)
     torch.testing.assert_close(logits(tmp_path / "from-checkpoint"), logits(tmp_path / "ep2/export"), rtol=0, atol=1e-6)
 
-    toolkit("--output", str(tmp_path / "resumed"), "--moe-expert-parallel", "2", "--stop-after", "3", nproc=2, common=EP_RUN)
+    toolkit("--output", str(tmp_path / "resumed"), "--ep", "2", "--stop-after", "3", nproc=2, common=EP_RUN)
     assert len(metrics(tmp_path / "resumed")) == 3
     shutil.copytree(tmp_path / "resumed", tmp_path / "resumed_ep1")
-    toolkit("--output", str(tmp_path / "resumed"), "--moe-expert-parallel", "2", "--resume", "auto", "--export", "hf",
+    toolkit("--output", str(tmp_path / "resumed"), "--ep", "2", "--resume", "auto", "--export", "hf",
             nproc=2, common=EP_RUN)
     toolkit("--output", str(tmp_path / "resumed_ep1"), "--resume", "auto", "--export", "hf", common=EP_RUN)
     for name in ("resumed", "resumed_ep1"):
@@ -93,11 +93,11 @@ def test_expert_parallel_training_equals_one_process_and_resumes(tmp_path):
 
 @pytest.mark.slow
 def test_expert_parallel_groups_with_replicas(tmp_path):
-    """4 processes, --moe-expert-parallel 2: two expert groups whose expert gradients are summed over
+    """4 processes, --ep 2: two expert groups whose expert gradients are summed over
     the replica pairs (ranks 0+2, 1+3) == one process with the same global batch."""
     run = [*EP_RUN, "--max-steps", "3", "--micro-batch-size", "1"]
     toolkit("--output", str(tmp_path / "one"), common=run)
-    toolkit("--output", str(tmp_path / "ep2x2"), "--moe-expert-parallel", "2", nproc=4, common=run)
+    toolkit("--output", str(tmp_path / "ep2x2"), "--ep", "2", nproc=4, common=run)
     _same_run(metrics(tmp_path / "one"), metrics(tmp_path / "ep2x2"), "ep2x2")
 
 
@@ -111,9 +111,9 @@ def test_expert_parallel_under_pure_bf16_resumes_bit_identically(tmp_path):
     pure = [*EP_RUN[:EP_RUN.index("--max-steps")], "--max-steps", "4", *EP_RUN[EP_RUN.index("--max-steps") + 2:],
             "--precision", "bf16", "--local-bf16-mode", "pure", "--save-every", "2"]
     toolkit("--output", str(tmp_path / "one"), common=pure)
-    toolkit("--output", str(tmp_path / "ep2"), "--moe-expert-parallel", "2", nproc=2, common=pure)
-    toolkit("--output", str(tmp_path / "resumed"), "--moe-expert-parallel", "2", "--stop-after", "2", nproc=2, common=pure)
-    toolkit("--output", str(tmp_path / "resumed"), "--moe-expert-parallel", "2", "--resume", "auto", nproc=2, common=pure)
+    toolkit("--output", str(tmp_path / "ep2"), "--ep", "2", nproc=2, common=pure)
+    toolkit("--output", str(tmp_path / "resumed"), "--ep", "2", "--stop-after", "2", nproc=2, common=pure)
+    toolkit("--output", str(tmp_path / "resumed"), "--ep", "2", "--resume", "auto", nproc=2, common=pure)
     one, ep2, resumed = (metrics(tmp_path / n) for n in ("one", "ep2", "resumed"))
     assert [m["loss"] for m in resumed] == [m["loss"] for m in ep2]
     straight = load_file(str(tmp_path / "ep2/checkpoints/step-4/model.safetensors"))

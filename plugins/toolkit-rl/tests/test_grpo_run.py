@@ -16,7 +16,7 @@ VOWELS = f"{Path(__file__).parent / 'toy_rewards.py'}:vowels"
 BASE = {"model": "tiny-llama", "dataset": ["demo"], "loss": "grpo", "max_samples": 16, "micro_batch_size": 4,
         "seq_len": 96, "lr": 1e-2, "schedule": "constant", "seed": 3,
         "grpo": {"rewards": ["answer:1", VOWELS], "num_generations": 4, "prompts_per_rollout": 2,
-                 "max_completion_length": 6}, "answer": {"mode": "contains"}}
+                 "max_new_tokens": 6}, "answer": {"mode": "contains"}}
 
 
 def run(tmp_path, name, **overrides):
@@ -35,7 +35,7 @@ def test_cli_trains_logs_and_samples_rollouts(tmp_path, cli_runner):
     out = tmp_path / "cli"
     result = cli_runner.invoke("grpo", "--model", "tiny-llama", "--dataset", "demo", "--max-samples", "8",
                                "--reward", "answer", "--reward", "length:0.1", "--num-generations", "4",
-                               "--grpo-prompts-per-rollout", "2", "--max-completion-length", "6", "--grpo-beta", "0.04",
+                               "--grpo-prompts-per-rollout", "2", "--max-new-tokens", "6", "--grpo-beta", "0.04",
                                "--loss-type", "dapo", "--max-steps", "2", "--micro-batch-size", "4", "--seq-len", "96",
                                "--output", str(out))
     assert result.exit_code == 0, result.output
@@ -49,6 +49,30 @@ def test_cli_trains_logs_and_samples_rollouts(tmp_path, cli_runner):
     assert {r["step"] for r in rollouts} == {1, 2} and rollouts[0]["prompt"].endswith("assistant\n")
     assert set(rollouts[0]["rewards"]) == {"answer", "length"}
     assert (out / "checkpoints" / "step-2").is_dir() and (out / "recipe.yaml").is_file()
+
+
+def test_sampling_flags_reach_the_rollout_sampler(tmp_path, cli_runner):
+    """``toolkit grpo`` takes ``toolkit infer``'s sampling flags and the rollouts are drawn with them: at a tiny
+    --temperature the sampler is greedy (each prompt's group holds one completion, the one --top-k 1 gives, the
+    same seed), at the default temperature the tiny model's near-uniform distribution gives a group distinct
+    completions. A sampler that ignored --temperature (or --top-k) would sample every run at temperature 1."""
+
+    def groups(*flags: str) -> list[list[str]]:
+        out = tmp_path / "-".join(flags or ("default",))
+        result = cli_runner.invoke("grpo", "--model", "tiny-llama", "--dataset", "demo", "--max-samples", "8",
+                                   "--reward", "length:0.1", "--num-generations", "4", "--grpo-prompts-per-rollout", "2",
+                                   "--max-new-tokens", "6", "--grpo-log-completions", "8", "--max-steps", "1",
+                                   "--micro-batch-size", "4", "--seq-len", "96", "--output", str(out), *flags)
+        assert result.exit_code == 0, result.output
+        rows = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+        assert len(rows) == 8
+        return [[r["completion"] for r in rows if r["prompt"] == prompt] for prompt in dict.fromkeys(r["prompt"] for r in rows)]
+
+    greedy = groups("--top-k", "1")
+    assert all(len(set(group)) == 1 for group in greedy), greedy
+    assert groups("--temperature", "1e-4") == greedy
+    assert groups("--top-p", "1e-6") == greedy
+    assert any(len(set(group)) > 1 for group in groups()), "temperature 1 sampled one completion per prompt"
 
 
 def test_entropy_of_completions_sampled_elsewhere_equals_generates_own():
@@ -65,7 +89,7 @@ def test_entropy_of_completions_sampled_elsewhere_equals_generates_own():
     from toolkit_rl.rollout import HFRollouts
 
     source = resolve_model("tiny-llama")
-    config = GRPOConfig(num_generations=3, max_completion_length=10, temperature=0.7)
+    config = GRPOConfig(num_generations=3, max_new_tokens=10, temperature=0.7)
     rollouts = HFRollouts(source, Recipe(model="tiny-llama", precision="fp32"), config, torch.device("cpu"))
     template = ChatTemplate(source.tokenizer)
     prompts = [source.tokenizer(template.render([{"role": "user", "content": text}], add_generation_prompt=True),
@@ -76,7 +100,7 @@ def test_entropy_of_completions_sampled_elsewhere_equals_generates_own():
     forward = rollouts.sampling_entropy(rows, sampled.ids, chunk=4)
     assert forward == pytest.approx(sampled.entropy, rel=1e-4, abs=1e-5)
     assert min(sampled.entropy) > 0.01
-    rollouts.config = GRPOConfig(num_generations=3, max_completion_length=10, temperature=1.4)
+    rollouts.config = GRPOConfig(num_generations=3, max_new_tokens=10, temperature=1.4)
     assert all(hot > cold for hot, cold in zip(rollouts.sampling_entropy(rows, sampled.ids), forward, strict=True))
 
 
@@ -95,6 +119,26 @@ def test_rollouts_use_the_weights_of_the_last_step(tmp_path, monkeypatch, tuner)
     monkeypatch.setattr(loop.GRPORun, "sync_weights", lambda self, step: None)
     stale = metrics(run(tmp_path, "stale", max_steps=3, tuner=tuner, grpo=grpo))
     assert max(abs(m["loss"]) for m in stale[1:]) > 1e-5, [m["loss"] for m in stale]
+
+
+def test_a_run_saved_with_trls_option_name_resumes(tmp_path):
+    """A recipe.yaml written before --max-new-tokens (TRL's max_completion_length) is the same training; a real
+    change of a sampling option is still refused."""
+    import copy
+
+    import yaml
+
+    from toolkit.errors import ConfigError
+    from toolkit.train.runner import check_resume_changes
+
+    recipe = resolve_recipe({**BASE, "output": str(tmp_path), "resume": "auto"})
+    saved = copy.deepcopy(recipe.to_yaml_dict())
+    saved["grpo"]["max_completion_length"] = saved["grpo"].pop("max_new_tokens")
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(saved))
+    check_resume_changes(recipe, is_main=True)
+    hotter = resolve_recipe({**BASE, "output": str(tmp_path), "resume": "auto", "grpo": {**BASE["grpo"], "temperature": 1.5}})
+    with pytest.raises(ConfigError, match="'temperature': 1.0.*'temperature': 1.5"):
+        check_resume_changes(hotter, is_main=True)
 
 
 def test_resume_is_exact(tmp_path):

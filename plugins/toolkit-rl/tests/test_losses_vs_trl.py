@@ -80,7 +80,7 @@ CASES = [  # (our loss_type, TRL loss_type, importance level, beta)
 @pytest.mark.parametrize("loss_type,trl_type,level,beta", CASES)
 def test_loss_and_gradients_equal_trl(setup, loss_type, trl_type, level, beta):
     policy, rollouts = setup
-    loss = GRPOLoss(GRPOConfig(loss_type=loss_type, beta=beta, max_completion_length=MAX_LENGTH))
+    loss = GRPOLoss(GRPOConfig(loss_type=loss_type, beta=beta, max_new_tokens=MAX_LENGTH))
     eps, high, resolved_level, _, _ = loss.config.resolved()
     assert resolved_level == level
     mine, metrics, my_grads = ours(policy, rollouts, loss)
@@ -99,7 +99,7 @@ def test_loss_and_gradients_equal_trl(setup, loss_type, trl_type, level, beta):
 def test_two_micro_batches_equal_trl_gradient_accumulation(setup, loss_type, trl_type):
     """One generation batch in two accumulation steps (TRL's steps_per_generation = gradient accumulation)."""
     policy, rollouts = setup
-    loss = GRPOLoss(GRPOConfig(loss_type=loss_type, beta=0.04, max_completion_length=MAX_LENGTH))
+    loss = GRPOLoss(GRPOConfig(loss_type=loss_type, beta=0.04, max_new_tokens=MAX_LENGTH))
     eps, high, level, _, _ = loss.config.resolved()
     mine, _, my_grads = ours(policy, rollouts, loss, splits=2)
     reference, _, trl_grads = theirs(policy, rollouts, splits=2, loss_type=trl_type, beta=0.04, epsilon=eps,
@@ -111,7 +111,7 @@ def test_two_micro_batches_equal_trl_gradient_accumulation(setup, loss_type, trl
 def test_the_clip_is_exercised_so_the_comparison_can_fail(setup):
     """With drifted old log-probs some ratios leave [1 - eps, 1 + eps]: clipping changes the gradient."""
     policy, rollouts = setup
-    _, metrics, clipped = ours(policy, rollouts, GRPOLoss(GRPOConfig(max_completion_length=MAX_LENGTH)))
-    _, _, unclipped = ours(policy, rollouts, GRPOLoss(GRPOConfig(epsilon=10.0, max_completion_length=MAX_LENGTH)))
+    _, metrics, clipped = ours(policy, rollouts, GRPOLoss(GRPOConfig(max_new_tokens=MAX_LENGTH)))
+    _, _, unclipped = ours(policy, rollouts, GRPOLoss(GRPOConfig(epsilon=10.0, max_new_tokens=MAX_LENGTH)))
     assert metrics["clip_ratio/region"] > 0
     assert any(not torch.allclose(clipped[n], unclipped[n]) for n in clipped)

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 VOWELS = f"{Path(__file__).parent / 'toy_rewards.py'}:vowels"
 COMMON = ["--model", "tiny-llama", "--dataset", "demo", "--max-samples", "16", "--reward", "answer", "--reward", VOWELS,
-          "--num-generations", "4", "--grpo-prompts-per-rollout", "2", "--max-completion-length", "6",
+          "--num-generations", "4", "--grpo-prompts-per-rollout", "2", "--max-new-tokens", "6",
           "--micro-batch-size", "4", "--seq-len", "64", "--lr", "1e-2", "--max-steps", "8", "--grpo-beta", "0.04",
           "--seed", "3", "--grpo-steps-per-rollout", "2", "--grpo-iterations", "2"]
 

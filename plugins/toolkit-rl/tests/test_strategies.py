@@ -22,7 +22,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNI
        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/toolkit/torch_extensions"))}
 VOWELS = f"{Path(__file__).parent / 'toy_rewards.py'}:vowels"
 COMMON = ["--model", "tiny-llama", "--dataset", "demo", "--max-samples", "16", "--reward", "answer", "--reward", VOWELS,
-          "--num-generations", "4", "--grpo-prompts-per-rollout", "2", "--max-completion-length", "6",
+          "--num-generations", "4", "--grpo-prompts-per-rollout", "2", "--max-new-tokens", "6",
           "--micro-batch-size", "2", "--seq-len", "64", "--lr", "1e-2", "--grpo-beta", "0.04", "--seed", "3",
           "--grpo-steps-per-rollout", "2", "--grpo-iterations", "2", "--max-steps", "8"]
 

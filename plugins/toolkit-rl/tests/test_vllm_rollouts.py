@@ -82,7 +82,7 @@ def assert_weights_reach_the_engine(rollouts, source, second, **backend) -> None
                                    max_new_tokens=12, do_sample=False, pad_token_id=source.tokenizer.pad_token_id)
         expected = out[0, len(prompt):].tolist()
         assert after[2 * k][:len(expected)] == expected and after[2 * k + 1] == after[2 * k]
-    rollouts.config = GRPOConfig(num_generations=4, max_completion_length=12, temperature=1.0, **backend)
+    rollouts.config = GRPOConfig(num_generations=4, max_new_tokens=12, temperature=1.0, **backend)
     one, again, other = (rollouts.generate(ids, seed=s).ids for s in (7, 7, 8))
     assert one == again and one != other
 
@@ -97,7 +97,7 @@ def test_loaded_weights_change_the_engine_output_and_greedy_equals_transformers(
 
     first, second = models
     source = resolve_model(str(first))
-    greedy = GRPOConfig(num_generations=2, max_completion_length=12, top_k=1)
+    greedy = GRPOConfig(num_generations=2, max_new_tokens=12, top_k=1)
     rollouts = VLLMRollouts(source, Recipe(model=str(first), seq_len=128), greedy, torch.device("cpu"))
     assert_weights_reach_the_engine(rollouts, source, second)
 
@@ -107,7 +107,7 @@ def test_grpo_trains_with_vllm_rollouts(models, tmp_path, cli_runner):
     out = tmp_path / "run"
     result = cli_runner.invoke("grpo", "--model", str(first), "--dataset", "demo", "--max-samples", "8",
                                "--reward", f"{Path(__file__).parent / 'toy_rewards.py'}:vowels", "--rollout-backend", "vllm",
-                               "--num-generations", "4", "--grpo-prompts-per-rollout", "2", "--max-completion-length", "8",
+                               "--num-generations", "4", "--grpo-prompts-per-rollout", "2", "--max-new-tokens", "8",
                                "--micro-batch-size", "4", "--seq-len", "96", "--lr", "1e-2", "--max-steps", "3",
                                "--output", str(out))
     assert result.exit_code == 0, result.output
@@ -168,7 +168,7 @@ def test_server_mode_loads_weights_and_greedy_equals_transformers(models, server
     first, second = models
     source = resolve_model(str(first))
     backend = dict(rollout_backend="vllm", vllm_server=server.url)
-    greedy = GRPOConfig(num_generations=2, max_completion_length=12, top_k=1, **backend)
+    greedy = GRPOConfig(num_generations=2, max_new_tokens=12, top_k=1, **backend)
     rollouts = VLLMServerRollouts(source, Recipe(model=str(first), seq_len=128), greedy, torch.device("cpu"))
     assert_weights_reach_the_engine(rollouts, source, second, **backend)
     rollouts.load_weights(AutoModelForCausalLM.from_pretrained(first, dtype=torch.float32).state_dict().items())
@@ -179,7 +179,7 @@ def grpo_args(first, out, server_url):
     return ["grpo", "--model", str(first), "--dataset", "demo", "--max-samples", "8",
             "--reward", f"{Path(__file__).parent / 'toy_rewards.py'}:vowels", "--rollout-backend", "vllm",
             "--vllm-server", server_url, "--num-generations", "4", "--grpo-prompts-per-rollout", "2",
-            "--max-completion-length", "8", "--micro-batch-size", "4", "--seq-len", "96", "--lr", "1e-2",
+            "--max-new-tokens", "8", "--micro-batch-size", "4", "--seq-len", "96", "--lr", "1e-2",
             "--max-steps", "3", "--output", str(out)]
 
 

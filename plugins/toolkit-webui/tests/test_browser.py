@@ -214,7 +214,7 @@ def test_grpo_from_the_page_draws_its_rewards(page, server):
     fill(page, "field-recipe-max_steps", "4")
     fill(page, "field-grpo-rewards", "answer")
     page.locator("#section-answer").wait_for(state="visible")  # the named reward's options appear
-    for name, value in (("num_generations", "2"), ("prompts_per_rollout", "2"), ("max_completion_length", "4")):
+    for name, value in (("num_generations", "2"), ("prompts_per_rollout", "2"), ("max_new_tokens", "4")):
         fill(page, f"field-grpo-{name}", value)
     command = wait_text(page, "recipe-command", r"--reward answer").strip().splitlines()[-1]
     assert command.startswith("toolkit grpo ")

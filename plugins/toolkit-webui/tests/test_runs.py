@@ -102,7 +102,7 @@ def test_reward_plot_of_a_grpo_run_launched_from_the_form(tmp_path, monkeypatch)
     raw = {f.key: forms.widget_value(f, f.default) for f in app.fields}
     raw.update({"loss": "grpo", "dataset": str(EXAMPLES / "capitals-prompts.jsonl"), "output": "grpo", "max_steps": 3,
                 "seq_len": 64, "grpo.rewards": "answer", "grpo.num_generations": 2, "grpo.prompts_per_rollout": 2,
-                "grpo.max_completion_length": 4})
+                "grpo.max_new_tokens": 4})
     try:
         app.launch(raw, 1)
         run_dir = tmp_path / "grpo"

@@ -29,6 +29,10 @@ class ZeroEngine(LocalEngine):
     (the DeepSpeed engine) and ``self.optimizer`` (the AdamW that ZeRO wraps).
     """
 
+    training_state_bytes = None
+    """Not measured: ZeRO keeps its fp32 partitions and optimizer states inside DeepSpeed's optimizer, not in the
+    tensors the local engine counts (``forward_loss`` is the local engine's, through the DeepSpeed engine)."""
+
     def __init__(self, source: Any, tuner: Any, loss: Any, recipe: Any, options: Any, ds_config: dict[str, Any]):
         import torch
 

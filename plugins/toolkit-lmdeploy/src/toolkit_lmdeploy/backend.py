@@ -104,7 +104,9 @@ class LMDeployBackend:
         options = self.config if options is None else options
         temperature = float(option_value(options, "temperature", 0.0))
         gen = GenerationConfig(max_new_tokens=int(option_value(options, "max_new_tokens", 64)),
-                               do_sample=temperature > 0, temperature=temperature or 1.0, top_k=0 if temperature else 1)
+                               do_sample=temperature > 0, temperature=temperature or 1.0,
+                               top_p=float(option_value(options, "top_p", 1.0)) if temperature else 1.0,
+                               top_k=int(option_value(options, "top_k", 0)) if temperature else 1)
         # The prompt text is built like the hf backend's (the model's own chat template), so LMDeploy's
         # name-matched built-in templates never change what the model sees.
         from transformers import AutoTokenizer

@@ -11,7 +11,7 @@ from typing import Any
 
 from toolkit import hookimpl
 
-__all__ = ["toolkit_patch_model", "toolkit_register_architectures"]
+__all__ = ["toolkit_patch_model", "toolkit_register_architectures", "toolkit_strategy_axes"]
 
 
 @hookimpl
@@ -22,10 +22,22 @@ def toolkit_register_architectures(register):
 
 
 @hookimpl
+def toolkit_strategy_axes(strategy: str) -> list[str]:
+    # Expert parallelism of the local engine (DDP for the rest of the model) is this plugin's.
+    return ["ep"] if strategy == "local" else []
+
+
+@hookimpl
 def toolkit_patch_model(model: Any, source: Any, recipe: Any) -> None:
+    from toolkit.errors import ConfigError
+    from toolkit.parallel import ParallelLayout
     from toolkit.recipe import thing_options
     from toolkit_moe.architecture import MoeArchitecture
 
     options = thing_options(recipe, MoeArchitecture)
-    if options.enabled:
-        MoeArchitecture(options).patch(model, source, strategy=recipe.strategy)
+    ep = ParallelLayout.from_recipe(recipe).expert  # the layout's one expert-parallel axis (--ep)
+    if ep > 1 and recipe.strategy == "local" and not options.enabled:
+        raise ConfigError(f"--ep {ep} with --strategy local splits toolkit-moe's experts: add --moe-enabled "
+                          "(YAML moe: {enabled: true})", source="--ep")
+    if options.enabled:  # a model toolkit-moe cannot patch is refused there, naming the families it knows
+        MoeArchitecture(options).patch(model, source, strategy=recipe.strategy, expert_parallel=ep)

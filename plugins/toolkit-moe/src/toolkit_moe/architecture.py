@@ -20,7 +20,8 @@ class MoeConfig:
     z_loss_coef: float = option(0.0, help="Router z-loss weight (ST-MoE); 0 disables it.")
     experts_backend: Literal["auto", "grouped_mm", "loop"] = option(
         "auto", help="Expert matmuls: grouped_mm (torch grouped GEMM, CUDA), loop (one matmul per expert), auto picks.")
-    expert_parallel: int = option(1, help="Spread experts over groups of this many ranks (all-to-all; --strategy local under torchrun).")
+    expert_parallel: int | None = option(None, help="Deprecated: use --ep N (the one expert-parallel flag); this value "
+                                                    "is moved there with a warning.", replaced_by="expert_parallel")
 
     def check(self) -> list[str]:
         problems = []
@@ -28,7 +29,7 @@ class MoeConfig:
             problems.append(f"capacity_factor must be 0 (no dropping) or positive, got {self.capacity_factor}")
         if self.z_loss_coef < 0 or (self.aux_loss_coef is not None and self.aux_loss_coef < 0):
             problems.append("aux_loss_coef and z_loss_coef must not be negative")
-        if self.expert_parallel < 1:
+        if self.expert_parallel is not None and self.expert_parallel < 1:
             problems.append(f"expert_parallel must be at least 1, got {self.expert_parallel}")
         return problems
 
@@ -44,22 +45,22 @@ class MoeArchitecture:
     def __init__(self, config: MoeConfig | None = None):
         self.config = config or MoeConfig()
 
-    def patch(self, model: Any, source: Any = None, strategy: str | None = None) -> int:
+    def patch(self, model: Any, source: Any = None, strategy: str | None = None, expert_parallel: int = 1) -> int:
         """Patch ``model`` according to ``self.config``; returns the number of replaced blocks.
 
-        Under torchrun with ``expert_parallel > 1`` the experts are split over groups of that many
-        ranks (``strategy`` must be ``local``).
+        Under torchrun with ``expert_parallel > 1`` (the layout's ep axis, ``--ep``) the experts are split
+        over groups of that many ranks (``strategy`` must be ``local``).
         """
         from toolkit_moe.patch import patch_moe_blocks
 
-        expert_group = self._expert_group(strategy)
+        expert_group = self._expert_group(strategy, expert_parallel)
         return patch_moe_blocks(model, capacity_factor=self.config.capacity_factor, aux_loss_coef=self.config.aux_loss_coef,
                                 z_loss_coef=self.config.z_loss_coef, experts_backend=self.config.experts_backend,
                                 expert_group=expert_group)
 
-    def _expert_group(self, strategy: str | None) -> Any:
+    @staticmethod
+    def _expert_group(strategy: str | None, size: int) -> Any:
         """The expert-parallel group of this process, ``None`` when experts are not split."""
-        size = self.config.expert_parallel
         if size <= 1:
             return None
         import warnings
@@ -71,17 +72,17 @@ class MoeArchitecture:
 
         if strategy not in (None, "local"):
             raise ConfigError(
-                f"--moe-expert-parallel {size} works with --strategy local (one process per GPU under torchrun, DDP for "
-                f"the rest of the model), not --strategy {strategy}: FSDP/ZeRO would shard and average the expert slices "
-                "over all ranks. Use --strategy local, or --strategy megatron --ep N.", source="--moe-expert-parallel")
+                f"--ep {size} with --moe-enabled works with --strategy local (one process per GPU under torchrun, DDP "
+                f"for the rest of the model), not --strategy {strategy}: FSDP/ZeRO would shard and average the expert "
+                "slices over all ranks. Use --strategy local, or --strategy megatron --ep N.", source="--ep")
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if world == 1:
             # One process holds every expert (also when a checkpoint is exported): same model, nothing to split.
-            warnings.warn(f"--moe-expert-parallel {size} in a single process: all experts stay here", stacklevel=2)
+            warnings.warn(f"--ep {size} in a single process: all experts stay here", stacklevel=2)
             return None
         if world % size:
-            raise ConfigError(f"--moe-expert-parallel {size} must divide the number of processes ({world})",
-                              source="--moe-expert-parallel")
+            raise ConfigError(f"--ep {size} must divide the number of processes ({world}): launch a multiple of "
+                              f"{size} processes", source="--ep")
         group = new_expert_groups(size)
         if dist.get_rank() == 0:
             print(f"toolkit-moe: experts split over groups of {size} ranks (expert parallelism)", flush=True)

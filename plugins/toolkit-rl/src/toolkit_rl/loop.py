@@ -40,7 +40,7 @@ def run_grpo(recipe: Any) -> Path:
     rewards = build_rewards(config.rewards, recipe, get_plugin_manager())
     for weighted in rewards:
         if isinstance(weighted.reward, OverlongReward):
-            weighted.reward.max_completion_length = config.max_completion_length
+            weighted.reward.max_new_tokens = config.max_new_tokens
         if isinstance(weighted.reward, RewardModelReward):
             weighted.reward.raw_prompts = config.raw_prompts
     check_schedule(recipe, config)

@@ -16,6 +16,7 @@ from typing import Literal
 
 from toolkit.config import option
 from toolkit.contracts import LossOutput, StepContext, TokenLogps
+from toolkit.inference import SamplingOptions
 
 VARIANT_DEFAULTS = {
     # loss_type: (epsilon, epsilon_high, importance level, scale_rewards, dynamic_sampling)
@@ -28,7 +29,15 @@ VARIANT_DEFAULTS = {
 
 
 @dataclasses.dataclass(kw_only=True)
-class GRPOConfig:
+class GRPOConfig(SamplingOptions):
+    """GRPO's options. The rollouts' sampling options are the core's :class:`~toolkit.inference.SamplingOptions`
+    (``--max-new-tokens``, ``--temperature``, ``--top-p``, ``--top-k``, as ``toolkit infer`` spells them) with
+    GRPO's defaults; TRL's ``max_completion_length`` stays an alias (flag and recipe key)."""
+
+    max_new_tokens: int = option(32, flag="--max-new-tokens", aliases=("--max-completion-length",),
+                                 help="Most new tokens per completion (TRL: max_completion_length).")
+    temperature: float = option(1.0, flag="--temperature", help="Sampling temperature of the rollouts (positive: GRPO "
+                                                                "compares sampled completions).")
     loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "gspo"] = option(
         "grpo", flag="--loss-type",
         help="grpo: per-completion token mean; dr_grpo: token sum over max length, no std scaling; dapo: token mean "
@@ -42,12 +51,8 @@ class GRPOConfig:
         "auto", help="Divide advantages by the reward std of the group, of the batch, or not (dr_grpo: none).")
     dynamic_sampling: bool | None = option(None, help="Drop groups whose rewards are all equal and sample more prompts "
                                                       "(DAPO); default on for dapo only.")
-    mask_truncated_completions: bool = option(False, help="Leave completions that hit --max-completion-length out of the loss.")
+    mask_truncated_completions: bool = option(False, help="Leave completions that hit --max-new-tokens out of the loss.")
     num_generations: int = option(4, flag="--num-generations", help="Completions sampled per prompt (the group size G).")
-    max_completion_length: int = option(32, flag="--max-completion-length", help="Most new tokens per completion.")
-    temperature: float = option(1.0, help="Sampling temperature of the rollouts.")
-    top_p: float = option(1.0, help="Nucleus sampling of the rollouts.")
-    top_k: int = option(0, help="Top-k sampling of the rollouts (0: off).")
     rewards: list[str] = option([], flag="--reward",
                                 help="Reward NAME[:WEIGHT], module:function[:WEIGHT], file.py:function or a reward-model "
                                      "directory; the completion's reward is the weighted sum.")
@@ -72,8 +77,8 @@ class GRPOConfig:
         return eps, high, level, scale, dynamic if self.dynamic_sampling is None else self.dynamic_sampling
 
     def check(self) -> list[str]:
-        problems = []
-        for name in ("num_generations", "max_completion_length", "prompts_per_rollout", "steps_per_rollout", "iterations"):
+        problems = super().check()
+        for name in ("num_generations", "prompts_per_rollout", "steps_per_rollout", "iterations"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.num_generations < 2:
@@ -84,10 +89,8 @@ class GRPOConfig:
             value = getattr(self, name)
             if value is not None and not 0 <= value:
                 problems.append(f"{name} must be 0 or more, got {value}")
-        if self.temperature <= 0:
-            problems.append(f"temperature must be positive, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            problems.append(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.temperature == 0:
+            problems.append("temperature must be positive: GRPO's advantages compare sampled completions (0 is greedy)")
         if self.vllm_server and self.rollout_backend != "vllm":
             problems.append(f"--vllm-server {self.vllm_server} samples through vLLM: add --rollout-backend vllm")
         if self.vllm_server and not self.vllm_server.startswith(("http://", "https://")):
@@ -158,7 +161,7 @@ class GRPOLoss:
         if kind == "bnpo":  # the micro-batch's token mean, weighted by its share of the step's completions
             return per_token.sum() / lengths.sum() * out.num_sequences / sequences
         if kind == "dr_grpo":
-            return per_token.sum() / (sequences * self.config.max_completion_length)
+            return per_token.sum() / (sequences * self.config.max_new_tokens)
         return per_token.sum() / max(ctx.label_tokens, 1)  # dapo: token mean over the whole step
 
     @staticmethod

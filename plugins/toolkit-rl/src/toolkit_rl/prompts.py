@@ -69,9 +69,9 @@ def load_prompts(recipe: Any, config: Any, tokenizer: Any) -> list[Prompt]:
             messages, record = prompt_messages(record, where, config.raw_prompts)
             text = messages if isinstance(messages, str) else template.render(messages, add_generation_prompt=True)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(ids) + config.max_completion_length > recipe.seq_len:
-                raise DataError(f"{where}: the prompt has {len(ids)} tokens; with --max-completion-length "
-                                f"{config.max_completion_length} that exceeds --seq-len {recipe.seq_len}. Raise --seq-len "
+            if len(ids) + config.max_new_tokens > recipe.seq_len:
+                raise DataError(f"{where}: the prompt has {len(ids)} tokens; with --max-new-tokens "
+                                f"{config.max_new_tokens} that exceeds --seq-len {recipe.seq_len}. Raise --seq-len "
                                 "or shorten the prompt")
             prompts.append(Prompt(ids, text, record, where))
     if not prompts:

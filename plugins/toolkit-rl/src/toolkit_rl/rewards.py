@@ -109,7 +109,7 @@ class LengthReward:
 
 @dataclasses.dataclass(kw_only=True)
 class OverlongConfig:
-    max_length: int = option(0, help="L_max in tokens (0: --max-completion-length).")
+    max_length: int = option(0, help="L_max in tokens (0: --max-new-tokens).")
     cache: int = option(8, help="L_cache: completions longer than L_max - L_cache are penalised linearly, down to -1.")
 
 
@@ -118,16 +118,16 @@ class OverlongReward:
 
     name = "overlong"
     Config = OverlongConfig
-    max_completion_length = 0
-    """Set by the run from ``--max-completion-length`` when ``max_length`` is 0."""
+    max_new_tokens = 0
+    """Set by the run from ``--max-new-tokens`` when ``max_length`` is 0."""
 
     def __init__(self, config: OverlongConfig | None = None):
         self.config = config or OverlongConfig()
 
     def __call__(self, prompts, completions, completion_ids, records) -> list[float | None]:
-        limit = self.config.max_length or self.max_completion_length
+        limit = self.config.max_length or self.max_new_tokens
         if limit <= 0:
-            raise ConfigError("--reward overlong needs --overlong-max-length or --max-completion-length", source="--reward")
+            raise ConfigError("--reward overlong needs --overlong-max-length or --max-new-tokens", source="--reward")
         start = limit - self.config.cache
         scores: list[float | None] = []
         for ids in completion_ids:

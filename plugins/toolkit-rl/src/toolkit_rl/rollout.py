@@ -114,15 +114,14 @@ class HFRollouts:
         for r, prompt in enumerate(rows):  # left padding: generation continues every row at the same column
             ids[r, width - len(prompt):] = torch.tensor(prompt)
             attention[r, width - len(prompt):] = 1
-        sampling = {"do_sample": True, "temperature": c.temperature, "top_p": c.top_p, "top_k": c.top_k or None}
         devices = [self.device] if self.device.type == "cuda" else []
         autocast = torch.autocast(self.device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None)
         with torch.random.fork_rng(devices=devices), torch.no_grad(), autocast:  # sampled in the compute dtype of training
             torch.manual_seed(seed)
             out = self.model.generate(ids.to(self.device), attention_mask=attention.to(self.device),
-                                      max_new_tokens=c.max_completion_length, pad_token_id=self.pad_id,
+                                      max_new_tokens=c.max_new_tokens, pad_token_id=self.pad_id,
                                       return_dict_in_generate=True, output_logits=True, synced_gpus=False,
-                                      **sampling)  # synced_gpus: the copy is whole on every rank, even beside ZeRO-3
+                                      **c.transformers_sampling())  # synced_gpus: the copy is whole on every rank, even beside ZeRO-3
         new = out.sequences[:, width:].cpu()
         logits = torch.stack(out.logits, dim=1).float().cpu() / c.temperature  # [rows, new, vocab]
         entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
@@ -130,7 +129,7 @@ class HFRollouts:
         for r in range(len(rows)):
             tokens = new[r].tolist()
             stop = next((t for t, token in enumerate(tokens) if token in self.eos), None)
-            kept = tokens[: stop + 1] if stop is not None else tokens[: c.max_completion_length]
+            kept = tokens[: stop + 1] if stop is not None else tokens[: c.max_new_tokens]
             completions.append(kept)
             truncated.append(stop is None)
             entropies.append(float(entropy[r, : max(len(kept), 1)].mean()))

@@ -61,7 +61,7 @@ class VLLMRollouts(HFRollouts):
         c = self.config
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         params = [SamplingParams(n=c.num_generations, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k or 0,
-                                 max_tokens=c.max_completion_length, seed=(seed + i) % 2**31)
+                                 max_tokens=c.max_new_tokens, seed=(seed + i) % 2**31)
                   for i in range(len(prompts))]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         ids, truncated = [], []

@@ -99,7 +99,7 @@ class VLLMServerRollouts(HFRollouts):
 
         def sample(index: int, prompt: list[int]) -> dict:
             body = {"model": self.model_name, "prompt": prompt, "n": c.num_generations, "temperature": c.temperature,
-                    "top_p": c.top_p, "top_k": c.top_k or 0, "max_tokens": c.max_completion_length,
+                    "top_p": c.top_p, "top_k": c.top_k or 0, "max_tokens": c.max_new_tokens,
                     "seed": (seed + index) % 2**31, "return_token_ids": True}
             return self.request("POST", "/v1/completions", body, what="sampling")
 

@@ -179,6 +179,7 @@ class VLLMBackend:
 
         temperature = float(option_value(options, "temperature", 0.0))
         params = SamplingParams(temperature=temperature, max_tokens=int(option_value(options, "max_new_tokens", 64)),
+                                top_p=float(option_value(options, "top_p", 1.0)), top_k=int(option_value(options, "top_k", 0)),
                                 seed=self.config.seed if temperature > 0 else None)
         request = None
         if lora is not None:
@@ -224,7 +225,7 @@ class VLLMBackend:
             "model_dir": str(model_dir), "prompts": prompts,
             "config": {k: v for k, v in vars(self.config).items() if k != "python"},
             "options": {name: option_value(options, name, None)
-                        for name in ("max_new_tokens", "temperature", "chat_template", "system", "dtype")},
+                        for name in ("max_new_tokens", "temperature", "top_p", "top_k", "chat_template", "system", "dtype")},
         }
         done = subprocess.run([python, "-m", "toolkit_vllm.worker"], input=json.dumps(request), capture_output=True,
                               text=True)
