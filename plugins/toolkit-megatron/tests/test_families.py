@@ -102,8 +102,8 @@ def test_fused_hf_tensors_split_and_refuse_bit_exactly(tmp_path, tp):
     assert torch.equal(qkv[2 * head_dim:3 * head_dim], fused[heads * head_dim:(heads + 1) * head_dim])  # k head 0
 
 
-@pytest.mark.parametrize(("model_type", "piece"), [("gemma2", "attention logit soft-capping"),
-                                                   ("gemma3_text", "embedding scale"), ("mamba", "supported: ")])
+@pytest.mark.parametrize(("model_type", "piece"), [("gemma3", "vision-language wrapper.*gemma3_text"),
+                                                   ("mamba", "supported: ")])
 def test_families_the_bridge_cannot_build_are_refused_naming_the_missing_piece(model_type, piece):
     with pytest.raises(ModelError, match=piece) as caught:
         architecture_for(model_type)
@@ -121,3 +121,85 @@ def test_attention_bias_that_reaches_o_proj_is_refused(model_type):
     with pytest.raises(ModelError, match="o_proj bias"):
         architecture_for(model_type).check(config)
     architecture_for("glm4").check(AutoConfig.for_model("glm4", hidden_size=64, num_attention_heads=4, attention_bias=True))
+
+
+def test_gemma3_rope_per_layer_type_equals_hf():
+    """Gemma 3 keys ``rope_parameters`` by layer type: the window layers' local base, the full layers' global base
+    with its linear scaling, each equal to transformers' rotary embedding for that layer type."""
+    from transformers.models.gemma3 import modeling_gemma3
+
+    from conftest import tiny_config
+    from toolkit_megatron.attention import apply_rope
+
+    hf_config = tiny_config("gemma3_text")
+    rotary = modeling_gemma3.Gemma3RotaryEmbedding(hf_config)
+    x = torch.randn(2, 4, 16, 32, generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(16)[None].repeat(2, 1)
+    per_layer = architecture_for("gemma3_text").layer_attention(hf_config)
+    assert [window for _, window in per_layer] == [4, None, 4, None]
+    for layer_type, (rope, _) in zip(hf_config.layer_types, per_layer, strict=True):
+        cos, sin = rotary(x, positions, layer_type)
+        expected = modeling_gemma3.apply_rotary_pos_emb(x, x, cos, sin)[0]
+        got = apply_rope(x.permute(2, 0, 1, 3), positions, torch.tensor(rope.inv_freq), rope.scaling).permute(1, 2, 0, 3)
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    assert per_layer[0][0] != per_layer[1][0]
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_gemma_fixtures_exercise_every_gemma_piece(family):
+    """The tiny Gemma 2/3 configs test_bridge.py holds the bridge to: dropping the final (and, Gemma 2, the
+    attention) soft-capping, the window or Gemma 3's per-layer RoPE each changes transformers' logits by far more
+    than the bridge's 1e-4, so logits equal to HF's mean the bridge reproduces every one."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from conftest import tiny_config
+
+    config = tiny_config(family)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    changes = {"final_logit_softcapping": None, "sliding_window": 16}
+    if family == "gemma2":
+        changes["attn_logit_softcapping"] = None
+    else:
+        changes["rope_parameters"] = {kind: dict(config.rope_parameters["full_attention"]) for kind in config.layer_types}
+    with torch.no_grad():
+        reference = model(ids).logits
+        for key, value in changes.items():
+            changed = copy.deepcopy(config)
+            setattr(changed, key, value)
+            other = AutoModelForCausalLM.from_config(changed).eval()
+            other.load_state_dict(model.state_dict())
+            assert (other(ids).logits - reference).abs().max() > 1e-2, key
+
+
+def test_softcapped_attention_equals_hf_eager_attention():
+    """The bridge's soft-capped attention (GQA, a window mask) against transformers' eager Gemma 2 attention."""
+    from types import SimpleNamespace
+
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    from toolkit_megatron.attention import softcapped_attention
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, heads, 12, 16, generator=generator) * 3 for heads in (4, 2, 2))
+    index = torch.arange(12)
+    allowed = (index[None, :] <= index[:, None]) & (index[:, None] - index[None, :] < 5)
+    additive = torch.zeros(12, 12).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
+    module = SimpleNamespace(num_key_value_groups=2, training=False)
+    expected, _ = eager_attention_forward(module, q, k, v, additive, scaling=0.3, softcap=2.0)
+    got = softcapped_attention(q, k, v, allowed[None, None], 0.3, 2.0)
+    torch.testing.assert_close(got.transpose(1, 2), expected, rtol=0, atol=1e-6)
+
+
+def test_gemma_configs_the_bridge_cannot_reproduce_are_refused():
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    with pytest.raises(ModelError, match="use_bidirectional_attention=true"):
+        architecture_for("gemma3_text").check(Gemma3TextConfig(hidden_size=64, num_attention_heads=4, head_dim=16,
+                                                               use_bidirectional_attention=True))
+    with pytest.raises(ModelError, match="hidden_act='silu' .only gelu_pytorch_tanh"):
+        architecture_for("gemma2").check(Gemma2Config(hidden_size=64, num_attention_heads=4, head_dim=16,
+                                                      hidden_activation="silu"))
