@@ -3,6 +3,8 @@ rotary embedding, configs the bridge cannot reproduce are refused in one line na
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -177,8 +179,6 @@ def test_gemma_fixtures_exercise_every_gemma_piece(family):
 
 def test_softcapped_attention_equals_hf_eager_attention():
     """The bridge's soft-capped attention (GQA, a window mask) against transformers' eager Gemma 2 attention."""
-    from types import SimpleNamespace
-
     from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 
     from toolkit_megatron.attention import softcapped_attention
@@ -192,6 +192,27 @@ def test_softcapped_attention_equals_hf_eager_attention():
     expected, _ = eager_attention_forward(module, q, k, v, additive, scaling=0.3, softcap=2.0)
     got = softcapped_attention(q, k, v, allowed[None, None], 0.3, 2.0)
     torch.testing.assert_close(got.transpose(1, 2), expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("window", [None, 4])
+def test_softcapped_flex_attention_equals_the_dense_path(packed, window):
+    """The GPU path of soft-capped attention (FlexAttention: the cap as a score_mod, the mask as a BlockMask) gives
+    the dense path's output for a context-parallel rank's token order, packed rows and a window (forward, on CPU:
+    torch has no FlexAttention backward there)."""
+    from toolkit_megatron.attention import SDPAAttention, load_balanced_indices, softcapped_attention, softcapped_flex_attention
+
+    generator = torch.Generator().manual_seed(0)
+    index_q = load_balanced_indices(16, 2, 1)
+    index_k = torch.cat([load_balanced_indices(16, 2, rank) for rank in range(2)])
+    q = torch.randn(2, 4, len(index_q), 16, generator=generator) * 3
+    k, v = (torch.randn(2, 2, 16, 16, generator=generator) * 3 for _ in range(2))
+    meta = torch.stack([torch.zeros(2, 16, dtype=torch.long), torch.tensor([[0] * 10 + [1] * 6, [2] * 14 + [-1] * 2])])
+    meta = meta if packed else None
+    dense_mask = SDPAAttention._mask(SimpleNamespace(sliding_window=window), index_q, index_k, meta)
+    expected = softcapped_attention(q, k, v, dense_mask, 0.3, 2.0)
+    got = softcapped_flex_attention(q, k, v, index_q, index_k, meta, window, 0.3, 2.0, cp_rank=1)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 
 
 def test_gemma_configs_the_bridge_cannot_reproduce_are_refused():

@@ -41,10 +41,11 @@ def assert_same_steps(expected, got):
         assert abs(a["grad_norm"] - b["grad_norm"]) <= TOLERANCE * max(1.0, a["grad_norm"]), (a, b)
 
 
-@pytest.mark.parametrize(("family", "tuner"), [("phi3", "lora"), ("glm4", "full")])
+@pytest.mark.parametrize(("family", "tuner"), [("phi3", "lora"), ("glm4", "full"), ("gemma2", "full"), ("gemma3_text", "lora")])
 def test_added_family_sft_steps_equal_local(family, tuner, tmp_path):
     """A family added to the bridge trains as `local` does (one process: the bridge's model, RoPE and fused
-    weights; Phi-3 with LoRA on its fused qkv_proj / gate_up_proj; layouts are held to HF's logits in
+    weights; Phi-3 with LoRA on its fused qkv_proj / gate_up_proj; Gemma 2 / 3 with their soft-capping and
+    windows of 4 on 64-token rows, Gemma 3 with LoRA on q/k/v/o/gate/up/down; layouts are held to HF's logits in
     test_bridge.py)."""
     from conftest import cli_model_dir
 
