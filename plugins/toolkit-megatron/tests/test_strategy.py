@@ -63,6 +63,18 @@ def test_added_family_sft_steps_equal_local(family, tuner, tmp_path):
     torch.testing.assert_close(exported, expected, rtol=1e-4, atol=1e-4)
 
 
+def test_gemma2_context_parallel_sft_steps_equal_local(tmp_path):
+    """Gemma 2 at CP2: the window (4 tokens) and the attention soft-capping on keys gathered over the CP group, and
+    the soft-capped logits, train as `local` does over 3 steps (gradients through every piece)."""
+    from conftest import cli_model_dir
+
+    model = cli_model_dir("gemma2", tmp_path / "gemma2")
+    args = ["--model", str(model), *COMMON[2:], "--max-steps", "3"]
+    toolkit("sft", *args, "--output", str(tmp_path / "local"))
+    toolkit("sft", *args, "--output", str(tmp_path / "cp2"), "--strategy", "megatron", "--cp", "2", nproc=2)
+    assert_same_steps(metrics(tmp_path / "local"), metrics(tmp_path / "cp2"))
+
+
 @pytest.fixture(scope="module")
 def local_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("local") / "run"
