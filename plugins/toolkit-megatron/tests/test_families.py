@@ -224,3 +224,15 @@ def test_gemma_configs_the_bridge_cannot_reproduce_are_refused():
     with pytest.raises(ModelError, match="hidden_act='silu' .only gelu_pytorch_tanh"):
         architecture_for("gemma2").check(Gemma2Config(hidden_size=64, num_attention_heads=4, head_dim=16,
                                                       hidden_activation="silu"))
+
+
+def test_megatron_local_attention_refuses_soft_capping(tp1):
+    """Megatron's unfused kernel has no score hook: a soft-capped model asks for the SDPA core attention."""
+    from conftest import tiny_config
+    from toolkit.errors import ConfigError
+    from toolkit.parallel import ParallelLayout
+    from toolkit_megatron.model import build_model
+
+    with pytest.raises(ConfigError, match="--megatron-attention local has no attention logit soft-capping"):
+        build_model(tiny_config("gemma2"), ParallelLayout(), attention="local")
+    assert build_model(tiny_config("gemma3_text"), ParallelLayout(), attention="local")  # Gemma 3's attention is not capped
