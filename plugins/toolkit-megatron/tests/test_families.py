@@ -215,6 +215,25 @@ def test_softcapped_flex_attention_equals_the_dense_path(packed, window):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward needs a GPU")
+def test_softcapped_flex_attention_gradients_equal_the_dense_path_on_gpu():
+    """Gemma 2's head size (256) through the compiled FlexAttention, forward and backward, against the dense path."""
+    from toolkit_megatron.attention import SDPAAttention, softcapped_attention, softcapped_flex_attention
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, heads, 256, 256, device="cuda", generator=generator, requires_grad=True)
+               for heads in (8, 4, 4))
+    index = torch.arange(256, device="cuda")
+    meta = torch.stack([index[None].repeat(2, 1), torch.tensor([[0] * 100 + [1] * 156, [2] * 256], device="cuda")])
+    dense = softcapped_attention(q, k, v, SDPAAttention._mask(SimpleNamespace(sliding_window=64), index, index, meta),
+                                 256 ** -0.5, 50.0)
+    expected = torch.autograd.grad(dense.square().sum(), (q, k, v))
+    flex = softcapped_flex_attention(q, k, v, index, index, meta, 64, 256 ** -0.5, 50.0)
+    torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-4)
+    for got, want in zip(torch.autograd.grad(flex.square().sum(), (q, k, v)), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
 def test_gemma_configs_the_bridge_cannot_reproduce_are_refused():
     from transformers import Gemma2Config, Gemma3TextConfig
 

@@ -17,6 +17,7 @@ keys and values over the CP group and attends with an explicit mask built from t
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -255,17 +256,24 @@ def softcapped_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     so no ``[b, h, sq, sk]`` scores are kept and fully masked blocks are skipped."""
     from toolkit.train.attention import _flex_kernel
 
-    def capped(score: torch.Tensor, batch: Any, head: Any, query: Any, key: Any) -> torch.Tensor:
-        return torch.tanh(score / cap) * cap
-
     block_mask = _softcap_block_mask(index_q, index_k, meta, window, cp_rank)
     heads, kv_heads = q.shape[1], k.shape[1]
     if heads != kv_heads and heads & (heads - 1):  # as HF does: the GQA kernels want a power-of-two head count
         k = k.repeat_interleave(heads // kv_heads, dim=1)
         v = v.repeat_interleave(heads // kv_heads, dim=1)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    return _flex_kernel(q.device.type)(q, k, v, score_mod=capped, block_mask=block_mask, scale=scale,
+    return _flex_kernel(q.device.type)(q, k, v, score_mod=_softcap_score_mod(cap), block_mask=block_mask, scale=scale,
                                        enable_gqa=k.shape[1] != heads)
+
+
+@functools.cache
+def _softcap_score_mod(cap: float) -> Any:
+    """One ``score_mod`` function per cap, so the compiled FlexAttention sees the same object on every call."""
+
+    def capped(score: torch.Tensor, batch: Any, head: Any, query: Any, key: Any) -> torch.Tensor:
+        return torch.tanh(score / cap) * cap
+
+    return capped
 
 
 _SOFTCAP_MASKS: dict[tuple, tuple[Any, Any]] = {}
