@@ -246,11 +246,10 @@ class Glm4Architecture(DenseArchitecture):
 
 class GemmaArchitecture(DenseArchitecture):
     """Gemma (v1): GeGLU (tanh GELU), RMSNorms scaling by ``1 + weight`` in fp32, embeddings multiplied by
-    sqrt(hidden_size) in their dtype, tied output layer."""
+    sqrt(hidden_size) in their dtype."""
 
     name = "megatron:gemma"
     families = ("gemma",)
-    qkv_bias = None
     zero_centered_norms = True
     activation = "gelu_pytorch_tanh"
 
@@ -278,10 +277,12 @@ class Gemma2Architecture(GemmaArchitecture):
 
     @classmethod
     def layer_types(cls, hf_config: Any) -> list[str]:
+        """``sliding_attention`` or ``full_attention`` per layer (transformers fills them in from older configs)."""
         return list(hf_config.layer_types)
 
     @classmethod
     def layer_rope(cls, hf_config: Any, layer_type: str) -> Any:
+        """The RoPE of ``layer_type``'s layers: Gemma 2 has one for all."""
         return cls.rope(hf_config)
 
     @classmethod
