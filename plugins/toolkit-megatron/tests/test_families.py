@@ -194,13 +194,22 @@ def test_softcapped_attention_equals_hf_eager_attention():
     torch.testing.assert_close(got.transpose(1, 2), expected, rtol=0, atol=1e-6)
 
 
+def _dense_attention(q, k, v, mask, scale, cap):
+    if cap:
+        from toolkit_megatron.attention import softcapped_attention
+
+        return softcapped_attention(q, k, v, mask, scale, cap)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+@pytest.mark.parametrize("cap", [2.0, None])
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("window", [None, 4])
-def test_softcapped_flex_attention_equals_the_dense_path(packed, window):
-    """The GPU path of soft-capped attention (FlexAttention: the cap as a score_mod, the mask as a BlockMask) gives
+def test_flex_masked_attention_equals_the_dense_path(packed, window, cap):
+    """The GPU path of masked attention (FlexAttention: soft-capping as a score_mod, the mask as a BlockMask) gives
     the dense path's output for a context-parallel rank's token order, packed rows and a window (forward, on CPU:
     torch has no FlexAttention backward there)."""
-    from toolkit_megatron.attention import SDPAAttention, load_balanced_indices, softcapped_attention, softcapped_flex_attention
+    from toolkit_megatron.attention import SDPAAttention, flex_masked_attention, load_balanced_indices
 
     generator = torch.Generator().manual_seed(0)
     index_q = load_balanced_indices(16, 2, 1)
@@ -210,25 +219,27 @@ def test_softcapped_flex_attention_equals_the_dense_path(packed, window):
     meta = torch.stack([torch.zeros(2, 16, dtype=torch.long), torch.tensor([[0] * 10 + [1] * 6, [2] * 14 + [-1] * 2])])
     meta = meta if packed else None
     dense_mask = SDPAAttention._mask(SimpleNamespace(sliding_window=window), index_q, index_k, meta)
-    expected = softcapped_attention(q, k, v, dense_mask, 0.3, 2.0)
-    got = softcapped_flex_attention(q, k, v, index_q, index_k, meta, window, 0.3, 2.0, cp_rank=1)
+    expected = _dense_attention(q, k, v, dense_mask, 0.3, cap)
+    got = flex_masked_attention(q, k, v, index_q, index_k, meta, window, 0.3, cap, cp_rank=1)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward needs a GPU")
-def test_softcapped_flex_attention_gradients_equal_the_dense_path_on_gpu():
-    """Gemma 2's head size (256) through the compiled FlexAttention, forward and backward, against the dense path."""
-    from toolkit_megatron.attention import SDPAAttention, softcapped_attention, softcapped_flex_attention
+@pytest.mark.parametrize("cap", [50.0, None])
+def test_flex_masked_attention_gradients_equal_the_dense_path_on_gpu(cap):
+    """Gemma's head size (256) through the compiled FlexAttention with a window on packed rows, soft-capped (Gemma 2)
+    or not (Gemma 3), forward and backward, against the dense path."""
+    from toolkit_megatron.attention import SDPAAttention, flex_masked_attention
 
     generator = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(2, heads, 256, 256, device="cuda", generator=generator, requires_grad=True)
                for heads in (8, 4, 4))
     index = torch.arange(256, device="cuda")
     meta = torch.stack([index[None].repeat(2, 1), torch.tensor([[0] * 100 + [1] * 156, [2] * 256], device="cuda")])
-    dense = softcapped_attention(q, k, v, SDPAAttention._mask(SimpleNamespace(sliding_window=64), index, index, meta),
-                                 256 ** -0.5, 50.0)
+    dense = _dense_attention(q, k, v, SDPAAttention._mask(SimpleNamespace(sliding_window=64), index, index, meta),
+                             256 ** -0.5, cap)
     expected = torch.autograd.grad(dense.square().sum(), (q, k, v))
-    flex = softcapped_flex_attention(q, k, v, index, index, meta, 64, 256 ** -0.5, 50.0)
+    flex = flex_masked_attention(q, k, v, index, index, meta, 64, 256 ** -0.5, cap)
     torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-4)
     for got, want in zip(torch.autograd.grad(flex.square().sum(), (q, k, v)), expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)

@@ -214,9 +214,9 @@ class SDPAAttention(torch.nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
         dropout = self.dropout if self.training else 0.0
         gqa = q.shape[1] != k.shape[1]
-        if self.softcap and q.is_cuda and not dropout:
-            out = softcapped_flex_attention(q, k, v, index_q, index_k, meta, self.sliding_window, self.scale, self.softcap,
-                                            self.cp_rank)
+        if self.packed_flex and not dropout and (self.softcap or self.sliding_window):
+            out = flex_masked_attention(q, k, v, index_q, index_k, meta, self.sliding_window, self.scale, self.softcap,
+                                        self.cp_rank)
         elif self.softcap:
             out = softcapped_attention(q, k, v, self._mask(index_q, index_k, meta), self.scale, self.softcap, dropout)
         elif meta is None and self.cp_size == 1 and not self.sliding_window:
@@ -248,22 +248,24 @@ def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     return torch.matmul(probs, v)
 
 
-def softcapped_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor,
-                              index_k: torch.Tensor, meta: torch.Tensor | None, window: int | None, scale: float,
-                              cap: float, cp_rank: int = 0) -> torch.Tensor:
-    """:func:`softcapped_attention` through FlexAttention (the GPU path): the cap is a ``score_mod`` and the mask of
-    :meth:`SDPAAttention._mask` (causal by token index, packed sequences, window, CP's token order) a ``BlockMask``,
-    so no ``[b, h, sq, sk]`` scores are kept and fully masked blocks are skipped."""
+def flex_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor,
+                          index_k: torch.Tensor, meta: torch.Tensor | None, window: int | None, scale: float,
+                          cap: float | None = None, cp_rank: int = 0) -> torch.Tensor:
+    """Attention through FlexAttention (the GPU path) for what SDPA's kernels cannot do without a dense mask: the
+    mask of :meth:`SDPAAttention._mask` (causal by token index, packed sequences, a sliding window, CP's token
+    order) as a ``BlockMask`` made once per micro-batch and layer type, so fully masked blocks are skipped and no
+    ``[b, 1, sq, sk]`` mask is kept; ``cap``: the attention logit soft-capping (:func:`softcapped_attention`) as a
+    ``score_mod``, so no ``[b, h, sq, sk]`` scores are kept either."""
     from toolkit.train.attention import _flex_kernel
 
-    block_mask = _softcap_block_mask(index_q, index_k, meta, window, cp_rank)
+    block_mask = _flex_block_mask(index_q, index_k, meta, window, cp_rank)
     heads, kv_heads = q.shape[1], k.shape[1]
     if heads != kv_heads and heads & (heads - 1):  # as HF does: the GQA kernels want a power-of-two head count
         k = k.repeat_interleave(heads // kv_heads, dim=1)
         v = v.repeat_interleave(heads // kv_heads, dim=1)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    return _flex_kernel(q.device.type)(q, k, v, score_mod=_softcap_score_mod(cap), block_mask=block_mask, scale=scale,
-                                       enable_gqa=k.shape[1] != heads)
+    return _flex_kernel(q.device.type)(q, k, v, score_mod=_softcap_score_mod(cap) if cap else None, block_mask=block_mask,
+                                       scale=scale, enable_gqa=k.shape[1] != heads)
 
 
 @functools.cache
@@ -276,19 +278,19 @@ def _softcap_score_mod(cap: float) -> Any:
     return capped
 
 
-_SOFTCAP_MASKS: dict[tuple, tuple[Any, Any]] = {}
+_FLEX_MASKS: dict[tuple, tuple[Any, Any]] = {}
 """(window, query and key lengths, CP rank, device) -> (weak reference to the micro-batch's meta tensor or None, its
 BlockMask): the mask is made once per micro-batch and layer type, not per layer."""
 
 
-def _softcap_block_mask(index_q: torch.Tensor, index_k: torch.Tensor, meta: torch.Tensor | None, window: int | None,
-                        cp_rank: int) -> Any:
+def _flex_block_mask(index_q: torch.Tensor, index_k: torch.Tensor, meta: torch.Tensor | None, window: int | None,
+                     cp_rank: int) -> Any:
     import weakref
 
     from torch.nn.attention.flex_attention import create_block_mask
 
-    key = (window, len(index_q), len(index_k), cp_rank, str(index_q.device))
-    cached = _SOFTCAP_MASKS.get(key)
+    cache_key = (window, len(index_q), len(index_k), cp_rank, str(index_q.device))
+    cached = _FLEX_MASKS.get(cache_key)
     if cached is not None and (cached[0] is None if meta is None else cached[0] is not None and cached[0]() is meta):
         return cached[1]
     sequence = meta[1] if meta is not None else None
@@ -306,9 +308,9 @@ def _softcap_block_mask(index_q: torch.Tensor, index_k: torch.Tensor, meta: torc
     rows = sequence.shape[0] if sequence is not None else None
     block_mask = create_block_mask(allowed, rows, None, len(index_q), len(index_k), device=index_q.device,
                                    _compile=index_q.device.type == "cuda")
-    if len(_SOFTCAP_MASKS) > 8:  # micro-batches of other lengths: keep only the current ones
-        _SOFTCAP_MASKS.clear()
-    _SOFTCAP_MASKS[key] = (weakref.ref(meta) if meta is not None else None, block_mask)
+    if len(_FLEX_MASKS) > 8:  # micro-batches of other lengths: keep only the current ones
+        _FLEX_MASKS.clear()
+    _FLEX_MASKS[cache_key] = (weakref.ref(meta) if meta is not None else None, block_mask)
     return block_mask
 
 

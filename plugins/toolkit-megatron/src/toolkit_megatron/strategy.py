@@ -39,10 +39,11 @@ class MegatronConfig:
                      "(the same under torch.compile), reference (plain autograd over full fp32 logits), auto "
                      "(compiled on a GPU, chunked elsewhere).")
     packed_attention: Literal["auto", "flex", "sdpa-mask"] = option(
-        "auto", help="Packed rows (--packing): flex (FlexAttention with a block-causal BlockMask made once per "
-        "micro-batch), sdpa-mask (a dense [b,1,s,s] mask for torch SDPA: no flash kernel) or auto (flex on a GPU when "
-        "torch has FlexAttention, else sdpa-mask). Context parallelism, sliding windows and attention dropout keep the "
-        "dense mask.")
+        "auto", help="Packed rows (--packing), sliding-window layers and soft-capped attention (Gemma 2): flex "
+        "(FlexAttention with a BlockMask made once per micro-batch, soft-capping as its score_mod), sdpa-mask (a dense "
+        "[b,1,s,s] mask for torch SDPA: no flash kernel; soft-capping keeps the [b,h,s,s] scores) or auto (flex on a GPU "
+        "when torch has FlexAttention, else sdpa-mask). Attention dropout keeps the dense mask, and so do packed rows "
+        "under context parallelism without a window.")
     fused_adam: bool = option(True, help="Use torch's fused AdamW kernel (Megatron's fallback without TE/Apex is the foreach one).")
     foreach_clipping: bool = option(True, help="Gradient clipping with torch foreach kernels instead of Megatron's per-tensor fallback loops.")
     compile_elementwise: bool | Literal["auto"] = option(
