@@ -108,7 +108,7 @@ def _speed_levers(config: MegatronConfig, device: Any, loss: Any = None, logit_s
         if config.fused_loss is True:
             from toolkit.errors import ConfigError
 
-            raise ConfigError(f"--megatron-fused-loss: this model soft-caps its logits (final_logit_softcapping="
+            raise ConfigError(f"this model soft-caps its logits (final_logit_softcapping="
                               f"{logit_softcap}) and the fused output head makes none to cap; drop the flag (auto leaves "
                               "it off for such models)", source="--megatron-fused-loss")
         fused_loss = False
