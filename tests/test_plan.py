@@ -52,7 +52,7 @@ TINY_CONFIGS = {
     # issue 27: fused linears (phi3, glm4), post-sublayer norms (glm4, gemma2/3), QK norm (gemma3)
     **{family: dict(model_type=family, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, vocab_size=300, pad_token_id=0, **extra)
-       for family, extra in (("phi3", {}), ("glm4", {"head_dim": 16}), ("gemma2", {"head_dim": 16}),
+       for family, extra in (("phi3", {}), ("glm4", {"head_dim": 16}), ("gemma", {"head_dim": 16}), ("gemma2", {"head_dim": 16}),
                              ("gemma3_text", {"head_dim": 32}), ("internlm3", {}))},
     "deepseek_v3": dict(model_type="deepseek_v3", hidden_size=64, intermediate_size=160, moe_intermediate_size=48,
                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
@@ -368,15 +368,17 @@ def test_infeasible_layouts_are_rejected_with_reasons():
 
 
 def test_megatron_layouts_need_a_family_the_bridge_knows():
-    """Gemma 2 (soft-capping) is refused by the Megatron bridge: the plan offers the strategies that train it."""
+    """OLMo 2 has no Megatron bridge architecture: the plan offers the strategies that train it; GLM-4 and the
+    Gemmas (bridged for issue 27) get Megatron layouts."""
     pytest.importorskip("toolkit_megatron")
     config = dict(TINY_CONFIGS["gemma2"], hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, head_dim=128,
                   num_attention_heads=16, num_key_value_heads=8)
-    result = plan(shape_from_config(config), make_cluster(2, 1, "80GiB"), WORK, ("local", "fsdp", "megatron"))
+    olmo2 = dict(config, model_type="olmo2")
+    result = plan(shape_from_config(olmo2), make_cluster(2, 1, "80GiB"), WORK, ("local", "fsdp", "megatron"))
     assert result.ranked and all(c.layout.strategy != "megatron" for c in result.ranked)
-    assert all("no architecture for gemma2" in c.rejected for c in result.rejected if c.layout.strategy == "megatron")
-    glm4 = plan(shape_from_config(dict(config, model_type="glm4")), make_cluster(2, 1, "80GiB"), WORK, ("megatron",))
-    assert glm4.ranked
+    assert all("no architecture for olmo2" in c.rejected for c in result.rejected if c.layout.strategy == "megatron")
+    for family in ("glm4", "gemma", "gemma2", "gemma3_text"):
+        assert plan(shape_from_config(dict(config, model_type=family)), make_cluster(2, 1, "80GiB"), WORK, ("megatron",)).ranked
 
 
 def test_small_model_on_one_gpu_fits_everywhere():

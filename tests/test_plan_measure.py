@@ -44,6 +44,25 @@ def test_full_finetune_activations_match_autograd(seq_len):
 
 
 @pytest.mark.parametrize("tuner", ["full", "lora"])
+@pytest.mark.parametrize("family", ["glm4", "gemma", "gemma2", "gemma3_text"])
+def test_family_activations_match_autograd(family, tuner, tmp_path):
+    """Families whose layers keep more than Llama's (the local engine's bf16 path): GLM-4's and Gemma 2/3's norms on
+    the sublayer outputs, Gemma 3's QK norm, Gemma's (1 + weight) norms computed in fp32, and Gemma 2's eager
+    attention (transformers' only path with soft-capping: the scores are kept)."""
+    from toolkit.plan.measure import local_engine
+
+    if tuner == "lora":
+        pytest.importorskip("toolkit_peft")
+    config = dict(CONFIG, model_type=family, head_dim=32, pad_token_id=0)
+    engine, loss_fn, _ = local_engine(config, tmp_path / "model", tuner=tuner, seq_len=128, micro_batch_size=2)
+    measured = saved_activation_bytes(engine.model, loss_fn, CONFIG["vocab_size"])
+    shape = shape_from_config(config)
+    workload = Workload(seq_len=128, micro_batch_size=2, tuner=tuner, lora_rank=16)
+    predicted = activation_bytes_per_token_layer(shape, Layout("local"), workload) * shape.layers * 2 * 128
+    assert predicted == pytest.approx(measured, rel=0.08)
+
+
+@pytest.mark.parametrize("tuner", ["full", "lora"])
 def test_engine_activations_match_autograd(tuner, tmp_path):
     """bf16 parameters with fp32 masters (--precision bf16), the tuner from the registry."""
     from toolkit.plan.measure import local_engine

@@ -90,7 +90,7 @@ def local_engine(config: dict, directory: Any, *, tuner: str = "full", seq_len: 
     if not (directory / "config.json").is_file():
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(
-            transformers.AutoConfig.for_model(**config), attn_implementation="sdpa", dtype=torch.bfloat16)
+            transformers.AutoConfig.for_model(**config), dtype=torch.bfloat16)
         model.save_pretrained(directory)
         del model
     values = {"model": str(directory), "tuner": tuner, "loss": "sft", "precision": precision, "seq_len": seq_len,

@@ -32,7 +32,13 @@ from typing import Literal
 
 from toolkit.parallel import ParallelLayout
 from toolkit.plan.hardware import GIB, Cluster
-from toolkit.plan.model import ModelShape
+from toolkit.plan.model import (
+    EAGER_ATTENTION_FAMILIES,
+    EXTRA_NORMS,
+    QK_NORM_FAMILIES,
+    ZERO_CENTERED_NORM_FAMILIES,
+    ModelShape,
+)
 
 STRATEGIES = ("local", "fsdp", "deepspeed", "megatron")
 TUNERS = ("full", "lora", "qlora")
@@ -256,20 +262,39 @@ def _hf_activation_bytes_per_token_layer(shape: ModelShape, layout: Layout, work
     else:
         mlp = 8 * shape.ffn
     lora = 14 * workload.lora_rank if workload.tuner != "full" else 0
+    extra = _extra_norm_bytes_per_token_layer(shape, workload)  # family-specific: norms, eager attention
     if layout.strategy == "megatron":
         # bf16 everywhere; with sequence parallelism every saved tensor is split over TP.
-        return (12 * h + 4 * kv + mlp + lora) / (layout.tp * layout.cp)
+        return (12 * h + 4 * kv + mlp + lora + extra) / (layout.tp * layout.cp)
+    if shape.model_type in EAGER_ATTENTION_FAMILIES:
+        # eager attention: per query token and head a row of capped scores (bf16), their fp32 softmax and its bf16
+        # cast (8 bytes a key), and the keys and values repeated to every query head (4 (q - kv) more than SDPA)
+        extra += 8 * shape.heads * workload.seq_len + 4 * (shape.q_dim - kv)
     if fp32_autocast(layout, workload):
         # fp32 residual stream: both RMSNorms keep fp32 input and output (16h), five autocast
         # copies of linear inputs (10h), q/attention output (4h), k/v (4kv), SwiGLU (8f).
-        return (30 * h + 4 * kv + mlp) / layout.cp
+        return (30 * h + 4 * kv + mlp + extra) / layout.cp
     if workload.tuner != "full":
         # Frozen bf16 base (toolkit-peft's fused LoRA forward): frozen RMSNorm weights keep no
         # normalised input and frozen linears only the inputs their adapters share; 17h was counted
         # with saved_tensors_hooks on the real engine path (tests/test_plan_measure.py).
-        return (17 * h + 4 * kv + mlp + lora) / layout.cp
+        return (17 * h + 4 * kv + mlp + lora + extra) / layout.cp
     # bf16 residual stream (bf16 parameters on local, or bf16 compute parameters under FSDP/ZeRO).
-    return (24 * h + 4 * kv + mlp) / layout.cp
+    return (24 * h + 4 * kv + mlp + extra) / layout.cp
+
+
+def _extra_norm_bytes_per_token_layer(shape: ModelShape, workload: Workload) -> float:
+    """What a layer's norms keep beyond the two Llama-style RMSNorms the base counts assume: norms on the sublayer
+    outputs (GLM-4, Gemma 2/3) and on each head's query and key (Qwen3, Gemma 3). A Llama-style RMSNorm keeps its
+    fp32 input and bf16 normalised value (6 bytes an element); Gemma's (1 + weight) norm an fp32 normalised value
+    (8; its two base norms 2 more each); a frozen weight needs no normalised value (4). Measured with
+    saved_tensors_hooks (tests/test_plan_measure.py)."""
+    h = shape.hidden
+    zero_centered = shape.model_type in ZERO_CENTERED_NORM_FAMILIES
+    per_element = 4 if workload.tuner != "full" else 8 if zero_centered else 6
+    qk = shape.q_dim + shape.kv_dim if shape.model_type in QK_NORM_FAMILIES else 0
+    base = 2 * 2 * h if zero_centered and workload.tuner == "full" else 0
+    return per_element * (EXTRA_NORMS.get(shape.model_type, 0) * h + qk) + base
 
 
 def checkpoint_bytes_per_token_layer(shape: ModelShape, layout: Layout, workload: Workload) -> float:

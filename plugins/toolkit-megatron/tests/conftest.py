@@ -77,6 +77,24 @@ def tiny_config(arch: str):
 
         return Glm4Config(vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, head_dim=32, max_position_embeddings=256, pad_token_id=0)
+    if arch == "gemma":  # Gemma (v1): GeGLU, (1 + w) norms, the sqrt(hidden) embedding scale; untied here
+        from transformers import GemmaConfig
+
+        return GemmaConfig(vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=32, max_position_embeddings=256, pad_token_id=0,
+                           tie_word_embeddings=False)
+    if arch in ("gemma2", "gemma3_text"):  # window 4 < the tests' 16 tokens, layers alternate window/full, capped logits
+        from transformers import Gemma2Config, Gemma3TextConfig
+
+        shape = dict(vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=32, max_position_embeddings=256, pad_token_id=0, sliding_window=4,
+                     query_pre_attn_scalar=24, initializer_range=0.1, final_logit_softcapping=2.0,
+                     layer_types=["sliding_attention", "full_attention"] * 2)
+        if arch == "gemma2":
+            return Gemma2Config(**shape, attn_logit_softcapping=3.0)
+        return Gemma3TextConfig(**shape, rope_parameters={  # a linear-scaled global RoPE, as Gemma 3 4B+ ship
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}})
     if arch == "internlm3":  # transformers' own InternLM3 (a Llama config, LlamaForCausalLM)
         from transformers import AutoConfig
 
@@ -89,7 +107,7 @@ def tiny_config(arch: str):
                **({"sliding_window": None} if arch == "mistral" else {}))
 
 
-EXTRA_FAMILIES = ("llama3", "qwen2_yarn", "phi3", "glm4", "internlm3")
+EXTRA_FAMILIES = ("llama3", "qwen2_yarn", "phi3", "glm4", "internlm3", "gemma", "gemma2", "gemma3_text")
 """Fixtures beyond the tiny presets: rope scaling and the families added for issue 27."""
 
 

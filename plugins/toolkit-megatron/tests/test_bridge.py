@@ -34,6 +34,10 @@ JOBS = {  # name: (tiny model, layouts); "llama-mcore" also reads the mcore chec
     "phi3": ("phi3", "tp=2+export=1,pp=2+export=1,cp=2"),  # fused qkv_proj / gate_up_proj, longrope, partial rotary
     "glm4": ("glm4", "tp=2+sp=1+export=1,pp=2+export=1,cp=2"),  # interleaved half rotary, post-sublayer norms
     "internlm3": ("internlm3", "tp=2+export=1"),  # transformers' InternLM3: Llama weights under its own model_type
+    # Gemma: (1 + w) norms, GeGLU, embedding scale; Gemma 2/3 add soft-capping, window/full layers, post-sublayer norms
+    "gemma": ("gemma", "tp=2+export=1,pp=2,cp=2"),
+    "gemma2": ("gemma2", "tp=2+export=1,pp=2+export=1,cp=2"),
+    "gemma3_text": ("gemma3_text", "tp=2+sp=1+export=1,pp=2+export=1,cp=2"),  # + QK norm, a RoPE per layer type
 }
 
 
@@ -131,10 +135,14 @@ def test_scaled_rope_logits_match_hf(job, bridge):
     _assert_close(bridge[job])
 
 
-@pytest.mark.parametrize("job", ["phi3", "glm4", pytest.param("internlm3", marks=needs_transformers_family("internlm3"))])
+@pytest.mark.parametrize("job", ["phi3", "glm4", pytest.param("internlm3", marks=needs_transformers_family("internlm3")),
+                                 "gemma", "gemma2", "gemma3_text"])
 def test_added_dense_family_logits_and_round_trip(job, tiny_models, bridge):
-    """Families whose HF weights are laid out differently from Llama's: logits equal HF at TP2, PP2, CP2 and
-    the TP2 / PP2 exports give back the very tensors of the checkpoint (fused ones re-fused bit for bit)."""
+    """Families whose HF weights or layers differ from Llama's: logits equal HF at TP2, PP2, CP2 and
+    the TP2 / PP2 exports give back the very tensors of the checkpoint (fused ones re-fused bit for bit).
+    Gemma 2 / 3 with soft-capped attention (2) and output logits, a window of 4 on every other layer of the
+    16-token rows (both layer types on each PP2 stage), and (3) a linear-scaled RoPE on the full layers only:
+    tests/test_families.py checks that each of these changes transformers' logits."""
     results = bridge[job]
     assert set(results) == set(JOBS[job][1].split(","))
     _assert_close(results)

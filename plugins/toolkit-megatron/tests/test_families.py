@@ -3,6 +3,8 @@ rotary embedding, configs the bridge cannot reproduce are refused in one line na
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -102,8 +104,8 @@ def test_fused_hf_tensors_split_and_refuse_bit_exactly(tmp_path, tp):
     assert torch.equal(qkv[2 * head_dim:3 * head_dim], fused[heads * head_dim:(heads + 1) * head_dim])  # k head 0
 
 
-@pytest.mark.parametrize(("model_type", "piece"), [("gemma2", "attention logit soft-capping"),
-                                                   ("gemma3_text", "embedding scale"), ("mamba", "supported: ")])
+@pytest.mark.parametrize(("model_type", "piece"), [("gemma3", "vision-language wrapper.*gemma3_text"),
+                                                   ("mamba", "supported: ")])
 def test_families_the_bridge_cannot_build_are_refused_naming_the_missing_piece(model_type, piece):
     with pytest.raises(ModelError, match=piece) as caught:
         architecture_for(model_type)
@@ -121,3 +123,146 @@ def test_attention_bias_that_reaches_o_proj_is_refused(model_type):
     with pytest.raises(ModelError, match="o_proj bias"):
         architecture_for(model_type).check(config)
     architecture_for("glm4").check(AutoConfig.for_model("glm4", hidden_size=64, num_attention_heads=4, attention_bias=True))
+
+
+def test_gemma3_rope_per_layer_type_equals_hf():
+    """Gemma 3 keys ``rope_parameters`` by layer type: the window layers' local base, the full layers' global base
+    with its linear scaling, each equal to transformers' rotary embedding for that layer type."""
+    from transformers.models.gemma3 import modeling_gemma3
+
+    from conftest import tiny_config
+    from toolkit_megatron.attention import apply_rope
+
+    hf_config = tiny_config("gemma3_text")
+    rotary = modeling_gemma3.Gemma3RotaryEmbedding(hf_config)
+    x = torch.randn(2, 4, 16, 32, generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(16)[None].repeat(2, 1)
+    per_layer = architecture_for("gemma3_text").layer_attention(hf_config)
+    assert [window for _, window in per_layer] == [4, None, 4, None]
+    for layer_type, (rope, _) in zip(hf_config.layer_types, per_layer, strict=True):
+        cos, sin = rotary(x, positions, layer_type)
+        expected = modeling_gemma3.apply_rotary_pos_emb(x, x, cos, sin)[0]
+        got = apply_rope(x.permute(2, 0, 1, 3), positions, torch.tensor(rope.inv_freq), rope.scaling).permute(1, 2, 0, 3)
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    assert per_layer[0][0] != per_layer[1][0]
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_gemma_fixtures_exercise_every_gemma_piece(family):
+    """The tiny Gemma 2/3 configs test_bridge.py holds the bridge to: dropping the final (and, Gemma 2, the
+    attention) soft-capping, the window or Gemma 3's per-layer RoPE each changes transformers' logits by far more
+    than the bridge's 1e-4, so logits equal to HF's mean the bridge reproduces every one."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from conftest import tiny_config
+
+    config = tiny_config(family)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    changes = {"final_logit_softcapping": None, "sliding_window": 16}
+    if family == "gemma2":
+        changes["attn_logit_softcapping"] = None
+    else:
+        changes["rope_parameters"] = {kind: dict(config.rope_parameters["full_attention"]) for kind in config.layer_types}
+    with torch.no_grad():
+        reference = model(ids).logits
+        for key, value in changes.items():
+            changed = copy.deepcopy(config)
+            setattr(changed, key, value)
+            other = AutoModelForCausalLM.from_config(changed).eval()
+            other.load_state_dict(model.state_dict())
+            assert (other(ids).logits - reference).abs().max() > 1e-2, key
+
+
+def test_softcapped_attention_equals_hf_eager_attention():
+    """The bridge's soft-capped attention (GQA, a window mask) against transformers' eager Gemma 2 attention."""
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    from toolkit_megatron.attention import softcapped_attention
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, heads, 12, 16, generator=generator) * 3 for heads in (4, 2, 2))
+    index = torch.arange(12)
+    allowed = (index[None, :] <= index[:, None]) & (index[:, None] - index[None, :] < 5)
+    additive = torch.zeros(12, 12).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
+    module = SimpleNamespace(num_key_value_groups=2, training=False)
+    expected, _ = eager_attention_forward(module, q, k, v, additive, scaling=0.3, softcap=2.0)
+    got = softcapped_attention(q, k, v, allowed[None, None], 0.3, 2.0)
+    torch.testing.assert_close(got.transpose(1, 2), expected, rtol=0, atol=1e-6)
+
+
+def _dense_attention(q, k, v, mask, scale, cap):
+    if cap:
+        from toolkit_megatron.attention import softcapped_attention
+
+        return softcapped_attention(q, k, v, mask, scale, cap)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+@pytest.mark.parametrize("cap", [2.0, None])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("window", [None, 4])
+def test_flex_masked_attention_equals_the_dense_path(packed, window, cap):
+    """The GPU path of masked attention (FlexAttention: soft-capping as a score_mod, the mask as a BlockMask) gives
+    the dense path's output for a context-parallel rank's token order, packed rows and a window (forward, on CPU:
+    torch has no FlexAttention backward there)."""
+    from toolkit_megatron.attention import SDPAAttention, flex_masked_attention, load_balanced_indices
+
+    generator = torch.Generator().manual_seed(0)
+    index_q = load_balanced_indices(16, 2, 1)
+    index_k = torch.cat([load_balanced_indices(16, 2, rank) for rank in range(2)])
+    q = torch.randn(2, 4, len(index_q), 16, generator=generator) * 3
+    k, v = (torch.randn(2, 2, 16, 16, generator=generator) * 3 for _ in range(2))
+    meta = torch.stack([torch.zeros(2, 16, dtype=torch.long), torch.tensor([[0] * 10 + [1] * 6, [2] * 14 + [-1] * 2])])
+    meta = meta if packed else None
+    dense_mask = SDPAAttention._mask(SimpleNamespace(sliding_window=window), index_q, index_k, meta)
+    expected = _dense_attention(q, k, v, dense_mask, 0.3, cap)
+    got = flex_masked_attention(q, k, v, index_q, index_k, meta, window, 0.3, cap, cp_rank=1)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward needs a GPU")
+@pytest.mark.parametrize("cap", [50.0, None])
+def test_flex_masked_attention_gradients_equal_the_dense_path_on_gpu(cap):
+    """Gemma's head size (256) through the compiled FlexAttention with a window on packed rows, soft-capped (Gemma 2)
+    or not (Gemma 3), forward and backward, against the dense path."""
+    from toolkit_megatron.attention import SDPAAttention, flex_masked_attention
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, heads, 256, 256, device="cuda", generator=generator, requires_grad=True)
+               for heads in (8, 4, 4))
+    index = torch.arange(256, device="cuda")
+    meta = torch.stack([index[None].repeat(2, 1), torch.tensor([[0] * 100 + [1] * 156, [2] * 256], device="cuda")])
+    dense = _dense_attention(q, k, v, SDPAAttention._mask(SimpleNamespace(sliding_window=64), index, index, meta),
+                             256 ** -0.5, cap)
+    expected = torch.autograd.grad(dense.square().sum(), (q, k, v))
+    flex = flex_masked_attention(q, k, v, index, index, meta, 64, 256 ** -0.5, cap)
+    torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-4)
+    for got, want in zip(torch.autograd.grad(flex.square().sum(), (q, k, v)), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
+def test_gemma_configs_the_bridge_cannot_reproduce_are_refused():
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    with pytest.raises(ModelError, match="use_bidirectional_attention=true"):
+        architecture_for("gemma3_text").check(Gemma3TextConfig(hidden_size=64, num_attention_heads=4, head_dim=16,
+                                                               use_bidirectional_attention=True))
+    with pytest.raises(ModelError, match="hidden_act='silu' .only gelu_pytorch_tanh"):
+        architecture_for("gemma2").check(Gemma2Config(hidden_size=64, num_attention_heads=4, head_dim=16,
+                                                      hidden_activation="silu"))
+
+
+def test_megatron_local_attention_refuses_soft_capping(tp1):
+    """Megatron's unfused kernel has no score hook: a soft-capped model asks for the SDPA core attention."""
+    from conftest import tiny_config
+    from toolkit.errors import ConfigError
+    from toolkit.parallel import ParallelLayout
+    from toolkit_megatron.model import build_model
+
+    with pytest.raises(ConfigError, match="--megatron-attention local has no attention logit soft-capping"):
+        build_model(tiny_config("gemma2"), ParallelLayout(), attention="local")
+    assert build_model(tiny_config("gemma3_text"), ParallelLayout(), attention="local")  # Gemma 3's attention is not capped

@@ -75,6 +75,7 @@ def test_fused_head_with_no_rows_gives_zero_gradients(tp1):
 
 def test_fused_loss_resolves_per_device_and_loss(capsys):
     from toolkit.builtins.losses import SFTLoss
+    from toolkit.errors import ConfigError
     from toolkit_megatron.strategy import MegatronConfig, _speed_levers
 
     class Weighted(SFTLoss):  # overrides __call__ without re-declaring the promise
@@ -95,6 +96,10 @@ def test_fused_loss_resolves_per_device_and_loss(capsys):
     assert "--megatron-fused-loss is off for the weighted loss" in capsys.readouterr().err
     assert _speed_levers(MegatronConfig(kernels="none"), gpu, Weighted(SFTLoss.Config())).fused_loss is False
     assert "off for" not in capsys.readouterr().err  # auto: silently the logits path
+    # soft-capped logits (Gemma 2/3): the fused head makes no logits to cap, so auto is off and forcing it is refused
+    assert _speed_levers(none, gpu, sft, logit_softcap=30.0).fused_loss is False
+    with pytest.raises(ConfigError, match="final_logit_softcapping=30.0"):
+        _speed_levers(forced, cpu, sft, logit_softcap=30.0)
 
 
 def test_planner_reads_the_megatron_section():

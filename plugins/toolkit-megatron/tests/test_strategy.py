@@ -41,10 +41,11 @@ def assert_same_steps(expected, got):
         assert abs(a["grad_norm"] - b["grad_norm"]) <= TOLERANCE * max(1.0, a["grad_norm"]), (a, b)
 
 
-@pytest.mark.parametrize(("family", "tuner"), [("phi3", "lora"), ("glm4", "full")])
+@pytest.mark.parametrize(("family", "tuner"), [("phi3", "lora"), ("glm4", "full"), ("gemma2", "full"), ("gemma3_text", "lora")])
 def test_added_family_sft_steps_equal_local(family, tuner, tmp_path):
     """A family added to the bridge trains as `local` does (one process: the bridge's model, RoPE and fused
-    weights; Phi-3 with LoRA on its fused qkv_proj / gate_up_proj; layouts are held to HF's logits in
+    weights; Phi-3 with LoRA on its fused qkv_proj / gate_up_proj; Gemma 2 / 3 with their soft-capping and
+    windows of 4 on 64-token rows, Gemma 3 with LoRA on q/k/v/o/gate/up/down; layouts are held to HF's logits in
     test_bridge.py)."""
     from conftest import cli_model_dir
 
@@ -60,6 +61,18 @@ def test_added_family_sft_steps_equal_local(family, tuner, tmp_path):
         expected = AutoModelForCausalLM.from_pretrained(tmp_path / "local" / "export")(ids).logits
         exported = AutoModelForCausalLM.from_pretrained(tmp_path / "megatron" / "export")(ids).logits
     torch.testing.assert_close(exported, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_gemma2_context_parallel_sft_steps_equal_local(tmp_path):
+    """Gemma 2 at CP2: the window (4 tokens) and the attention soft-capping on keys gathered over the CP group, and
+    the soft-capped logits, train as `local` does over 3 steps (gradients through every piece)."""
+    from conftest import cli_model_dir
+
+    model = cli_model_dir("gemma2", tmp_path / "gemma2")
+    args = ["--model", str(model), *COMMON[2:], "--max-steps", "3"]
+    toolkit("sft", *args, "--output", str(tmp_path / "local"))
+    toolkit("sft", *args, "--output", str(tmp_path / "cp2"), "--strategy", "megatron", "--cp", "2", nproc=2)
+    assert_same_steps(metrics(tmp_path / "local"), metrics(tmp_path / "cp2"))
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,11 @@ class DenseArchitecture:
     ``post_mlp_layernorm``: the ``post_attn_out_norm`` / ``post_mlp_out_norm`` names below)."""
     mla: ClassVar[bool] = False
     """Multi-head latent attention (megatron-core's ``MLASelfAttention``) instead of fused-QKV attention."""
+    zero_centered_norms: ClassVar[bool] = False
+    """Every RMSNorm scales by ``1 + weight`` in fp32 (Gemma; megatron-core's ``layernorm_zero_centered_gamma``): the
+    weights stay as HF stores them, so round trips are bit-exact."""
+    activation: ClassVar[str] = "silu"
+    """The HF activation of the gated MLP: ``silu`` (SwiGLU) or ``gelu_pytorch_tanh`` (Gemma's GeGLU)."""
 
     # HF names; ``{i}`` is the global layer index.
     embedding: ClassVar[str] = "model.embed_tokens.weight"
@@ -79,14 +84,41 @@ class DenseArchitecture:
         return Rope.from_hf_config(hf_config, cls.rope_interleaved)
 
     @classmethod
+    def layer_attention(cls, hf_config: Any) -> list[tuple[Any, int | None]]:
+        """Per decoder layer, the :class:`~toolkit_megatron.attention.Rope` its core attention applies (``None``:
+        MLA rotates itself) and its sliding window (``None``: full attention). Families alternating window and
+        full layers override it."""
+        rope = None if cls.mla else cls.rope(hf_config)
+        return [(rope, cls.sliding_window(hf_config))] * hf_config.num_hidden_layers
+
+    @classmethod
+    def attention_softcap(cls, hf_config: Any) -> float | None:
+        """``c`` of the attention logit soft-capping ``c * tanh(scores / c)`` before masking (Gemma 2)."""
+        return None
+
+    @classmethod
+    def final_logit_softcap(cls, hf_config: Any) -> float | None:
+        """``c`` of the output logits' soft-capping ``c * tanh(logits / c)`` (Gemma 2 and 3)."""
+        return None
+
+    @classmethod
+    def embedding_scale(cls, hf_config: Any) -> float | None:
+        """The factor the embedding output is multiplied by, in the embedding's dtype (Gemma: sqrt(hidden_size))."""
+        return None
+
+    @classmethod
+    def hf_activation(cls, hf_config: Any) -> str:
+        return getattr(hf_config, "hidden_act", "silu")
+
+    @classmethod
     def check(cls, hf_config: Any) -> None:
         problems = []
         if getattr(hf_config, "mlp_bias", False):
             problems.append("mlp_bias=true (biases on MLP projections)")
         if cls.qkv_bias is None and getattr(hf_config, "attention_bias", False) and cls.attention_bias_on_output:
             problems.append("attention_bias=true (o_proj bias)")
-        if getattr(hf_config, "hidden_act", "silu") != "silu":
-            problems.append(f"hidden_act={hf_config.hidden_act!r} (only silu/SwiGLU)")
+        if cls.hf_activation(hf_config) != cls.activation:
+            problems.append(f"hidden_act={cls.hf_activation(hf_config)!r} (only {cls.activation} for {hf_config.model_type})")
         if problems:
             raise ModelError(f"{hf_config.model_type} config not supported by the Megatron bridge: {'; '.join(problems)}")
         cls.rope(hf_config)
@@ -106,8 +138,9 @@ class DenseArchitecture:
             ffn_hidden_size=hf_config.intermediate_size,
             normalization="RMSNorm",
             layernorm_epsilon=hf_config.rms_norm_eps,
+            layernorm_zero_centered_gamma=cls.zero_centered_norms,
             gated_linear_unit=True,
-            activation_func=F.silu,
+            activation_func={"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}[cls.activation],
             add_bias_linear=False,
             add_qkv_bias=cls.has_qkv_bias(hf_config),
             qk_layernorm=cls.qk_norm,
@@ -115,6 +148,14 @@ class DenseArchitecture:
             attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
             init_method_std=getattr(hf_config, "initializer_range", 0.02),
         )
+
+
+def gelu_tanh(x: Any) -> Any:
+    """GELU with the tanh approximation (HF's ``gelu_pytorch_tanh``), Gemma's GeGLU activation; a module-level
+    function so ``TransformerConfig`` stays picklable."""
+    import torch.nn.functional as F
+
+    return F.gelu(x, approximate="tanh")
 
 
 @dataclass(kw_only=True)
@@ -201,6 +242,108 @@ class Glm4Architecture(DenseArchitecture):
     rope_interleaved = True
     sublayer_post_norms = True
     layer = {**DenseArchitecture.layer, **dict.fromkeys(("gate", "up"), "model.layers.{i}.mlp.gate_up_proj.weight")}
+
+
+class GemmaArchitecture(DenseArchitecture):
+    """Gemma (v1): GeGLU (tanh GELU), RMSNorms scaling by ``1 + weight`` in fp32, embeddings multiplied by
+    sqrt(hidden_size) in their dtype."""
+
+    name = "megatron:gemma"
+    families = ("gemma",)
+    zero_centered_norms = True
+    activation = "gelu_pytorch_tanh"
+
+    @classmethod
+    def embedding_scale(cls, hf_config: Any) -> float | None:
+        return hf_config.hidden_size ** 0.5
+
+
+class Gemma2Architecture(GemmaArchitecture):
+    """Gemma 2: Gemma plus a norm on each sublayer's output (four per layer), softmax scale
+    ``query_pre_attn_scalar ** -0.5``, attention and final logit soft-capping, and sliding-window / full
+    layers as ``layer_types`` says."""
+
+    name = "megatron:gemma2"
+    families = ("gemma2",)
+    sublayer_post_norms = True
+    layer = {**DenseArchitecture.layer,
+             "post_norm": "model.layers.{i}.pre_feedforward_layernorm.weight",
+             "post_attn_out_norm": "model.layers.{i}.post_attention_layernorm.weight",
+             "post_mlp_out_norm": "model.layers.{i}.post_feedforward_layernorm.weight"}
+
+    @classmethod
+    def hf_activation(cls, hf_config: Any) -> str:
+        return getattr(hf_config, "hidden_activation", None) or "gelu_pytorch_tanh"
+
+    @classmethod
+    def layer_types(cls, hf_config: Any) -> list[str]:
+        """``sliding_attention`` or ``full_attention`` per layer (transformers fills them in from older configs)."""
+        return list(hf_config.layer_types)
+
+    @classmethod
+    def layer_rope(cls, hf_config: Any, layer_type: str) -> Any:
+        """The RoPE of ``layer_type``'s layers: Gemma 2 has one for all."""
+        return cls.rope(hf_config)
+
+    @classmethod
+    def layer_attention(cls, hf_config: Any) -> list[tuple[Any, int | None]]:
+        kinds = {kind: (cls.layer_rope(hf_config, kind), hf_config.sliding_window if kind == "sliding_attention" else None)
+                 for kind in set(cls.layer_types(hf_config))}
+        return [kinds[kind] for kind in cls.layer_types(hf_config)]
+
+    @classmethod
+    def attention_softcap(cls, hf_config: Any) -> float | None:
+        return getattr(hf_config, "attn_logit_softcapping", None) or None
+
+    @classmethod
+    def final_logit_softcap(cls, hf_config: Any) -> float | None:
+        return getattr(hf_config, "final_logit_softcapping", None) or None
+
+    @classmethod
+    def check(cls, hf_config: Any) -> None:
+        super().check(hf_config)
+        problems = []
+        unknown = sorted(set(cls.layer_types(hf_config)) - {"sliding_attention", "full_attention"})
+        if unknown:
+            problems.append(f"layer_types {unknown} (sliding_attention and full_attention are known)")
+        if len(cls.layer_types(hf_config)) != hf_config.num_hidden_layers:
+            problems.append(f"{len(cls.layer_types(hf_config))} layer_types for {hf_config.num_hidden_layers} layers")
+        if getattr(hf_config, "use_bidirectional_attention", False):
+            problems.append("use_bidirectional_attention=true (the bridge's attention is causal)")
+        if problems:
+            raise ModelError(f"{hf_config.model_type} config not supported by the Megatron bridge: {'; '.join(problems)}")
+        for kind in set(cls.layer_types(hf_config)):
+            cls.layer_rope(hf_config, kind)
+
+    @classmethod
+    def transformer_options(cls, hf_config: Any) -> dict[str, Any]:
+        options = super().transformer_options(hf_config)
+        options["softmax_scale"] = hf_config.query_pre_attn_scalar ** -0.5
+        return options
+
+
+class Gemma3TextArchitecture(Gemma2Architecture):
+    """Gemma 3's text model: Gemma 2 plus QK norm (``1 + weight`` too) and a RoPE per layer type (``rope_parameters``
+    keyed by ``sliding_attention`` / ``full_attention``: the local base and the global base with its scaling).
+    transformers passes no attention soft-capping to Gemma 3's attention, so neither does the bridge."""
+
+    name = "megatron:gemma3_text"
+    families = ("gemma3_text",)
+    qk_norm = True
+
+    @classmethod
+    def layer_rope(cls, hf_config: Any, layer_type: str) -> Any:
+        from toolkit_megatron.attention import Rope
+
+        return Rope.from_hf_config(hf_config, cls.rope_interleaved, layer_type=layer_type)
+
+    @classmethod
+    def rope(cls, hf_config: Any) -> Any:
+        return cls.layer_rope(hf_config, "full_attention")
+
+    @classmethod
+    def attention_softcap(cls, hf_config: Any) -> float | None:
+        return None
 
 
 class MoEArchitecture(DenseArchitecture):
@@ -466,19 +609,13 @@ def _with(hf_config: Any, **values: Any) -> Any:
 
 
 BUILTIN = (DenseArchitecture, MistralArchitecture, Qwen2Architecture, Qwen3Architecture, InternLM3Architecture, Phi3Architecture,
-           Glm4Architecture, Qwen2MoeArchitecture, Qwen3MoeArchitecture, MixtralArchitecture, DeepseekV2Architecture,
+           Glm4Architecture, GemmaArchitecture, Gemma2Architecture, Gemma3TextArchitecture, Qwen2MoeArchitecture, Qwen3MoeArchitecture, MixtralArchitecture, DeepseekV2Architecture,
            DeepseekV3Architecture)
 
 
-_EMBEDDING_SCALE = "the sqrt(hidden_size) embedding scale (GPTModel has no embedding multiplier)"
 REFUSED: dict[str, str] = {
-    "gemma": f"{_EMBEDDING_SCALE}, the (1 + weight) RMSNorm and the GeGLU MLP",
-    "gemma2": f"attention logit soft-capping (attn_logit_softcapping) and final logit soft-capping "
-              f"(final_logit_softcapping); {_EMBEDDING_SCALE}; alternating sliding-window and full layers; the "
-              "(1 + weight) RMSNorm and post-sublayer norms",
-    "gemma3_text": f"{_EMBEDDING_SCALE}; sliding-window and full layers with a RoPE base each (rope_parameters per layer "
-                   "type); the (1 + weight) RMSNorm and post-sublayer norms",
-    "gemma3": "a vision-language wrapper (its text model, gemma3_text, is not bridged either)",
+    "gemma3": "a vision-language wrapper (Gemma 3's vision tower and projector; its text model, model_type gemma3_text, "
+              "is bridged)",
 }
 """Families the bridge refuses by name, with the pieces it lacks (``--strategy local`` trains them)."""
 

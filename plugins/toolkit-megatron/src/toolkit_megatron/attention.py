@@ -17,6 +17,7 @@ keys and values over the CP group and attends with an explicit mask built from t
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -46,12 +47,16 @@ class Rope:
     long_after: int = 0
 
     @classmethod
-    def from_hf_config(cls, hf_config: Any, interleaved: bool = False) -> Rope:
+    def from_hf_config(cls, hf_config: Any, interleaved: bool = False, layer_type: str | None = None) -> Rope:
+        """``layer_type``: the RoPE of that layer type where ``rope_parameters`` is keyed by layer type (Gemma 3)."""
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         from toolkit.errors import ModelError
 
         params = getattr(hf_config, "rope_parameters", None) or {}
+        if layer_type is not None:
+            params = params.get(layer_type) or {}
+        by_layer = {"layer_type": layer_type} if layer_type is not None else {}
         rope_type = params.get("rope_type", "default")
         if rope_type not in (*STATIC_ROPE_TYPES, "longrope"):
             raise ModelError(f"{hf_config.model_type}: rope_type {rope_type!r} is not supported by the Megatron bridge "
@@ -63,11 +68,11 @@ class Rope:
             dim = int(head_dim * params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)))
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
             return cls(tuple(inv_freq.tolist()), interleaved=interleaved)
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu", **by_layer)
         long = None
         if rope_type == "longrope":  # HF: the long factors once max(position_ids) + 1 > original_max_position_embeddings
             original = params["original_max_position_embeddings"]
-            long = tuple(ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu", seq_len=original + 1)[0].float().tolist())
+            long = tuple(ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu", seq_len=original + 1, **by_layer)[0].float().tolist())
             return cls(tuple(inv_freq.float().tolist()), float(scaling), interleaved, long, original)
         return cls(tuple(inv_freq.float().tolist()), float(scaling), interleaved)
 
@@ -144,7 +149,7 @@ class SDPAAttention(torch.nn.Module):
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  cp_comm_type: str | None = None, pg_collection: Any = None, rope: Rope | None = None,
                  sliding_window: int | None = None, compiled_rope: bool = False, packed_flex: bool = False,
-                 k_channels: int | None = None, v_channels: int | None = None):
+                 softcap: float | None = None, k_channels: int | None = None, v_channels: int | None = None):
         super().__init__()  # k_channels / v_channels (MLA's head sizes) are read off the tensors
         from megatron.core import parallel_state
 
@@ -155,6 +160,7 @@ class SDPAAttention(torch.nn.Module):
         self.rope_fn = compiled_apply_rope() if compiled_rope else apply_rope
         self.sliding_window = sliding_window
         self.packed_flex = packed_flex
+        self.softcap = softcap
         self.register_buffer("inv_freq", torch.tensor(rope.inv_freq, dtype=torch.float32) if rope else None,
                              persistent=False)
         self.register_buffer("long_inv_freq", torch.tensor(rope.long_inv_freq, dtype=torch.float32)
@@ -208,7 +214,12 @@ class SDPAAttention(torch.nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
         dropout = self.dropout if self.training else 0.0
         gqa = q.shape[1] != k.shape[1]
-        if meta is None and self.cp_size == 1 and not self.sliding_window:
+        if self.packed_flex and not dropout and (self.softcap or self.sliding_window):
+            out = flex_masked_attention(q, k, v, index_q, index_k, meta, self.sliding_window, self.scale, self.softcap,
+                                        self.cp_rank)
+        elif self.softcap:
+            out = softcapped_attention(q, k, v, self._mask(index_q, index_k, meta), self.scale, self.softcap, dropout)
+        elif meta is None and self.cp_size == 1 and not self.sliding_window:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=self.scale, enable_gqa=gqa)
         elif self.packed_flex and self.cp_size == 1 and not self.sliding_window and not dropout:
             from toolkit.train.attention import _flex_kernel
@@ -219,6 +230,88 @@ class SDPAAttention(torch.nn.Module):
             mask = self._mask(index_q, index_k, meta)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=self.scale, enable_gqa=gqa)
         return out.permute(2, 0, 1, 3).reshape(local, batch, -1)
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, cap: float,
+                         dropout: float = 0.0) -> torch.Tensor:
+    """Attention with logit soft-capping, as HF's eager Gemma 2 attention computes it: scores ``q k^T * scale`` capped
+    to ``cap * tanh(scores / cap)``, then masked (``mask [b, 1, sq, sk]``, True where allowed) and softmaxed in fp32.
+    SDPA has no score hook, so the ``[b, h, sq, sk]`` scores exist (``q, k, v``: ``[b, h, s, d]``)."""
+    if q.shape[1] != k.shape[1]:  # GQA: each key/value head serves consecutive query heads (HF's repeat_kv)
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = F.dropout(probs, p=dropout, training=dropout > 0)
+    return torch.matmul(probs, v)
+
+
+def flex_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor,
+                          index_k: torch.Tensor, meta: torch.Tensor | None, window: int | None, scale: float,
+                          cap: float | None = None, cp_rank: int = 0) -> torch.Tensor:
+    """Attention through FlexAttention (the GPU path) for what SDPA's kernels cannot do without a dense mask: the
+    mask of :meth:`SDPAAttention._mask` (causal by token index, packed sequences, a sliding window, CP's token
+    order) as a ``BlockMask`` made once per micro-batch and layer type, so fully masked blocks are skipped and no
+    ``[b, 1, sq, sk]`` mask is kept; ``cap``: the attention logit soft-capping (:func:`softcapped_attention`) as a
+    ``score_mod``, so no ``[b, h, sq, sk]`` scores are kept either."""
+    from toolkit.train.attention import _flex_kernel
+
+    block_mask = _flex_block_mask(index_q, index_k, meta, window, cp_rank)
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if heads != kv_heads and heads & (heads - 1):  # as HF does: the GQA kernels want a power-of-two head count
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    return _flex_kernel(q.device.type)(q, k, v, score_mod=_softcap_score_mod(cap) if cap else None, block_mask=block_mask,
+                                       scale=scale, enable_gqa=k.shape[1] != heads)
+
+
+@functools.cache
+def _softcap_score_mod(cap: float) -> Any:
+    """One ``score_mod`` function per cap, so the compiled FlexAttention sees the same object on every call."""
+
+    def capped(score: torch.Tensor, batch: Any, head: Any, query: Any, key: Any) -> torch.Tensor:
+        return torch.tanh(score / cap) * cap
+
+    return capped
+
+
+_FLEX_MASKS: dict[tuple, tuple[Any, Any]] = {}
+"""(window, query and key lengths, CP rank, device) -> (weak reference to the micro-batch's meta tensor or None, its
+BlockMask): the mask is made once per micro-batch and layer type, not per layer."""
+
+
+def _flex_block_mask(index_q: torch.Tensor, index_k: torch.Tensor, meta: torch.Tensor | None, window: int | None,
+                     cp_rank: int) -> Any:
+    import weakref
+
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    cache_key = (window, len(index_q), len(index_k), cp_rank, str(index_q.device))
+    cached = _FLEX_MASKS.get(cache_key)
+    if cached is not None and (cached[0] is None if meta is None else cached[0] is not None and cached[0]() is meta):
+        return cached[1]
+    sequence = meta[1] if meta is not None else None
+
+    def allowed(batch: Any, head: Any, query: Any, key: Any) -> Any:
+        at_q, at_k = index_q[query], index_k[key]
+        mask = at_k <= at_q
+        if sequence is not None:
+            own = sequence[batch, at_q]
+            mask = (mask & (own == sequence[batch, at_k]) & (own >= 0)) | (at_q == at_k)
+        if window:
+            mask = mask & (at_q - at_k < window)
+        return mask
+
+    rows = sequence.shape[0] if sequence is not None else None
+    block_mask = create_block_mask(allowed, rows, None, len(index_q), len(index_k), device=index_q.device,
+                                   _compile=index_q.device.type == "cuda")
+    if len(_FLEX_MASKS) > 8:  # micro-batches of other lengths: keep only the current ones
+        _FLEX_MASKS.clear()
+    _FLEX_MASKS[cache_key] = (weakref.ref(meta) if meta is not None else None, block_mask)
+    return block_mask
 
 
 _DOCUMENT_MASK: tuple[Any, Any] | None = None
@@ -248,6 +341,11 @@ class LocalAttention(SDPAAttention):
 
         if self.cp_size > 1:
             raise NotImplementedError("the local attention kernel has no context parallelism; use attention=sdpa")
+        if self.softcap:
+            from toolkit.errors import ConfigError
+
+            raise ConfigError("--megatron-attention local has no attention logit soft-capping (Gemma 2's "
+                              "attn_logit_softcapping): use --megatron-attention sdpa")
         self.kernel = DotProductAttention(config, layer_number, attn_mask_type, attention_type,
                                           attention_dropout=kwargs.get("attention_dropout"),
                                           softmax_scale=kwargs.get("softmax_scale"))

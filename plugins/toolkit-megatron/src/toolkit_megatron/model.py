@@ -90,6 +90,8 @@ def transformer_config(hf_config: Any, layout: ParallelLayout, dtype: Any, **ove
         cp_comm_type="all_gather" if layout.context > 1 else None,
     )
     options.update(overrides)
+    if options.get("bias_activation_fusion") and options["activation_func"] is not torch.nn.functional.silu:
+        options["bias_activation_fusion"] = False  # megatron-core fuses SwiGLU and erf-GELU only, not Gemma's tanh GeGLU
     return (MLATransformerConfig if options.get("multi_latent_attention") else TransformerConfig)(**options)
 
 
@@ -120,26 +122,29 @@ def layer_spec(hf_config: Any, config: Any, attention: AttentionKind = "sdpa", v
     core = {"sdpa": SDPAAttention, "local": LocalAttention}[attention]
     norm = ModuleSpec(module=RMSNorm, params={"kernel_ops": kernel_ops})
     qk_norm = norm if arch.qk_norm else IdentityOp
-    core_attention = ModuleSpec(module=core, params={
-        "rope": None if arch.mla else arch.rope(hf_config), "sliding_window": arch.sliding_window(hf_config),
-        "compiled_rope": compiled_rope, "packed_flex": packed_flex})
     if arch.mla:  # megatron-core's MLA rotates the positional part itself (interleaved pairs, as DeepSeek's weights)
-        from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
-
         from toolkit_megatron.compat import mla_without_transformer_engine
-        from toolkit_megatron.mla import latent_attention_class
 
         mla_without_transformer_engine()
-        self_attention = ModuleSpec(
-            module=latent_attention_class(),
-            params={"attn_mask_type": AttnMaskType.causal},
-            submodules=MLASelfAttentionSubmodules(
-                linear_q_proj=ColumnParallelLinear, linear_q_down_proj=ColumnParallelLinear,
-                linear_q_up_proj=ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear,
-                linear_kv_up_proj=ColumnParallelLinear, core_attention=core_attention, linear_proj=RowParallelLinear,
-                q_layernorm=norm, kv_layernorm=norm))
-    else:
-        self_attention = ModuleSpec(
+
+    def self_attention(rope: Any, window: int | None) -> Any:
+        core_attention = ModuleSpec(module=core, params={
+            "rope": rope, "sliding_window": window, "compiled_rope": compiled_rope, "packed_flex": packed_flex,
+            "softcap": arch.attention_softcap(hf_config)})
+        if arch.mla:
+            from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
+
+            from toolkit_megatron.mla import latent_attention_class
+
+            return ModuleSpec(
+                module=latent_attention_class(),
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=MLASelfAttentionSubmodules(
+                    linear_q_proj=ColumnParallelLinear, linear_q_down_proj=ColumnParallelLinear,
+                    linear_q_up_proj=ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear,
+                    linear_kv_up_proj=ColumnParallelLinear, core_attention=core_attention, linear_proj=RowParallelLinear,
+                    q_layernorm=norm, kv_layernorm=norm))
+        return ModuleSpec(
             module=SelfAttention,
             params={"attn_mask_type": AttnMaskType.causal},
             submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear, core_attention=core_attention,
@@ -150,16 +155,21 @@ def layer_spec(hf_config: Any, config: Any, attention: AttentionKind = "sdpa", v
     dense_mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
     moe_mlp = _moe_spec(config, experts) if arch.moe else None
 
-    def layer(moe: bool) -> Any:
+    attentions = {}  # one spec per distinct (RoPE, window): Gemma's layer types
+
+    def layer(moe: bool, rope: Any, window: int | None) -> Any:
+        attention = attentions.setdefault((rope, window), self_attention(rope, window))
         return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
-            input_layernorm=norm, self_attention=self_attention, self_attn_bda=bda,
+            input_layernorm=norm, self_attention=attention, self_attn_bda=bda,
             pre_mlp_layernorm=norm, mlp=moe_mlp if moe else dense_mlp, mlp_bda=bda))
 
-    # one spec per global layer (dense MLPs where the family has them, e.g. DeepSeek's first_k_dense_replace),
-    # of which this pipeline stage builds its slice
+    # one spec per global layer (dense MLPs where the family has them, e.g. DeepSeek's first_k_dense_replace; a
+    # window and RoPE per layer type, Gemma's), of which this pipeline stage builds its slice
     kinds = arch.moe_layers(hf_config) if arch.moe else [False] * config.num_layers
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
-    layers = [layer(moe) for moe in kinds[offset:offset + get_num_layers_to_build(config, vp_stage=vp_stage)]]
+    built = slice(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage))
+    layers = [layer(moe, rope, window)
+              for moe, (rope, window) in zip(kinds[built], arch.layer_attention(hf_config)[built], strict=True)]
     return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm))
 
 
@@ -234,6 +244,7 @@ def build_model(hf_config: Any, layout: ParallelLayout, dtype: Any = None, atten
                 vp_stage=vp_stage,
             )
             model.toolkit_real_vocab = hf_config.vocab_size
+            gemma_embedding_and_head(model, hf_config)
             mark_tensor_parallel(model)
             router_expert_bias_with_padding(model)
             if torch.cuda.is_available():
@@ -243,6 +254,34 @@ def build_model(hf_config: Any, layout: ParallelLayout, dtype: Any = None, atten
                 pack_expert_weights(model)  # .cuda() gave every expert weight its own storage again
             chunks.append(model)
     return chunks
+
+
+def gemma_embedding_and_head(model: Any, hf_config: Any) -> None:
+    """The two pieces ``GPTModel`` has no option for (Gemma): the embedding output multiplied by the family's
+    :meth:`~toolkit_megatron.architectures.DenseArchitecture.embedding_scale` in its own dtype (HF casts the scale
+    to the weight's dtype first), and the output layer's logits soft-capped, ``cap * tanh(logits / cap)``, shard by
+    shard (elementwise, so vocabulary parallelism changes nothing). Every consumer of the logits (label log-probs,
+    evaluation, gathered logits) then sees HF's; the fused head, which makes none, is refused for such a model
+    (:func:`toolkit_megatron.strategy._speed_levers`). Both are forwards set on the instances, before
+    :class:`~toolkit_megatron.fused_head.OutputHeadSwitch` would wrap the head's."""
+    arch = architecture_for(hf_config.model_type)
+    scale, cap = arch.embedding_scale(hf_config), arch.final_logit_softcap(hf_config)
+    if scale is not None and getattr(model, "pre_process", False):
+        embed = model.embedding.forward
+
+        def scaled(*args: Any, **kwargs: Any) -> torch.Tensor:
+            out = embed(*args, **kwargs)
+            return out * torch.tensor(scale, dtype=torch.float32).to(out.dtype)
+
+        model.embedding.forward = scaled
+    if cap is not None and getattr(model, "post_process", False):
+        head = model.output_layer.forward
+
+        def capped(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+            logits, bias = head(*args, **kwargs)
+            return torch.tanh(logits / cap) * cap, bias
+
+        model.output_layer.forward = capped
 
 
 def mark_tensor_parallel(model: Any) -> None:

@@ -39,10 +39,11 @@ class MegatronConfig:
                      "(the same under torch.compile), reference (plain autograd over full fp32 logits), auto "
                      "(compiled on a GPU, chunked elsewhere).")
     packed_attention: Literal["auto", "flex", "sdpa-mask"] = option(
-        "auto", help="Packed rows (--packing): flex (FlexAttention with a block-causal BlockMask made once per "
-        "micro-batch), sdpa-mask (a dense [b,1,s,s] mask for torch SDPA: no flash kernel) or auto (flex on a GPU when "
-        "torch has FlexAttention, else sdpa-mask). Context parallelism, sliding windows and attention dropout keep the "
-        "dense mask.")
+        "auto", help="Packed rows (--packing), sliding-window layers and soft-capped attention (Gemma 2): flex "
+        "(FlexAttention with a BlockMask made once per micro-batch, soft-capping as its score_mod), sdpa-mask (a dense "
+        "[b,1,s,s] mask for torch SDPA: no flash kernel; soft-capping keeps the [b,h,s,s] scores) or auto (flex on a GPU "
+        "when torch has FlexAttention, else sdpa-mask). Attention dropout keeps the dense mask, and so do packed rows "
+        "under context parallelism without a window.")
     fused_adam: bool = option(True, help="Use torch's fused AdamW kernel (Megatron's fallback without TE/Apex is the foreach one).")
     foreach_clipping: bool = option(True, help="Gradient clipping with torch foreach kernels instead of Megatron's per-tensor fallback loops.")
     compile_elementwise: bool | Literal["auto"] = option(
@@ -85,11 +86,12 @@ def _packed_flex(choice: str, device: Any) -> bool:
     raise ConfigError(f"--megatron-packed-attention flex: {problem}; use sdpa-mask or auto", source="--megatron-packed-attention")
 
 
-def _speed_levers(config: MegatronConfig, device: Any, loss: Any = None) -> SpeedLevers:
+def _speed_levers(config: MegatronConfig, device: Any, loss: Any = None, logit_softcap: float | None = None) -> SpeedLevers:
     """The speed levers with ``auto`` resolved for ``device``: the compiled pieces, the Triton kernels and
     the fused head on a GPU, the eager ops elsewhere (CPU runs unchanged). The fused head also needs a
     ``loss`` that declares a uniform token gradient (pt, sft); forced on for another loss, it is off with
-    a note. Says on stderr (main rank) which levers are on."""
+    a note. A model whose logits are soft-capped (``logit_softcap``, Gemma 2/3) has no fused head: ``auto`` is
+    off, forcing it is an error. Says on stderr (main rank) which levers are on."""
     import sys
 
     import torch
@@ -102,6 +104,14 @@ def _speed_levers(config: MegatronConfig, device: Any, loss: Any = None) -> Spee
     logps_kernel = ("compiled" if gpu else "chunked") if config.logps_kernel == "auto" else config.logps_kernel
     kernel_ops = load_ops(config.kernels, flag="--megatron-kernels")
     fused_loss = resolve_fused_loss(config.fused_loss, device)
+    if logit_softcap is not None:
+        if config.fused_loss is True:
+            from toolkit.errors import ConfigError
+
+            raise ConfigError(f"this model soft-caps its logits (final_logit_softcapping="
+                              f"{logit_softcap}) and the fused output head makes none to cap; drop the flag (auto leaves "
+                              "it off for such models)", source="--megatron-fused-loss")
+        fused_loss = False
     main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     if fused_loss and not declares_uniform_gradient(loss):
         if config.fused_loss is True and main:
@@ -202,7 +212,8 @@ class MegatronEngine(EngineBase):
             overrides.update(router_options(source.config, config.moe_aux_loss_coef, config.moe_z_loss_coef, config.moe_dispatcher))
         if recipe.gradient_checkpointing:
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-        compile_elementwise, self.logps_kernel, kernel_ops, fused_loss = _speed_levers(config, self.device, loss)
+        compile_elementwise, self.logps_kernel, kernel_ops, fused_loss = _speed_levers(
+            config, self.device, loss, architecture.final_logit_softcap(source.config))
         if compile_elementwise:
             overrides["bias_activation_fusion"] = True
         chunks = build_model(source.config, self.layout, dtype=self.dtype, attention=config.attention,
