@@ -157,7 +157,7 @@ class MegatronStrategy:
         if tuner is not None and tuner.name in ("lora", "dora"):
             from toolkit_megatron.lora import hf_adapters
 
-            lora = (*hf_adapters(source, tuner, recipe), getattr(tuner.config, "dropout", 0.0))
+            lora = (hf_adapters(source, tuner, recipe), getattr(tuner.config, "dropout", 0.0))
         yield from mcore_to_hf_tensors(Path(checkpoint) / "mcore", lora=lora)
 
 
@@ -213,8 +213,8 @@ class MegatronEngine(EngineBase):
         if tuner is not None and tuner.name in ("lora", "dora"):
             from toolkit_megatron.lora import apply_lora, hf_adapters
 
-            adapters, scale = hf_adapters(source, tuner, recipe)
-            apply_lora(chunks, adapters, scale, getattr(tuner.config, "dropout", 0.0), source.config, chunks[0].vocab_size)
+            apply_lora(chunks, hf_adapters(source, tuner, recipe), getattr(tuner.config, "dropout", 0.0), source.config,
+                       chunks[0].vocab_size)
         if self.moe:
             from toolkit_megatron.moe import mark_expert_parameters, unscaled_router_losses
 
