@@ -66,7 +66,7 @@ def compare(hf_dir: str, layouts: list[str], mcore_dir: str | None, export_root:
         else:
             load_hf_weights(models, hf.config, SafetensorsReader.from_directory(hf_dir))
         entry = {}
-        if "lora" in spec:  # LoRA on the MLA projections: logits, adapter gradients and the merged export vs PEFT
+        if "lora" in spec:  # LoRA (LORA_TARGETS): logits, adapter gradients and the merged export vs PEFT
             entry.update(lora_check(hf, models, ids, os.path.join(export_root, f"export-{name}") if "export" in spec else None))
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, entry)
