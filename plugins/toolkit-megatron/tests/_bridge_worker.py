@@ -125,8 +125,10 @@ def lora_check(hf, models, ids, export_dir) -> dict:
                                                                        init_lora_weights=False))
     inner = reference.base_model.model
     initial = {name: param.detach().clone() for name, param in inner.named_parameters() if "lora_" in name}
-    tuner = types.SimpleNamespace(name="lora", config=types.SimpleNamespace(rank=4, alpha=8.0, rslora=False),
-                                  initial_adapters=lambda source, recipe: initial)
+    from toolkit.contracts import AdapterSpec
+
+    spec = AdapterSpec(target_modules=tuple(targets), rank=4, alpha=8.0)
+    tuner = types.SimpleNamespace(name="lora", adapter_spec=lambda: spec, initial_adapters=lambda source, recipe: initial)
     apply_lora(models, hf_adapters(types.SimpleNamespace(config=hf.config), tuner, None), 0.0, hf.config, models[0].vocab_size)
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     weights = torch.randn(*ids.shape, models[0].vocab_size) * (torch.arange(models[0].vocab_size) < hf.config.vocab_size)

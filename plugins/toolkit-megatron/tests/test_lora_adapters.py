@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 
+from toolkit.contracts import AdapterSpec
 from toolkit.errors import ConfigError
 from toolkit_megatron.lora import hf_adapters
 
@@ -17,8 +18,11 @@ class _Tuner:
     name = "lora"
 
     def __init__(self, state, rank=2, alpha=4.0, rslora=False):
-        self.config = types.SimpleNamespace(rank=rank, alpha=alpha, rslora=rslora)
+        self.spec = AdapterSpec(target_modules=("all-linear",), rank=rank, alpha=alpha, rslora=rslora)
         self.state, self.calls = state, []
+
+    def adapter_spec(self):
+        return self.spec
 
     def initial_adapters(self, source, recipe):
         self.calls.append((source, recipe))
@@ -86,13 +90,29 @@ def test_routed_expert_adapters_keep_peft_scale_and_are_told_apart_by_shape():
     assert len({round(s, 6) for s in scales.values()}) == 2  # the fused gate/up's differs
 
 
-def test_a_tuner_without_initial_adapters_is_refused_by_name():
+def test_a_tuner_without_initial_adapters_or_adapter_spec_is_refused_by_name():
+    """Megatron reads a tuner's adapters through the contract only (``adapter_spec``, ``initial_adapters``): options
+    that look like LoRA's (a ``config.rank``) are not enough."""
     class Plain:
         name = "mylora"
         config = types.SimpleNamespace(rank=2, alpha=4.0)
 
+        def initial_adapters(self, source, recipe):
+            return {}
+
+    with pytest.raises(ConfigError, match=r"--tuner mylora has no adapter_spec\(\) method"):
+        hf_adapters("SOURCE", Plain(), "RECIPE")
+    Plain.adapter_spec = lambda self: AdapterSpec(target_modules=("q_proj",), rank=2, alpha=4.0)
+    del Plain.initial_adapters
     with pytest.raises(ConfigError, match="--tuner mylora has no initial_adapters"):
         hf_adapters("SOURCE", Plain(), "RECIPE")
+
+
+def test_modules_to_save_are_refused_naming_the_flag():
+    tuner = _Tuner({})
+    tuner.spec = AdapterSpec(target_modules=("q_proj",), rank=2, alpha=4.0, modules_to_save=("lm_head",))
+    with pytest.raises(ConfigError, match="--lora-modules-to-save lm_head"):
+        hf_adapters("SOURCE", tuner, "RECIPE")
 
 
 def test_an_adapter_outside_the_layers_is_refused():

@@ -31,20 +31,35 @@ _FUSED_EXPERTS = {"gate_up": "gate_up_proj", "row": "down_proj"}
 _COLUMN_PARTS = ("q", "k", "v", "gate", "up", "qkv", "gate_up", "column", "kv_down")
 
 
+def adapter_spec(tuner: Any) -> Any:
+    """The tuner's ``contracts.AdapterSpec`` (what it adapts), the only description of its options this strategy reads;
+    a tuner without one, or with options the strategy cannot train, is refused by name."""
+    from toolkit.contracts import member
+
+    describe = member(tuner, "tuner", "adapter_spec")
+    if describe is None:
+        raise ConfigError(f"--tuner {tuner.name} has no adapter_spec() method: the megatron strategy trains adapters only "
+                          "from a tuner that describes them (contracts.AdapterSpec, docs/hooks.md); use --tuner lora or "
+                          "dora, or --strategy local")
+    spec = describe()
+    if spec.modules_to_save:
+        raise ConfigError(f"--{tuner.name}-modules-to-save {','.join(spec.modules_to_save)}: the megatron strategy trains "
+                          "adapters only, not whole modules beside them; leave it empty, or use --strategy local")
+    return spec
+
+
 def hf_adapters(source: Any, tuner: Any, recipe: Any) -> dict:
-    """``{(layer, hf_path): {"A", "B", "M"?, "scale"}}`` as the tuner initialises them.
+    """``{(layer, hf_path): {"A", "B", "M"?, "scale", "names"}}`` as the tuner initialises them.
 
     ``hf_path`` is the adapted HF module (``model.layers.1.self_attn.q_proj``), or for routed experts
     the fused parameter (``model.layers.1.mlp.experts.gate_up_proj``) with PEFT's ``[experts * r, in]``
-    ``A`` and ``[out, r * experts]`` ``B``. ``scale`` is PEFT's ``alpha / r`` of that adapter: PEFT gives
-    the fused gate/up experts twice the rank and twice the alpha. Asked of the tuner's
-    ``initial_adapters(source, recipe)`` (``contracts.OPTIONAL["tuner"]``), which builds them without
-    the base weights: no rank holds a copy of the HF model for this."""
+    ``A`` and ``[out, r * experts]`` ``B``. ``scale`` is the spec's factor for that adapter's rank (PEFT
+    gives the fused gate/up experts twice the rank and twice the alpha); ``names`` the tuner's names of
+    the tensors. Asked of the tuner's ``initial_adapters(source, recipe)`` (``contracts.OPTIONAL["tuner"]``),
+    which builds them without the base weights: no rank holds a copy of the HF model for this."""
     from toolkit.contracts import member
 
-    config = getattr(tuner, "config", None)
-    if config is None or not hasattr(config, "rank"):
-        raise ConfigError(f"--tuner {tuner.name}: the megatron strategy needs a LoRA tuner with rank/alpha options")
+    spec = adapter_spec(tuner)
     initial_adapters = member(tuner, "tuner", "initial_adapters")
     if initial_adapters is None:
         raise ConfigError(f"--tuner {tuner.name} has no initial_adapters(source, recipe) method, which the megatron "
@@ -71,8 +86,7 @@ def hf_adapters(source: Any, tuner: Any, recipe: Any) -> dict:
             rank //= experts
         if (layer, path) in adapters:
             raise ConfigError(f"--tuner {tuner.name}: two adapters on {path} of layer {layer}")
-        alpha = config.alpha * rank / config.rank  # fused gate/up experts: twice the rank and alpha (PEFT's conversion)
-        entry["scale"] = alpha / (rank ** 0.5 if getattr(config, "rslora", False) else rank)
+        entry["scale"] = spec.scale(rank)
         adapters[(layer, path)] = entry
     return adapters
 

@@ -154,10 +154,10 @@ class MegatronStrategy:
         from toolkit_megatron.checkpoint import mcore_to_hf_tensors
 
         lora = None
-        if tuner is not None and tuner.name in ("lora", "dora"):
-            from toolkit_megatron.lora import hf_adapters
+        if tuner is not None and tuner.name != "full":
+            from toolkit_megatron.lora import adapter_spec, hf_adapters
 
-            lora = (hf_adapters(source, tuner, recipe), getattr(tuner.config, "dropout", 0.0))
+            lora = (hf_adapters(source, tuner, recipe), adapter_spec(tuner).dropout)
         yield from mcore_to_hf_tensors(Path(checkpoint) / "mcore", lora=lora)
 
 
@@ -210,11 +210,11 @@ class MegatronEngine(EngineBase):
                              packed_flex=_packed_flex(config.packed_attention, self.device),
                              **overrides)
         load_hf_weights(chunks, source.config, SafetensorsReader.from_directory(source.directory))
-        self.lora = tuner is not None and tuner.name in ("lora", "dora")
+        self.lora = tuner is not None and tuner.name != "full"
         if self.lora:
-            from toolkit_megatron.lora import apply_lora, hf_adapters
+            from toolkit_megatron.lora import adapter_spec, apply_lora, hf_adapters
 
-            apply_lora(chunks, hf_adapters(source, tuner, recipe), getattr(tuner.config, "dropout", 0.0), source.config,
+            apply_lora(chunks, hf_adapters(source, tuner, recipe), adapter_spec(tuner).dropout, source.config,
                        chunks[0].vocab_size)
         if self.moe:
             from toolkit_megatron.moe import mark_expert_parameters, unscaled_router_losses
