@@ -437,13 +437,12 @@ def _submodule(root: Any, path: str) -> Any:
     return root
 
 
-def _per_expert(tensors: dict, layer: Any, experts: int) -> list[tuple[int, dict]]:
+def _per_expert(tensors: dict, geo: Any) -> list[tuple[int, dict]]:
     """(local expert index, its adapter) out of PEFT's fused adapter of all experts (``A`` rows expert-major,
     ``B`` columns rank-major: PEFT's ``ParamWrapper``), for the experts this expert-parallel rank holds."""
-    from megatron.core import parallel_state as ps
-
-    local = len(layer.mlp.experts.local_experts)
-    first = ps.get_expert_model_parallel_rank() * local
+    experts = geo.experts
+    local = experts // geo.ep
+    first = geo.ep_rank * local
     a, b = tensors["A"], tensors["B"]
     a = a.reshape(experts, -1, a.shape[-1])
     b = b.reshape(b.shape[0], -1, experts)
@@ -451,7 +450,7 @@ def _per_expert(tensors: dict, layer: Any, experts: int) -> list[tuple[int, dict
                      "expert": (first + index, experts)}) for index in range(local)]
 
 
-def _layer_adapters(layer: Any, adapters: dict, arch: Any, hf_config: Any) -> dict[str, tuple[str, dict]]:
+def _layer_adapters(layer: Any, adapters: dict, arch: Any, hf_config: Any, geo: Any) -> dict[str, tuple[str, dict]]:
     """Megatron module path in ``layer`` -> (kind, {part: tensors}) for the adapters of that layer."""
     from toolkit_megatron.mla import KVDownProjection
 
@@ -474,7 +473,7 @@ def _layer_adapters(layer: Any, adapters: dict, arch: Any, hf_config: Any) -> di
             raise ConfigError(f"DoRA on the latent attention's {path} is not supported by the megatron strategy; use "
                               "--tuner lora, or --strategy local")
         if "{e}" in module:
-            for local, expert in _per_expert(tensors, layer, arch.num_experts(hf_config)):
+            for local, expert in _per_expert(tensors, geo):
                 grouped.setdefault(module.format(e=local), (split, {}))[1][part] = expert
         else:
             grouped.setdefault(module, (split, {}))[1][part] = tensors
@@ -483,18 +482,16 @@ def _layer_adapters(layer: Any, adapters: dict, arch: Any, hf_config: Any) -> di
 
 def apply_lora(models: list[Any], adapters: dict, dropout: float, hf_config: Any, padded_vocab: int) -> None:
     """Freeze the base model and wrap every targeted parallel linear with :class:`LoRALinear`."""
-    from megatron.core import parallel_state as ps
-
     from toolkit_megatron.architectures import architecture_for
     from toolkit_megatron.bridge import Geometry
 
     arch = architecture_for(hf_config.model_type)
-    geo = Geometry.of(hf_config, padded_vocab, ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank())
+    geo = Geometry.here(hf_config, padded_vocab)
     for model in models:
         for param in model.parameters():
             param.requires_grad_(False)
         for layer in model.decoder.layers:
-            for path, (kind, parts) in _layer_adapters(layer, adapters, arch, hf_config).items():
+            for path, (kind, parts) in _layer_adapters(layer, adapters, arch, hf_config, geo).items():
                 owner_path, name = path.rsplit(".", 1)
                 owner = _submodule(layer, owner_path)
                 setattr(owner, name, LoRALinear(getattr(owner, name), kind, parts, geo, dropout))
