@@ -8,7 +8,9 @@ Loading: each rank opens the checkpoint's safetensors lazily (``safe_open``) and
 rows/columns its shards need. Layouts (Megatron-Core's): ``linear_qkv`` interleaves, per query
 group, that group's query heads then its key head then its value head; ``linear_fc1`` holds
 ``[gate_shard; up_shard]``; embeddings and the output layer are padded to a multiple of TP.
-Gathering inverts each step exactly, so HF -> mcore -> HF is bit-exact.
+Gathering inverts each step exactly, so HF -> mcore -> HF is bit-exact. The conversions read the split (sizes
+and this rank's place on the TP, EP and expert-TP axes) from a :class:`Geometry`; only the entry points read
+megatron-core's process groups.
 """
 
 from __future__ import annotations
