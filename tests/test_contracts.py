@@ -36,6 +36,36 @@ def test_every_registered_component_satisfies_its_protocol():
     assert checked >= 15  # the core's own built-ins alone register more
 
 
+def test_every_tuner_with_an_adapter_spec_describes_its_own_options():
+    """``Tuner.adapter_spec()`` (optional) gives a frozen ``contracts.AdapterSpec`` of the options the tuner was built
+    with (a strategy reads nothing else of them): changing an option changes the spec, and the spec cannot be
+    changed by its reader. Tuners without it are the ones without adapters (``full``, ``freeze``)."""
+    from toolkit.contracts import AdapterSpec, member
+    from toolkit.plugins import get_plugin_manager
+
+    registry, described = get_plugin_manager().registry("tuner"), []
+    for name, cls in registry.items():
+        tuner = cls(cls.Config())
+        describe = member(tuner, "tuner", "adapter_spec")
+        if describe is None:
+            continue
+        spec = describe()
+        assert isinstance(spec, AdapterSpec), (name, spec)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            spec.rank = 1  # type: ignore[misc]
+        fields = {f.name for f in dataclasses.fields(tuner.config)}
+        changed = {"rank": 3, "alpha": 5.0, "dropout": 0.25, "rslora": True, "target_modules": ["q_proj", "v_proj"],
+                   "modules_to_save": ["lm_head"], "init": "gaussian"}
+        other = cls(cls.Config(**{k: v for k, v in changed.items() if k in fields})).adapter_spec()
+        for key, value in changed.items():
+            if key in fields:
+                assert getattr(other, key) == (tuple(value) if isinstance(value, list) else value), (name, key)
+        described.append((name, spec.dora))
+    if "lora" in registry:  # toolkit-peft installed
+        assert ("lora", False) in described and ("dora", True) in described, described
+    assert "full" not in dict(described)
+
+
 def _reads(tree: ast.AST) -> list[tuple[str, str, str]]:
     """(variable, member, how) for ``x.member``, ``getattr(x, "member", ...)`` and ``hasattr(x, "member")``
     where ``x`` (or ``self.x``) is one of NAMES."""

@@ -134,6 +134,35 @@ class ModelSource:
         return self.config.model_type
 
 
+@dataclass(frozen=True)
+class AdapterSpec:
+    """What a low-rank-adapter tuner adapts and how (``Tuner.adapter_spec()``), for strategies that build their own
+    modules (Megatron-Core LoRA) and read this instead of a tuner's options or its library's config."""
+
+    target_modules: tuple[str, ...]
+    """Module names matched as suffixes (``q_proj``), ``all-linear``, or one regular expression over full paths."""
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    """On the adapter's input (0: none)."""
+    dora: bool = False
+    """Weight-decomposed (a trained magnitude per output row)."""
+    rslora: bool = False
+    """Scale by ``alpha / sqrt(rank)`` instead of ``alpha / rank``."""
+    modules_to_save: tuple[str, ...] = ()
+    """Modules trained in full beside the adapters."""
+    init: str = "default"
+    """How the adapters start (``default``: ``B = 0``; others are the tuner's own names)."""
+
+    def scale(self, rank: int | None = None) -> float:
+        """The update's factor for an adapter of ``rank`` (default: this spec's). An adapter of a multiple of the
+        rank stands for that many targets fused into one (PEFT fuses MoE experts' gate and up projections), its
+        alpha multiplied alike, so plain LoRA keeps ``alpha / rank``."""
+        rank = rank or self.rank
+        alpha = self.alpha * rank / self.rank
+        return alpha / (rank ** 0.5 if self.rslora else rank)
+
+
 @dataclass
 class ExportModel:
     """What exporters consume: HF-named full tensors (a lazy iterator) plus metadata."""
@@ -198,6 +227,9 @@ class Tuner(Registered, Protocol):
     the trainable tensors ``checkpoint_state`` would give right after ``apply`` on the loaded model (same
     seed, same names), built without loading the base weights; strategies with modules of their own
     (Megatron-Core LoRA) split them over ranks instead of loading the HF model on every rank.
+    ``adapter_spec()``: an :class:`AdapterSpec` of what the tuner adapts (targets, rank, alpha, dropout, DoRA,
+    rslora, modules to save, init); those strategies read it and nothing else of the tuner's options, and refuse a
+    tuner without it.
     """
 
     def validate(self, recipe: Recipe, source: ModelSource) -> list[str]: ...
@@ -408,7 +440,8 @@ OPTIONAL: dict[str, dict[str, Any]] = {
                "supports_rollback": True, "skip_nonfinite": False, "forward_loss": None, "training_state_bytes": None},
     "strategy": {"parallel_axes": frozenset()},
     "tuner": {"adapter_export": None, "adapter_from_checkpoint": None, "disabled_adapters": None, "optimizer_factory": None,
-              "quantized": False, "zero3_compatible": True, "before_step": None, "initial_adapters": None},
+              "quantized": False, "zero3_compatible": True, "before_step": None, "initial_adapters": None,
+              "adapter_spec": None},
     "loss": {"train_on": "assistant", "uniform_token_gradient": False, "cli_command": True},
     "dataset_format": {"bundled_datasets": {}},
     "exporter": {"export_adapter": None},
@@ -481,6 +514,7 @@ class TunerBase:
     zero3_compatible: ClassVar[bool] = True
     before_step: Any = None
     initial_adapters: Any = None
+    adapter_spec: Any = None
 
 
 class LossBase:

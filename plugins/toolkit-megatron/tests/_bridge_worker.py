@@ -66,7 +66,7 @@ def compare(hf_dir: str, layouts: list[str], mcore_dir: str | None, export_root:
         else:
             load_hf_weights(models, hf.config, SafetensorsReader.from_directory(hf_dir))
         entry = {}
-        if "lora" in spec:  # LoRA on the MLA projections: logits, adapter gradients and the merged export vs PEFT
+        if "lora" in spec:  # LoRA (LORA_TARGETS): logits, adapter gradients and the merged export vs PEFT
             entry.update(lora_check(hf, models, ids, os.path.join(export_root, f"export-{name}") if "export" in spec else None))
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, entry)
@@ -94,31 +94,42 @@ def compare(hf_dir: str, layouts: list[str], mcore_dir: str | None, export_root:
     return results
 
 
-MLA_TARGETS = ["q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+LORA_TARGETS = {  # MLA's projections; routed experts (fused by transformers 5: PEFT adapts their parameters), shared experts
+    "deepseek_v3": ["q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+    "deepseek_v2": ["q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+    "qwen3_moe": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "mixtral": ["q_proj", "v_proj", "w1", "w2", "w3"],
+    "qwen2_moe": ["k_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],  # PEFT adapts its shared expert only
+}
 
 
 def lora_check(hf, models, ids, export_dir) -> dict:
-    """PEFT's LoRA (random B, so the update is not zero) on the MLA projections of ``hf`` and the same adapters split
-    onto the Megatron model: the max |difference| of the logits, of every adapter gradient of ``sum(logits * W)``
-    (this rank's shard), and the largest gradient (that they are not all zero). ``export_dir``: the merged export."""
+    """PEFT's LoRA (random B, so the update is not zero) on ``hf`` and the same adapters split onto the Megatron
+    model by ``hf_adapters`` / ``apply_lora``: the max |difference| of the logits, of every adapter gradient of
+    ``sum(logits * W)`` gathered back into PEFT's layout (``adapter_state``), and the largest gradient (that they
+    are not all zero); the gathered adapters loaded into a fresh PEFT model give PEFT's logits. ``export_dir``:
+    the merged export."""
     import copy
+    import types
 
     import peft
     from megatron.core import parallel_state as ps
 
     from toolkit_megatron.hf_io import save_hf_checkpoint
-    from toolkit_megatron.lora import _MLA_TO_PARTS, _NAME, LoRALinear, apply_lora, export_merged
+    from toolkit_megatron.lora import adapter_state, apply_lora, export_merged, hf_adapters
     from toolkit_megatron.schedule import gather_logits, run_schedule
 
     torch.manual_seed(1)
-    reference = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=4, lora_alpha=8, target_modules=MLA_TARGETS,
+    targets = LORA_TARGETS[hf.config.model_type]
+    reference = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets,
                                                                        init_lora_weights=False))
-    adapters = {}
-    for key, param in reference.named_parameters():
-        match = _NAME.search(key)
-        if match:
-            adapters.setdefault((int(match.group(1)), match.group(2)), {})[match.group(3)] = param.detach().clone()
-    apply_lora(models, adapters, 8 / 4, 0.0, hf.config, models[0].vocab_size)
+    inner = reference.base_model.model
+    initial = {name: param.detach().clone() for name, param in inner.named_parameters() if "lora_" in name}
+    from toolkit.contracts import AdapterSpec
+
+    spec = AdapterSpec(target_modules=tuple(targets), rank=4, alpha=8.0)
+    tuner = types.SimpleNamespace(name="lora", adapter_spec=lambda: spec, initial_adapters=lambda source, recipe: initial)
+    apply_lora(models, hf_adapters(types.SimpleNamespace(config=hf.config), tuner, None), 0.0, hf.config, models[0].vocab_size)
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     weights = torch.randn(*ids.shape, models[0].vocab_size) * (torch.arange(models[0].vocab_size) < hf.config.vocab_size)
     logits = reference(ids).logits
@@ -130,29 +141,25 @@ def lora_check(hf, models, ids, export_dir) -> dict:
         return (out * weights[..., rank * shard:(rank + 1) * shard]).sum(), torch.tensor(1), {}
 
     run_schedule(models, [{"input_ids": ids}], loss_func, forward_only=False)
-    worst, largest = 0.0, 0.0
-    theirs = dict(reference.named_parameters())
-    parts = {module: (proj, part) for proj, (module, part) in _MLA_TO_PARTS.items()}
-    for model in models:
-        for path, module in model.named_modules():
-            if not isinstance(module, LoRALinear):
-                continue
-            layer = model.decoder.layers[int(path.split(".")[2])].layer_number - 1
-            proj, part = parts[path.rsplit(".", 1)[-1]]
-            for which, ours_param in (("A", getattr(module, f"lora_a_{part}")), ("B", getattr(module, f"lora_b_{part}"))):
-                grad = ours_param.grad.clone()
-                if getattr(ours_param, "sequence_parallel", False) and tp > 1:  # as finalize_model_grads sums them
-                    dist.all_reduce(grad, group=ps.get_tensor_model_parallel_group())
-                expected = theirs[f"base_model.model.model.layers.{layer}.self_attn.{proj}.lora_{which}.default.weight"].grad
-                if part == "o" and which == "A":
-                    expected = expected.chunk(tp, dim=1)[rank]
-                if part == "column" and which == "B":
-                    expected = expected.chunk(tp, dim=0)[rank]
-                worst = max(worst, (grad - expected).abs().max().item())
-                largest = max(largest, expected.abs().max().item())
-    both = torch.tensor([worst, largest])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)  # every rank's shards
-    entry = {"lora_grads": both[0].item(), "lora_grad_max": both[1].item()}
+
+    def grad(param):  # as finalize_model_grads sums the sequence-parallel ones over TP
+        value = param.grad.clone()
+        if getattr(param, "sequence_parallel", False) and tp > 1:
+            dist.all_reduce(value, group=ps.get_tensor_model_parallel_group())
+        return value
+
+    grads, trained = adapter_state(models, grad), adapter_state(models)
+    entry = {}
+    if dist.get_rank() == 0:
+        theirs = {name: param.grad for name, param in inner.named_parameters() if "lora_" in name}
+        assert set(grads) == set(theirs), (sorted(set(grads) ^ set(theirs))[:4])
+        entry["lora_grads"] = max((grads[n] - g).abs().max().item() for n, g in theirs.items())
+        entry["lora_grad_max"] = max(g.abs().max().item() for g in theirs.values())
+        fresh = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+        missing = fresh.base_model.model.load_state_dict(trained, strict=False)
+        assert not missing.unexpected_keys, missing.unexpected_keys[:4]
+        with torch.no_grad():
+            entry["lora_gathered"] = (fresh(ids).logits - logits).abs().max().item()
     if ours is not None:
         entry["lora_logits"] = (ours - logits.detach()).abs().max().item()
     if export_dir is not None:

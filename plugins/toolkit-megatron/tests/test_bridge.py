@@ -28,6 +28,10 @@ JOBS = {  # name: (tiny model, layouts); "llama-mcore" also reads the mcore chec
     # LoRA on the MLA projections vs PEFT: logits, adapter gradients, merged export (no SP: the rotary key's sum)
     "deepseek_v3-lora": ("deepseek_v3", "tp=2+sp=1+lora=1+export=1"),
     "deepseek_v2-lora": ("deepseek_v2", "tp=2+lora=1+export=1"),
+    # LoRA on routed experts (PEFT's fused adapters, split per expert and over expert-TP) and on shared experts
+    "qwen3_moe-lora": ("qwen3_moe", "tp=2+sp=1+lora=1+export=1"),
+    "mixtral-lora": ("mixtral", "tp=2+sp=1+lora=1"),
+    "qwen2_moe-lora": ("qwen2_moe", "tp=2+sp=1+lora=1+export=1"),
     "llama-mcore": ("llama", "pp=2+mcore=1,tp=2+sp=1+mcore=1"),
     "llama3": ("llama3", "tp=2,cp=2"),  # rope_type llama3 (Llama 3.1+)
     "qwen2_yarn": ("qwen2_yarn", "pp=2,cp=2"),  # rope_type yarn (Qwen long context)
@@ -173,17 +177,22 @@ def test_deepseek_mla_logits_and_round_trip(arch, tiny_models, bridge):
             assert torch.equal(tensors[name], tensor), f"{arch} {directory}: {name} changed in the round trip"
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2"])
-def test_lora_on_mla_projections_matches_peft(arch, bridge):
-    """LoRA on q_a/q_b (V3) or q (V2), kv_a_proj_with_mqa, kv_b and o under --strategy megatron at TP2 (+SP for V3),
-    from PEFT's own adapters (random B): logits equal PEFT's, every adapter gradient of ``sum(logits * W)`` equals
-    PEFT's shard for shard, and the merged export gives PEFT's merge_and_unload logits. V2 runs without sequence
-    parallelism, where each rank's rotary-key gradient covers its own heads only and is summed over TP."""
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2", "qwen3_moe", "mixtral", "qwen2_moe"])
+def test_lora_matches_peft(arch, bridge):
+    """LoRA under --strategy megatron at TP2 from PEFT's own adapters (random B), targets in _bridge_worker's
+    LORA_TARGETS: DeepSeek's latent attention (q_a/q_b (V3) or q (V2), kv_a_proj_with_mqa, kv_b, o; V2 without
+    sequence parallelism, where each rank's rotary-key gradient covers its own heads only and is summed over TP),
+    Qwen3-MoE's and Mixtral's routed experts (PEFT's one adapter per fused expert parameter, split per expert and
+    over expert-TP) and Qwen2-MoE's shared expert. Logits equal PEFT's, every adapter gradient of
+    ``sum(logits * W)`` gathered back into PEFT's layout equals PEFT's, the gathered adapters loaded into PEFT give
+    its logits, and the merged export gives PEFT's merge_and_unload logits."""
     from transformers import AutoModelForCausalLM
 
     (entry,) = bridge[f"{arch}-lora"].values()
-    assert entry["lora_logits"] <= TOLERANCE, entry
+    assert entry["lora_logits"] <= TOLERANCE and entry["lora_gathered"] <= TOLERANCE, entry
     assert entry["lora_grad_max"] > 1.0 and entry["lora_grads"] <= 1e-5 * entry["lora_grad_max"], entry
+    if "lora_merged" not in entry:
+        return
     directory = Path(entry["lora_merged"])
     expected = torch.load(directory / "peft_merged_logits.pt")  # PEFT's merge_and_unload on the worker's ids
     with torch.no_grad():

@@ -1,5 +1,6 @@
 """Megatron LoRA takes its initial adapters from the tuner's ``initial_adapters`` (contracts.OPTIONAL), never
-from a loaded HF model: a tuner without it is refused by name; one with it is all hf_adapters reads."""
+from a loaded HF model: a tuner without it is refused by name; one with it is all hf_adapters reads. Which
+Megatron linear an adapter lands on is read from the bridge's table (``_targets``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import types
 import pytest
 import torch
 
+from toolkit.contracts import AdapterSpec
 from toolkit.errors import ConfigError
 from toolkit_megatron.lora import hf_adapters
 
@@ -15,9 +17,12 @@ from toolkit_megatron.lora import hf_adapters
 class _Tuner:
     name = "lora"
 
-    def __init__(self, state):
-        self.config = types.SimpleNamespace(rank=2, alpha=4.0, rslora=False)
+    def __init__(self, state, rank=2, alpha=4.0, rslora=False):
+        self.spec = AdapterSpec(target_modules=("all-linear",), rank=rank, alpha=alpha, rslora=rslora)
         self.state, self.calls = state, []
+
+    def adapter_spec(self):
+        return self.spec
 
     def initial_adapters(self, source, recipe):
         self.calls.append((source, recipe))
@@ -34,47 +39,100 @@ def test_adapters_come_from_initial_adapters_and_are_grouped_per_projection(monk
              "model.layers.0.mlp.down_proj.lora_A.default.weight": torch.randn(2, 12),
              "model.layers.0.mlp.down_proj.lora_B.default.weight": torch.zeros(8, 2)}
     tuner = _Tuner(state)
-    adapters, scale = hf_adapters("SOURCE", tuner, "RECIPE")
+    adapters = hf_adapters("SOURCE", tuner, "RECIPE")
     assert tuner.calls == [("SOURCE", "RECIPE")]
-    assert set(adapters) == {(1, "q_proj"), (0, "down_proj")} and scale == 2.0
-    assert torch.equal(adapters[(1, "q_proj")]["A"], a) and torch.equal(adapters[(1, "q_proj")]["B"], b)
+    assert set(adapters) == {(1, "model.layers.1.self_attn.q_proj"), (0, "model.layers.0.mlp.down_proj")}
+    entry = adapters[(1, "model.layers.1.self_attn.q_proj")]
+    assert entry["scale"] == 2.0 and torch.equal(entry["A"], a) and torch.equal(entry["B"], b)
 
 
-def test_adapters_on_fused_linears_map_to_megatron_fused_parameters():
-    """Phi-3's qkv_proj / gate_up_proj: one adapter each, on linear_qkv / linear_fc1 (their rows reordered
-    when wrapped; tests/test_families.py checks the order against the bridge's)."""
-    from toolkit_megatron.lora import _HF_TO_PARTS
+@pytest.mark.parametrize(("family", "path", "expected"), [
+    ("phi3", "model.layers.0.self_attn.qkv_proj", ("self_attention.linear_qkv", "qkv", "qkv")),
+    ("phi3", "model.layers.0.mlp.gate_up_proj", ("mlp.linear_fc1", "gate_up", "gate_up")),
+    ("llama", "model.layers.0.self_attn.k_proj", ("self_attention.linear_qkv", "k", "qkv")),
+    ("llama", "model.layers.0.mlp.down_proj", ("mlp.linear_fc2", "row", "row")),
+    ("qwen2_moe", "model.layers.0.mlp.shared_expert.up_proj", ("mlp.shared_experts.linear_fc1", "up", "gate_up")),
+    ("deepseek_v3", "model.layers.0.self_attn.kv_a_proj_with_mqa", ("self_attention.linear_kv_down_proj", "column", "column")),
+    ("mixtral", "experts.down_proj", ("mlp.experts.local_experts.{e}.linear_fc2", "row", "row")),
+])
+def test_hf_modules_map_to_megatron_linears_through_the_bridge_table(family, path, expected):
+    """Fused HF linears (Phi-3) become one adapter on the fused Megatron linear; separate ones a part of it; shared
+    and routed experts and MLA's projections their own linears: all read off the bridge's PER_LAYER table."""
+    from toolkit_megatron.architectures import architecture_for
+    from toolkit_megatron.lora import _targets
 
-    state = {f"model.layers.0.{where}.lora_{m}.default.weight": torch.zeros(2, 8)
-             for where in ("self_attn.qkv_proj", "mlp.gate_up_proj") for m in "AB"}
-    adapters, _ = hf_adapters("SOURCE", _Tuner(state), "RECIPE")
-    assert set(adapters) == {(0, "qkv_proj"), (0, "gate_up_proj")}
-    assert _HF_TO_PARTS["qkv_proj"] == ("linear_qkv", "qkv") and _HF_TO_PARTS["gate_up_proj"] == ("linear_fc1", "gate_up")
+    assert expected in _targets(architecture_for(family), 0)[path]
 
 
-def test_a_tuner_without_initial_adapters_is_refused_by_name():
+def test_routed_expert_adapters_keep_peft_scale_and_are_told_apart_by_shape():
+    """PEFT (transformers 5) adapts Qwen3-MoE's fused experts with one wrapper per parameter, nested; the fused
+    gate/up gets twice the rank and alpha, so with rslora its scale differs from the attention's: each adapter's
+    scale is PEFT's own ``scaling`` of that module."""
+    import peft
+    from peft.tuners.lora.layer import LoraLayer
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
+    model = peft.get_peft_model(AutoModelForCausalLM.from_config(config), peft.LoraConfig(
+        r=2, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"]))
+    inner = model.base_model.model
+    state = {name: param for name, param in inner.named_parameters() if "lora_" in name}
+    scales = {}
+    for name, module in inner.named_modules():
+        if isinstance(module, LoraLayer):
+            key = name.split(".base_layer")[0] + (f".{module.parameter_name}" if hasattr(module, "parameter_name") else "")
+            scales[key] = module.scaling["default"]
+    adapters = hf_adapters(types.SimpleNamespace(config=config), _Tuner(state, rank=2, alpha=8.0, rslora=True), None)
+    assert {path: entry["scale"] for (_, path), entry in adapters.items()} == pytest.approx(scales)
+    assert set(scales) == {"model.layers.0.self_attn.q_proj", "model.layers.0.mlp.experts.gate_up_proj",
+                           "model.layers.0.mlp.experts.down_proj"}
+    assert len({round(s, 6) for s in scales.values()}) == 2  # the fused gate/up's differs
+
+
+def test_a_tuner_without_initial_adapters_or_adapter_spec_is_refused_by_name():
+    """Megatron reads a tuner's adapters through the contract only (``adapter_spec``, ``initial_adapters``): options
+    that look like LoRA's (a ``config.rank``) are not enough."""
     class Plain:
         name = "mylora"
         config = types.SimpleNamespace(rank=2, alpha=4.0)
 
+        def initial_adapters(self, source, recipe):
+            return {}
+
+    with pytest.raises(ConfigError, match=r"--tuner mylora has no adapter_spec\(\) method"):
+        hf_adapters("SOURCE", Plain(), "RECIPE")
+    Plain.adapter_spec = lambda self: AdapterSpec(target_modules=("q_proj",), rank=2, alpha=4.0)
+    del Plain.initial_adapters
     with pytest.raises(ConfigError, match="--tuner mylora has no initial_adapters"):
         hf_adapters("SOURCE", Plain(), "RECIPE")
 
 
-def test_an_adapter_on_a_module_megatron_cannot_map_is_refused():
-    tuner = _Tuner({"model.layers.0.mlp.experts.3.gate_proj.lora_A.default.weight": torch.zeros(2, 8)})
+def test_modules_to_save_are_refused_naming_the_flag():
+    tuner = _Tuner({})
+    tuner.spec = AdapterSpec(target_modules=("q_proj",), rank=2, alpha=4.0, modules_to_save=("lm_head",))
+    with pytest.raises(ConfigError, match="--lora-modules-to-save lm_head"):
+        hf_adapters("SOURCE", tuner, "RECIPE")
+
+
+def test_an_adapter_outside_the_layers_is_refused():
+    tuner = _Tuner({"lm_head.lora_A.default.weight": torch.zeros(2, 8)})
     with pytest.raises(ConfigError, match="cannot map"):
         hf_adapters("SOURCE", tuner, "RECIPE")
 
 
-def test_adapters_on_latent_attention_projections_map_to_mla_linears():
-    """DeepSeek's MLA projections (refused before issue 27's audit): each its own Megatron linear; test_bridge.py's
-    launch holds their logits, gradients and merged export to PEFT's."""
-    from toolkit_megatron.lora import _MLA_TO_PARTS
+def test_an_adapter_on_a_module_the_bridge_has_no_linear_for_is_refused(tp1):
+    """The router (PEFT adapts Qwen3-MoE's ``mlp.gate`` under all-linear): Megatron's router weight is no parallel
+    linear, so the strategy says which module and what to do instead of training something else."""
+    from transformers import Qwen3MoeConfig
 
-    names = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
-    state = {f"model.layers.1.self_attn.{name}.lora_{m}.default.weight": torch.zeros(2, 8) for name in names for m in "AB"}
-    adapters, _ = hf_adapters("SOURCE", _Tuner(state), "RECIPE")
-    assert set(adapters) == {(1, name) for name in names}
-    assert _MLA_TO_PARTS["kv_a_proj_with_mqa"] == ("linear_kv_down_proj", "kv_down")
-    assert _MLA_TO_PARTS["q_a_proj"] == ("linear_q_down_proj", "column")
+    from toolkit.parallel import ParallelLayout
+    from toolkit_megatron.lora import apply_lora
+    from toolkit_megatron.model import build_model
+
+    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
+    models = build_model(config, ParallelLayout())
+    adapters = {(0, "model.layers.0.mlp.gate"): {"A": torch.zeros(2, 32), "B": torch.zeros(4, 2), "scale": 1.0}}
+    with pytest.raises(ConfigError, match=r"LoRA on model\.layers\.0\.mlp\.gate is not supported .*--lora-target-modules"):
+        apply_lora(models, adapters, 0.0, config, models[0].vocab_size)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -346,3 +348,39 @@ def test_moe_experts_left_without_adapters_are_named(family, capsys):
     capsys.readouterr()
     inject(AutoModelForCausalLM.from_config(config), LoRAConfig(rank=2, target_modules=["q_proj", "v_proj"]), use_dora=False)
     assert "routed experts" not in capsys.readouterr().err  # attention only: nothing was asked of the experts
+
+
+@pytest.mark.parametrize(("family", "targets"), [("qwen3_moe", ["gate_proj", "up_proj", "down_proj", "q_proj"]),
+                                                  ("mixtral", ["w1", "w2", "w3"])])
+def test_targets_on_fused_experts_are_accepted_and_merge_as_peft_does(family, targets):
+    """Transformers 5 keeps a MoE layer's experts as 3-d tensors, so no linear layer is called gate_proj or w1; PEFT
+    adapts those tensors instead, and the targets are accepted. The merged export (random B: the update is not
+    zero) gives PEFT's merge_and_unload weights, so it loads into transformers with the adapted model's logits."""
+    import copy
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from toolkit_peft.adapters import inject, peft_model_of
+    from toolkit_peft.merge import merged_tensors
+
+    config = AutoConfig.for_model(family, vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                                  num_local_experts=4, num_experts_per_tok=2, head_dim=8)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(config)
+    options = LoRAConfig(rank=2, target_modules=targets, init="random")
+    assert LoRATuner(options).validate(types.SimpleNamespace(precision="fp32", strategy="local", optimizer="adamw"),
+                                       types.SimpleNamespace(config=config, trust_remote_code=False)) == []
+    model = inject(copy.deepcopy(base), options, use_dora=False)
+    assert any(".mlp.experts." in name for name, _ in model.named_parameters() if "lora_" in name)
+    ids = torch.arange(3, 20)[None]
+    with torch.no_grad():
+        expected = model(ids).logits
+        merged = dict(merged_tensors(model))
+        reference = dict(peft_model_of(model).merge_and_unload().state_dict())
+    assert sorted(merged) == sorted(base.state_dict())
+    for name, tensor in merged.items():
+        torch.testing.assert_close(tensor, reference[name], rtol=1e-6, atol=1e-6)
+    base.load_state_dict(merged)
+    with torch.no_grad():
+        torch.testing.assert_close(base(ids).logits, expected, rtol=1e-5, atol=1e-5)

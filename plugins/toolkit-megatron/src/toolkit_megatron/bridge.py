@@ -8,7 +8,9 @@ Loading: each rank opens the checkpoint's safetensors lazily (``safe_open``) and
 rows/columns its shards need. Layouts (Megatron-Core's): ``linear_qkv`` interleaves, per query
 group, that group's query heads then its key head then its value head; ``linear_fc1`` holds
 ``[gate_shard; up_shard]``; embeddings and the output layer are padded to a multiple of TP.
-Gathering inverts each step exactly, so HF -> mcore -> HF is bit-exact.
+Gathering inverts each step exactly, so HF -> mcore -> HF is bit-exact. The conversions read the split (sizes
+and this rank's place on the TP, EP and expert-TP axes) from a :class:`Geometry`; only the entry points read
+megatron-core's process groups.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ from typing import Any
 import torch
 
 from toolkit.errors import ModelError
+from toolkit.parallel import ParallelLayout
 from toolkit_megatron.architectures import DenseArchitecture, architecture_for
 
 
 @dataclass
 class Geometry:
-    """Shapes and this rank's tensor-parallel slice."""
+    """Shapes, and where this rank sits on the axes that split weights (tensor, expert, expert-tensor parallel):
+    the conversion functions read the split from here, never from megatron-core's global state."""
 
     heads: int
     groups: int
@@ -39,13 +43,34 @@ class Geometry:
     tp: int
     tp_rank: int
     experts: int = 0
+    ep: int = 1
+    ep_rank: int = 0
+    etp: int | None = None
+    """Expert tensor-parallel size; ``None``: ``tp``."""
+    etp_rank: int = 0
 
     @classmethod
-    def of(cls, hf_config: Any, padded_vocab: int, tp: int, tp_rank: int) -> Geometry:
+    def of(cls, hf_config: Any, padded_vocab: int, layout: ParallelLayout, ranks: dict[str, int] | None = None) -> Geometry:
+        """The geometry of ``hf_config`` split by ``layout`` at ``ranks`` (this rank's index on the ``tp``, ``ep`` and
+        ``etp`` axes; 0 where absent)."""
         arch = architecture_for(hf_config.model_type)
+        ranks = ranks or {}
         return cls(hf_config.num_attention_heads, getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
-                   arch.head_dim(hf_config), hf_config.intermediate_size, hf_config.vocab_size, padded_vocab, tp, tp_rank,
-                   arch.num_experts(hf_config) if getattr(arch, "moe", False) else 0)
+                   arch.head_dim(hf_config), hf_config.intermediate_size, hf_config.vocab_size, padded_vocab,
+                   layout.tensor, ranks.get("tp", 0), arch.num_experts(hf_config) if getattr(arch, "moe", False) else 0,
+                   layout.expert, ranks.get("ep", 0), layout.expert_tensor or layout.tensor, ranks.get("etp", 0))
+
+    @classmethod
+    def here(cls, hf_config: Any, padded_vocab: int) -> Geometry:
+        """This process's geometry: the sizes and ranks of megatron-core's initialised groups, read once by the
+        bridge's entry points (which load, gather and export this rank's shards)."""
+        from megatron.core import parallel_state as ps
+
+        layout = ParallelLayout(tensor=ps.get_tensor_model_parallel_world_size(), expert=ps.get_expert_model_parallel_world_size(),
+                                expert_tensor=ps.get_expert_tensor_parallel_world_size())
+        return cls.of(hf_config, padded_vocab, layout, {"tp": ps.get_tensor_model_parallel_rank(),
+                                                        "ep": ps.get_expert_model_parallel_rank(),
+                                                        "etp": ps.get_expert_tensor_parallel_rank()})
 
     def rows(self, total: int) -> tuple[int, int]:
         size = total // self.tp
@@ -168,18 +193,16 @@ def mapping_of(mcore_name: str, layer: int | None) -> tuple[Mapping, str, int | 
 
 
 def hf_names(arch: type[DenseArchitecture], mapping: Mapping, layer: int | None, expert: int | None = None,
-             experts: int = 0) -> list[str]:
-    """The HF tensor names of ``mapping`` at ``layer`` (``expert``: the local expert index on this rank, of
-    ``experts`` in the model)."""
+             geo: Geometry | None = None) -> list[str]:
+    """The HF tensor names of ``mapping`` at ``layer`` (``expert``: the local expert index on the rank ``geo``
+    places on the expert-parallel axis)."""
     if mapping.table == "top":
         return [getattr(arch, part) for part in mapping.parts]
     if mapping.table == "router":
         return [getattr(arch, part).format(i=layer) for part in mapping.parts]
     index = None
     if expert is not None:
-        from megatron.core import parallel_state as ps
-
-        index = ps.get_expert_model_parallel_rank() * (experts // ps.get_expert_model_parallel_world_size()) + expert
+        index = geo.ep_rank * (geo.experts // geo.ep) + expert
     names = getattr(arch, mapping.table)
     return [names[part].format(i=layer, e=index) + mapping.suffix for part in mapping.parts]
 
@@ -187,9 +210,7 @@ def hf_names(arch: type[DenseArchitecture], mapping: Mapping, layer: int | None,
 def _split_group(mapping: Mapping, geo: Geometry) -> tuple[int, int]:
     """(size, rank) of the group that splits ``mapping``'s parameter."""
     if mapping.table == "expert":
-        from megatron.core import parallel_state as ps
-
-        return ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
+        return geo.etp or geo.tp, geo.etp_rank
     return geo.tp, geo.tp_rank
 
 
@@ -289,7 +310,7 @@ def _lookup(arch: type[DenseArchitecture], name: str, layer: int | None, geo: Ge
     if found is None:
         raise ModelError(f"the Megatron bridge does not know where parameter {name!r} comes from in HF weights")
     mapping, _, expert = found
-    return mapping, hf_names(arch, mapping, layer, expert, geo.experts)
+    return mapping, hf_names(arch, mapping, layer, expert, geo)
 
 
 def _layer_of(model: Any, name: str) -> int | None:
@@ -301,11 +322,8 @@ def _layer_of(model: Any, name: str) -> int | None:
 
 def load_hf_weights(models: list[Any], hf_config: Any, reader: SafetensorsReader) -> None:
     """Fill every parameter of this rank's model chunks from an HF checkpoint, reading only its slices."""
-    from megatron.core import parallel_state
-
     arch = architecture_for(hf_config.model_type)
-    geo = Geometry.of(hf_config, _padded_vocab(models), parallel_state.get_tensor_model_parallel_world_size(),
-                      parallel_state.get_tensor_model_parallel_rank())
+    geo = Geometry.here(hf_config, _padded_vocab(models))
     with torch.no_grad():
         for model in models:
             for name, param in _named_params(model):
@@ -364,7 +382,7 @@ def export_hf_tensors(models: list[Any], hf_config: Any) -> Iterator[tuple[str, 
 
     arch = architecture_for(hf_config.model_type)
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-    geo = Geometry.of(hf_config, _padded_vocab(models), ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank())
+    geo = Geometry.here(hf_config, _padded_vocab(models))
     rank = torch.distributed.get_rank()
     replica = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
     expert_replica = ps.get_expert_data_parallel_rank() == 0
@@ -373,7 +391,7 @@ def export_hf_tensors(models: list[Any], hf_config: Any) -> Iterator[tuple[str, 
         return expert_replica if _is_expert(name) else replica
 
     def owns(name: str) -> bool:  # ... and sends the result to rank 0
-        tp_rank = ps.get_expert_tensor_parallel_rank() if _is_expert(name) else geo.tp_rank
+        tp_rank = geo.etp_rank if _is_expert(name) else geo.tp_rank
         return gathers(name) and tp_rank == 0
 
     plan = []  # (mcore name, mapping, HF names) in this stage's order; a tied head is left out

@@ -185,7 +185,7 @@ def weights_only_entries(directory: Path) -> Iterator[None]:
 def mcore_to_hf_tensors(directory: str | Path, lora: tuple | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """HF tensors from a toolkit mcore directory, loaded in this process (TP1/PP1).
 
-    ``lora``: ``(adapters, scale, dropout)`` when the checkpoint holds LoRA adapters (a LoRA
+    ``lora``: ``(adapters, dropout)`` when the checkpoint holds LoRA adapters (a LoRA
     run's checkpoint); they are merged into the exported weights. Starts a one-process gloo
     group when torch.distributed is not initialised yet.
     """
@@ -205,7 +205,7 @@ def mcore_to_hf_tensors(directory: str | Path, lora: tuple | None = None) -> Ite
         if lora is not None:
             from toolkit_megatron.lora import apply_lora, export_merged
 
-            apply_lora(models, lora[0], lora[1], lora[2], hf_config, padded)
+            apply_lora(models, lora[0], lora[1], hf_config, padded)
             load_mcore(models, directory)
             yield from export_merged(models, hf_config)
         else:

@@ -164,10 +164,10 @@ class MegatronStrategy:
         from toolkit_megatron.checkpoint import mcore_to_hf_tensors
 
         lora = None
-        if tuner is not None and tuner.name in ("lora", "dora"):
-            from toolkit_megatron.lora import hf_adapters
+        if tuner is not None and tuner.name != "full":
+            from toolkit_megatron.lora import adapter_spec, hf_adapters
 
-            lora = (*hf_adapters(source, tuner, recipe), getattr(tuner.config, "dropout", 0.0))
+            lora = (hf_adapters(source, tuner, recipe), adapter_spec(tuner).dropout)
         yield from mcore_to_hf_tensors(Path(checkpoint) / "mcore", lora=lora)
 
 
@@ -221,11 +221,12 @@ class MegatronEngine(EngineBase):
                              packed_flex=_packed_flex(config.packed_attention, self.device),
                              **overrides)
         load_hf_weights(chunks, source.config, SafetensorsReader.from_directory(source.directory))
-        if tuner is not None and tuner.name in ("lora", "dora"):
-            from toolkit_megatron.lora import apply_lora, hf_adapters
+        self.lora = tuner is not None and tuner.name != "full"
+        if self.lora:
+            from toolkit_megatron.lora import adapter_spec, apply_lora, hf_adapters
 
-            adapters, scale = hf_adapters(source, tuner, recipe)
-            apply_lora(chunks, adapters, scale, getattr(tuner.config, "dropout", 0.0), source.config, chunks[0].vocab_size)
+            apply_lora(chunks, hf_adapters(source, tuner, recipe), adapter_spec(tuner).dropout, source.config,
+                       chunks[0].vocab_size)
         if self.moe:
             from toolkit_megatron.moe import mark_expert_parameters, unscaled_router_losses
 
@@ -448,10 +449,38 @@ class MegatronEngine(EngineBase):
                              tokenizer_source=self.source.directory, optimizer=self.optimizer,
                              async_save=self.config.async_save)
         self.pending_save = request
+        self._save_adapters(Path(directory))
         if self.is_main:
             (Path(directory) / "engine_state.json").write_text(json.dumps({"steps_done": self.steps_done}))
         if request is not None:  # the runner renames the directory right away: finish before that
             self.finish_pending_save()
+
+    def _save_adapters(self, directory: Path) -> None:
+        """A LoRA run's adapters also as ``model.safetensors`` under the tuner's names and in its layout (what
+        ``checkpoint_state`` gives on the HF model), so the tuner reads them for ``--adapter-only`` exports without
+        Megatron; the run resumes from ``mcore/``."""
+        if not self.lora:
+            return
+        from safetensors.torch import save_file
+
+        from toolkit_megatron.lora import adapter_state
+
+        state = adapter_state(self.chunks)
+        if self.is_main:
+            save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(directory / "model.safetensors"),
+                      metadata={"format": "pt", "tuner": self.tuner.name})
+
+    def adapter_export(self) -> Any:
+        """``ExportModel.adapter`` after training: the tuner's reading of the newest checkpoint's adapters (the runner
+        saves one at the last step before it exports), or None without adapters."""
+        from toolkit.contracts import member
+
+        if not self.lora or member(self.tuner, "tuner", "adapter_from_checkpoint") is None:
+            return None
+        from toolkit.train.checkpoint import list_checkpoints
+
+        run_dir = Path(self.recipe.output)
+        return lambda: self.tuner.adapter_from_checkpoint(list_checkpoints(run_dir)[-1], self.source, self.recipe)
 
     def finish_pending_save(self) -> None:
         if self.pending_save is not None:

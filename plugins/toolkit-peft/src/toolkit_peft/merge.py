@@ -107,6 +107,7 @@ def merged_tensors(model: Any, export_dtype: str = "auto") -> Iterator[tuple[str
     """
     import torch
     from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora.layer import ParamWrapper
     from peft.utils import ModulesToSaveWrapper
 
     from toolkit_peft.adapters import peft_model_of, source_of
@@ -131,6 +132,21 @@ def merged_tensors(model: Any, export_dtype: str = "auto") -> Iterator[tuple[str
                 yield from walk(module.modules_to_save[adapter], name, f"{path}modules_to_save.{adapter}.")
             else:
                 yield from walk(module.original_module, name, f"{path}original_module.")
+            return
+        if isinstance(module, ParamWrapper):  # adapters on parameters (fused MoE experts), one wrapper per parameter
+            deltas, depth = {}, 0
+            while isinstance(module, ParamWrapper):
+                if adapter in module.lora_A:
+                    deltas[module.parameter_name] = module.get_delta_weight(adapter).detach().float()  # PEFT's formula
+                module, depth = module.base_layer, depth + 1
+            path += "base_layer." * depth
+            for key, param in module._parameters.items():
+                if param is not None:
+                    seen.add(id(param))
+                    yield name + key, out(tensors.get(module, path, key).detach().float() + deltas.get(key, 0.0))
+            for key, child in module._modules.items():
+                if child is not None:
+                    yield from walk(child, f"{name}{key}.", f"{path}{key}.")
             return
         if isinstance(module, LoraLayer) or _is_quantized(module._parameters.get("weight")):
             lora = isinstance(module, LoraLayer)

@@ -70,8 +70,12 @@ def target_problems(config: LoRAConfig, source: ModelSource | None = None, model
     elif config.target_modules != ["all-linear"]:
         if "all-linear" in config.target_modules:
             problems.append("target_modules: 'all-linear' cannot be combined with names; give it alone")
+        try:
+            on_experts = moved_to_experts(config, model)
+        except ValueError as exc:  # PEFT's own refusal, e.g. up_proj without gate_proj on experts it fuses
+            return [f"target_modules: {exc}"]
         for name in config.target_modules:
-            if name != "all-linear" and not any(_matches(name, key) for key in linears):
+            if name != "all-linear" and name not in on_experts and not any(_matches(name, key) for key in linears):
                 problems.append(f"target_modules: {name!r} matches no linear layer; {available}")
     dropped = [] if problems else dropped_by_peft(config, model)
     if dropped:
@@ -90,22 +94,43 @@ def target_problems(config: LoRAConfig, source: ModelSource | None = None, model
     return problems
 
 
-def dropped_by_peft(config: LoRAConfig, model: torch.nn.Module) -> list[str]:
-    """Linear layers the targets name that PEFT would leave without an adapter, asked of PEFT's own conversion of
-    the config for transformers 5 (for MoE families whose experts transformers fuses, it rewrites MLP targets
-    into targets of the fused experts, dropping every other module of those names)."""
+def _converted(config: LoRAConfig, model: torch.nn.Module) -> tuple[Any, Any] | None:
+    """(our options as PEFT's config, that config after PEFT's conversion for transformers 5), or None when this
+    PEFT has no conversion."""
     import copy
 
     try:
-        from peft.tuners.tuners_utils import check_target_module_exists
         from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
-    except ImportError:  # a PEFT without that conversion drops nothing
-        return []
+    except ImportError:
+        return None
     from toolkit_peft.adapters import peft_lora_config
 
     wanted = peft_lora_config(config, use_dora=False)
     converted = copy.deepcopy(wanted)
     convert_peft_config_for_transformers(converted, model=model, conversions=None)
+    return wanted, converted
+
+
+def moved_to_experts(config: LoRAConfig, model: torch.nn.Module) -> set[str]:
+    """Target names PEFT turns into targets of the fused experts' parameters (transformers 5 keeps a MoE layer's
+    experts as 3-d ``gate_up_proj`` / ``down_proj`` tensors, not linear layers): Qwen3-MoE's ``gate_proj``,
+    Mixtral's ``w1``."""
+    both = _converted(config, model)
+    if both is None or not both[1].target_parameters or not isinstance(both[0].target_modules, (list, set)):
+        return set()
+    return set(both[0].target_modules) - set(both[1].target_modules or ())
+
+
+def dropped_by_peft(config: LoRAConfig, model: torch.nn.Module) -> list[str]:
+    """Linear layers the targets name that PEFT would leave without an adapter, asked of PEFT's own conversion of
+    the config for transformers 5 (for MoE families whose experts transformers fuses, it rewrites MLP targets
+    into targets of the fused experts, dropping every other module of those names)."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    both = _converted(config, model)
+    if both is None:  # a PEFT without that conversion drops nothing
+        return []
+    wanted, converted = both
     if converted.target_modules == wanted.target_modules:
         return []
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

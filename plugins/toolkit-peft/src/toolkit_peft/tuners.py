@@ -20,7 +20,7 @@ from toolkit.config import option
 if TYPE_CHECKING:
     import torch
 
-    from toolkit.contracts import ModelSource
+    from toolkit.contracts import AdapterSpec, ModelSource
     from toolkit.recipe import Recipe
 
 # init variants that need nothing but the base weights (eva, corda, loftq and lora_ga need data
@@ -212,6 +212,15 @@ class LoRATuner:
         from toolkit_peft.skeleton import initial_adapters
 
         return initial_adapters(self, source, recipe)
+
+    def adapter_spec(self) -> AdapterSpec:
+        """What this tuner adapts, for strategies with modules of their own (``contracts.AdapterSpec``)."""
+        from toolkit.contracts import AdapterSpec
+
+        config = self.config
+        return AdapterSpec(target_modules=tuple(config.target_modules), rank=config.rank, alpha=float(config.alpha),
+                           dropout=config.dropout, dora=self.use_dora, rslora=config.rslora,
+                           modules_to_save=tuple(config.modules_to_save), init=config.init)
 
     def save_adapter(self, model: torch.nn.Module, output: str | Path) -> Path:
         """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (PEFT/vLLM layout) to ``output``."""

@@ -1,0 +1,72 @@
+"""LoRA on mixture-of-experts models under --strategy megatron equals PEFT's LoRA under --strategy local: routed
+experts (Qwen3-MoE at EP1 with two data-parallel ranks, EP2 and TP2+SP) and Qwen2-MoE's shared expert train step
+for step alike, their merged exports give local's logits, and the adapter-only export (PEFT's own files, read from
+the megatron checkpoint) loads onto the HF model with PEFT and gives those logits too. Router losses are off (their
+definitions differ between the engines, test_moe_training.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_strategy import COMMON, assert_same_steps, metrics, toolkit
+
+pytestmark = pytest.mark.slow
+
+LORA = ["--tuner", "lora", "--lora-rank", "4", "--lora-alpha", "8", "--max-steps", "3",
+        "--lora-target-modules", "q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"]
+
+
+@pytest.fixture(scope="module")
+def local_runs(tmp_path_factory):
+    """(model dir, local run dir) of each preset, trained once."""
+    pytest.importorskip("toolkit_peft", reason="LoRA comes from toolkit-peft")
+    from toolkit.models import materialize_preset
+
+    runs = {}
+
+    def run(preset: str):
+        if preset not in runs:
+            root = tmp_path_factory.mktemp(preset)
+            model = materialize_preset(preset, root / "model", router_aux_loss_coef=0.0)
+            toolkit("sft", "--model", str(model), *COMMON[2:], *LORA, "--output", str(root / "local"), "--export", "hf")
+            runs[preset] = (model, root / "local")
+        return runs[preset]
+
+    return run
+
+
+def _logits(directory, ids) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        return AutoModelForCausalLM.from_pretrained(directory)(ids).logits
+
+
+@pytest.mark.parametrize(("preset", "layout"), [
+    ("tiny-qwen3-moe", []),
+    ("tiny-qwen3-moe", ["--ep", "2"]),
+    ("tiny-qwen3-moe", ["--tp", "2", "--sequence-parallel"]),
+    ("tiny-qwen2-moe", ["--tp", "2", "--sequence-parallel"]),
+], ids=["qwen3_moe-ep1-dp2", "qwen3_moe-ep2", "qwen3_moe-tp2-sp", "qwen2_moe-shared-tp2-sp"])
+def test_moe_lora_equals_local_lora_and_exports(preset, layout, local_runs, tmp_path):
+    model, local = local_runs(preset)
+    run = tmp_path / "run"
+    toolkit("sft", "--model", str(model), *COMMON[2:], *LORA, "--output", str(run), "--strategy", "megatron", *layout,
+            "--export", "hf", nproc=2)
+    assert_same_steps(metrics(local), metrics(run))
+    ids = torch.arange(5, 40)[None]
+    expected = _logits(local / "export", ids)
+    assert (expected - _logits(model, ids)).abs().max() > 1e-3  # the adapters trained
+    torch.testing.assert_close(_logits(run / "export", ids), expected, rtol=1e-4, atol=1e-4)
+    if "--ep" in layout:  # PEFT's adapter files from the megatron checkpoint, loaded by PEFT itself
+        import json
+
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        toolkit("export", str(run), "--to", "hf", "--adapter-only", "--output", str(tmp_path / "adapter"))
+        config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+        assert set(config["target_parameters"]) == {"gate_up_proj", "down_proj"}, config  # the routed experts'
+        with torch.no_grad():
+            adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model), tmp_path / "adapter")(ids).logits
+        torch.testing.assert_close(adapted, expected, rtol=1e-4, atol=1e-4)
