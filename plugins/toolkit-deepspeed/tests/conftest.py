@@ -9,10 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from toolkit import forkserver
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # DeepSpeed compiles C++ ops on first use; every test process shares one cache of them.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "toolkit" / "torch_extensions"))
+
+# the fork server of toolkit.testing.run_python imports DeepSpeed once too (3-4 CPU-s per rank otherwise)
+os.environ.setdefault("TOOLKIT_TEST_PRELOAD", ",".join((*forkserver.PRELOAD, "deepspeed")))
 
 HERE = Path(__file__).parent
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,11 +18,11 @@ FLAGS = ["sft", "--model", "tiny-llama", "--dataset", "demo", "--seq-len", "64",
 
 
 def launch(*args: str) -> subprocess.CompletedProcess:
-    from toolkit.train.distributed import free_port
+    """``toolkit *args`` on two ranks, started as torchrun would (forked: toolkit.testing.run_python)."""
+    from toolkit.testing import run_python
 
-    command = [sys.executable, "-m", "toolkit", "launch", "--nproc", "2", "--master-port", str(free_port()), *args]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    return run_python(["-m", "toolkit", *args], nproc=2, env=env, timeout=300)
 
 
 class Payload:
