@@ -55,7 +55,7 @@ def test_every_tuner_with_an_adapter_spec_describes_its_own_options():
             spec.rank = 1  # type: ignore[misc]
         fields = {f.name for f in dataclasses.fields(tuner.config)}
         changed = {"rank": 3, "alpha": 5.0, "dropout": 0.25, "rslora": True, "target_modules": ["q_proj", "v_proj"],
-                   "modules_to_save": ["lm_head"], "init": "gaussian"}
+                   "modules_to_save": ["lm_head"], "bias": "all", "init": "gaussian"}
         other = cls(cls.Config(**{k: v for k, v in changed.items() if k in fields})).adapter_spec()
         for key, value in changed.items():
             if key in fields:

@@ -151,6 +151,8 @@ class AdapterSpec:
     """Scale by ``alpha / sqrt(rank)`` instead of ``alpha / rank``."""
     modules_to_save: tuple[str, ...] = ()
     """Modules trained in full beside the adapters."""
+    bias: str = "none"
+    """Which biases train beside the adapters: ``none``, ``all``, ``lora_only`` (those of adapted modules)."""
     init: str = "default"
     """How the adapters start (``default``: ``B = 0``; others are the tuner's own names)."""
 
@@ -228,7 +230,7 @@ class Tuner(Registered, Protocol):
     seed, same names), built without loading the base weights; strategies with modules of their own
     (Megatron-Core LoRA) split them over ranks instead of loading the HF model on every rank.
     ``adapter_spec()``: an :class:`AdapterSpec` of what the tuner adapts (targets, rank, alpha, dropout, DoRA,
-    rslora, modules to save, init); those strategies read it and nothing else of the tuner's options, and refuse a
+    rslora, modules to save, trained biases, init); those strategies read it and nothing else of the tuner's options, and refuse a
     tuner without it.
     """
 

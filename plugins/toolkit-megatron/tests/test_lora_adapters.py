@@ -108,17 +108,20 @@ def test_a_tuner_without_initial_adapters_or_adapter_spec_is_refused_by_name():
         hf_adapters("SOURCE", Plain(), "RECIPE")
 
 
-def test_modules_to_save_are_refused_naming_the_flag():
+@pytest.mark.parametrize(("options", "flag"), [({"modules_to_save": ("lm_head",)}, "--lora-modules-to-save lm_head"),
+                                             ({"bias": "all"}, "--lora-bias all")])
+def test_options_megatron_would_not_train_are_refused_naming_the_flag(options, flag):
     tuner = _Tuner({})
-    tuner.spec = AdapterSpec(target_modules=("q_proj",), rank=2, alpha=4.0, modules_to_save=("lm_head",))
-    with pytest.raises(ConfigError, match="--lora-modules-to-save lm_head"):
+    tuner.spec = AdapterSpec(target_modules=("q_proj",), rank=2, alpha=4.0, **options)
+    with pytest.raises(ConfigError, match=flag):
         hf_adapters("SOURCE", tuner, "RECIPE")
 
 
-def test_an_adapter_outside_the_layers_is_refused():
-    tuner = _Tuner({"lm_head.lora_A.default.weight": torch.zeros(2, 8)})
+@pytest.mark.parametrize("name", ["lm_head.lora_A.default.weight", "model.layers.0.self_attn.q_proj.base_layer.bias"])
+def test_anything_trained_but_a_decoder_layer_adapter_is_refused(name):
+    """An adapter outside the layers, or a trained bias: the strategy would leave it out, so it says so."""
     with pytest.raises(ConfigError, match="cannot map"):
-        hf_adapters("SOURCE", tuner, "RECIPE")
+        hf_adapters("SOURCE", _Tuner({name: torch.zeros(2, 8)}), "RECIPE")
 
 
 def test_an_adapter_on_a_module_the_bridge_has_no_linear_for_is_refused(tp1):

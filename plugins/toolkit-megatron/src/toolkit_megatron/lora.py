@@ -45,6 +45,9 @@ def adapter_spec(tuner: Any) -> Any:
     if spec.modules_to_save:
         raise ConfigError(f"--{tuner.name}-modules-to-save {','.join(spec.modules_to_save)}: the megatron strategy trains "
                           "adapters only, not whole modules beside them; leave it empty, or use --strategy local")
+    if spec.bias != "none":
+        raise ConfigError(f"--{tuner.name}-bias {spec.bias}: the megatron strategy trains adapters only, not the biases "
+                          f"beside them; use --{tuner.name}-bias none, or --strategy local")
     return spec
 
 
@@ -68,10 +71,9 @@ def hf_adapters(source: Any, tuner: Any, recipe: Any) -> dict:
     for name, tensor in initial_adapters(source, recipe).items():
         match = _ADAPTER.match(name)
         layer = _LAYER.search(match["path"]) if match else None
-        if layer is None:
-            if "lora" in name:
-                raise ConfigError(f"--tuner {tuner.name}: adapter {name!r} is on a module the megatron strategy cannot map")
-            continue
+        if layer is None:  # nothing else may train: the strategy would leave it out silently
+            raise ConfigError(f"--tuner {tuner.name} trains {name!r}, which is no adapter in a decoder layer: the megatron "
+                              "strategy cannot map it; adapt the decoder layers' linears only, or use --strategy local")
         # nested PEFT wrappers (two fused expert parameters of one module) keep their own adapters
         key = name[:name.index(".lora_")]
         which = "M" if match["which"] == "magnitude_vector" else match["which"]

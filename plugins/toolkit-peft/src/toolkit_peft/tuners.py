@@ -220,7 +220,7 @@ class LoRATuner:
         config = self.config
         return AdapterSpec(target_modules=tuple(config.target_modules), rank=config.rank, alpha=float(config.alpha),
                            dropout=config.dropout, dora=self.use_dora, rslora=config.rslora,
-                           modules_to_save=tuple(config.modules_to_save), init=config.init)
+                           modules_to_save=tuple(config.modules_to_save), bias=config.bias, init=config.init)
 
     def save_adapter(self, model: torch.nn.Module, output: str | Path) -> Path:
         """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (PEFT/vLLM layout) to ``output``."""
