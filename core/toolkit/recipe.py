@@ -317,6 +317,19 @@ def _move_replaced_options(recipe: Recipe, manager: Any, explicit: set[str]) -> 
     return problems
 
 
+def replaced_values(data: dict[str, Any], manager: Any) -> dict[str, Any]:
+    """The Recipe fields that deprecated section fields of a recipe mapping hold (``{"moe": {"z_loss_coef": 0.01}}``
+    gives ``{"router_z_loss_coef": 0.01}``): how a recipe.yaml written before a rename reads today."""
+    values: dict[str, Any] = {}
+    for section, content in data.items():
+        owner = _option_owner(manager, section) if isinstance(content, dict) else None
+        for field in dataclasses.fields(owner.Config) if owner is not None else ():
+            target = field.metadata.get("replaced_by")
+            if target and content.get(field.name) is not None:
+                values.setdefault(target, content[field.name])
+    return values
+
+
 def _option_names(manager: Any) -> list[str]:
     """Names that may head a YAML option section (registered strategies, tuners, losses, formats)."""
     return sorted({name for kind in OPTION_KINDS for name in manager.registry(kind).names()})

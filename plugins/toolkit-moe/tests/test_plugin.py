@@ -133,3 +133,25 @@ def test_old_flag_strings_parse_through_the_cli() -> None:
     result = subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True)
     assert result.returncode != 0
     assert "--moe-aux-loss-coef 0.3 (deprecated) and --router-aux-loss-coef 0.4 disagree" in result.stderr + result.stdout
+
+
+def test_a_run_saved_with_the_old_fields_resumes_with_the_new_flag(tmp_path) -> None:
+    """recipe.yaml of a run started before the rename holds ``moe: {z_loss_coef: ...}``: resuming it with
+    --router-z-loss-coef at the same value is the same training, another value a change."""
+    import yaml
+
+    from toolkit.errors import ConfigError
+    from toolkit.recipe import resolve_recipe
+    from toolkit.train.runner import check_resume_changes
+
+    def recipe(z):
+        return resolve_recipe({"model": "tiny-qwen3-moe", "output": str(tmp_path), "resume": "auto",
+                               "router_z_loss_coef": z, "moe": {"enabled": True}})
+
+    saved = recipe(0.01).to_yaml_dict()
+    del saved["router_z_loss_coef"], saved["router_aux_loss_coef"]
+    saved["moe"]["z_loss_coef"] = 0.01
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(saved))
+    check_resume_changes(recipe(0.01), is_main=True)
+    with pytest.raises(ConfigError, match=r"router_z_loss_coef: 0.01 -> 0.02"):
+        check_resume_changes(recipe(0.02), is_main=True)
