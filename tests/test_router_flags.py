@@ -42,6 +42,12 @@ def test_a_z_loss_the_hf_model_cannot_compute_is_refused_before_training(tmp_pat
     assert info.value.source == "--router-z-loss-coef"
     assert not (tmp_path / "z" / "metrics.jsonl").exists()
     assert _train(tmp_path, "zero", router_z_loss_coef=0.0)  # 0 is "off", which every path can do
+    from toolkit.models import materialize_preset
+
+    configured = materialize_preset("tiny-qwen3-moe", tmp_path / "configured", router_z_loss_coef=0.02)
+    with pytest.raises(ConfigError, match="the model config's router_z_loss_coef 0.02: .*give --router-z-loss-coef 0"):
+        _train(tmp_path, "config-z", model=str(configured))
+    assert _train(tmp_path, "config-z-off", model=str(configured), router_z_loss_coef=0.0)
     with pytest.raises(ConfigError, match="'llama' has no MoE router"):
         _train(tmp_path, "dense", model="tiny-llama", router_aux_loss_coef=0.1)
 

@@ -325,10 +325,13 @@ def check_router_losses(model: Any, recipe: Any) -> None:
         return
     fix = ("train with --moe-enabled (toolkit-moe's routed experts, on local/fsdp/deepspeed) or --strategy megatron, "
            "which compute it")
-    if recipe.router_z_loss_coef:
-        raise ConfigError(f"--router-z-loss-coef {recipe.router_z_loss_coef}: the HF model "
-                          f"({model.config.model_type}) does not compute a router z-loss; {fix}, or leave the flag out",
-                          source="--router-z-loss-coef")
+    z = float(getattr(model.config, "router_z_loss_coef", 0.0) or 0.0)  # the flag's value, else the config's
+    if z:
+        given = (f"--router-z-loss-coef {recipe.router_z_loss_coef}" if recipe.router_z_loss_coef is not None
+                 else f"the model config's router_z_loss_coef {z}")
+        leave = "leave the flag out" if recipe.router_z_loss_coef is not None else "give --router-z-loss-coef 0"
+        raise ConfigError(f"{given}: the HF model ({model.config.model_type}) does not compute a router z-loss; "
+                          f"{fix}, or {leave}", source="--router-z-loss-coef")
     has_router = getattr(model.config, "output_router_logits", None) is not None
     if recipe.router_aux_loss_coef and not has_router:
         raise ConfigError(f"--router-aux-loss-coef {recipe.router_aux_loss_coef}: model type "
