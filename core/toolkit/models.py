@@ -311,16 +311,17 @@ def load_hf_model(source: Any, tuner: Any, recipe: Any, device: Any) -> Any:
 def set_router_coefficients(config: Any, recipe: Any) -> None:
     """``--router-aux-loss-coef`` / ``--router-z-loss-coef`` set the HF config keys of those names, which the
     HF path (``toolkit.train.logps.router_aux_loss``) and a plugin that patches the MoE blocks read."""
-    for name in ("router_aux_loss_coef", "router_z_loss_coef"):
-        if getattr(recipe, name, None) is not None:
-            setattr(config, name, float(getattr(recipe, name)))
+    for name, value in (("router_aux_loss_coef", recipe.router_aux_loss_coef),
+                        ("router_z_loss_coef", recipe.router_z_loss_coef)):
+        if value is not None:
+            setattr(config, name, float(value))
 
 
 def check_router_losses(model: Any, recipe: Any) -> None:
     """Refuse a router-loss coefficient the HF path would silently ignore, before training starts.
 
     A model whose MoE blocks a plugin patched (``toolkit_pop_aux_loss``) computes both losses; a plain HF
-    MoE model has its load-balancing loss only, and a dense model neither."""
+    MoE model that returns router logits has its load-balancing loss only, any other model neither."""
     if hasattr(model, "toolkit_pop_aux_loss"):
         return
     fix = ("train with --moe-enabled (toolkit-moe's routed experts, on local/fsdp/deepspeed) or --strategy megatron, "
@@ -334,8 +335,9 @@ def check_router_losses(model: Any, recipe: Any) -> None:
                           f"{fix}, or {leave}", source="--router-z-loss-coef")
     has_router = getattr(model.config, "output_router_logits", None) is not None
     if recipe.router_aux_loss_coef and not has_router:
-        raise ConfigError(f"--router-aux-loss-coef {recipe.router_aux_loss_coef}: model type "
-                          f"{model.config.model_type!r} has no MoE router to balance; leave the flag out",
+        raise ConfigError(f"--router-aux-loss-coef {recipe.router_aux_loss_coef}: the HF model "
+                          f"({model.config.model_type}) computes no load-balancing loss (a dense model, or an MoE whose "
+                          f"transformers code returns no router logits); {fix}, or leave the flag out",
                           source="--router-aux-loss-coef")
 
 

@@ -288,7 +288,8 @@ def resolve_recipe(values: dict[str, Any], source: str = "recipe", manager: Any 
 
 def _move_replaced_options(recipe: Recipe, manager: Any, explicit: set[str]) -> list[str]:
     """Move the values of deprecated section fields (``option(replaced_by=...)``) to the Recipe field that
-    replaced them, printing one line per field (on the main rank); a conflicting value given both ways is a problem."""
+    replaced them, printing one line per field (on the main rank); a conflicting value given both ways, or by two
+    deprecated fields that feed one Recipe field (toolkit-moe's and megatron's router-loss weights), is a problem."""
     import os
     import sys
 
