@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.contracts import ModelSource
-from toolkit.errors import ModelError
+from toolkit.errors import ConfigError, ModelError
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 TOKENIZER_DIR = ASSETS / "tokenizer"
@@ -299,11 +299,46 @@ def load_hf_model(source: Any, tuner: Any, recipe: Any, device: Any) -> Any:
     if recipe.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
+    set_router_coefficients(model.config, recipe)
     from toolkit.plugins import get_plugin_manager
 
     get_plugin_manager().patch_model(model, source, recipe)
+    check_router_losses(model, recipe)
     torch.manual_seed(recipe.seed)
     return tuner.apply(model, source)
+
+
+def set_router_coefficients(config: Any, recipe: Any) -> None:
+    """``--router-aux-loss-coef`` / ``--router-z-loss-coef`` set the HF config keys of those names, which the
+    HF path (``toolkit.train.logps.router_aux_loss``) and a plugin that patches the MoE blocks read."""
+    for name, value in (("router_aux_loss_coef", recipe.router_aux_loss_coef),
+                        ("router_z_loss_coef", recipe.router_z_loss_coef)):
+        if value is not None:
+            setattr(config, name, float(value))
+
+
+def check_router_losses(model: Any, recipe: Any) -> None:
+    """Refuse a router-loss coefficient the HF path would silently ignore, before training starts.
+
+    A model whose MoE blocks a plugin patched (``toolkit_pop_aux_loss``) computes both losses; a plain HF
+    MoE model that returns router logits has its load-balancing loss only, any other model neither."""
+    if hasattr(model, "toolkit_pop_aux_loss"):
+        return
+    fix = ("train with --moe-enabled (toolkit-moe's routed experts, on local/fsdp/deepspeed) or --strategy megatron, "
+           "which compute it")
+    z = float(getattr(model.config, "router_z_loss_coef", 0.0) or 0.0)  # the flag's value, else the config's
+    if z:
+        given = (f"--router-z-loss-coef {recipe.router_z_loss_coef}" if recipe.router_z_loss_coef is not None
+                 else f"the model config's router_z_loss_coef {z}")
+        leave = "leave the flag out" if recipe.router_z_loss_coef is not None else "give --router-z-loss-coef 0"
+        raise ConfigError(f"{given}: the HF model ({model.config.model_type}) does not compute a router z-loss; "
+                          f"{fix}, or {leave}", source="--router-z-loss-coef")
+    has_router = getattr(model.config, "output_router_logits", None) is not None
+    if recipe.router_aux_loss_coef and not has_router:
+        raise ConfigError(f"--router-aux-loss-coef {recipe.router_aux_loss_coef}: the HF model "
+                          f"({model.config.model_type}) computes no load-balancing loss (a dense model, or an MoE whose "
+                          f"transformers code returns no router logits); {fix}, or leave the flag out",
+                          source="--router-aux-loss-coef")
 
 
 def decompress_kwargs(source: Any, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -56,6 +56,13 @@ class Recipe:
     adam_beta2: float = option(0.999, help="AdamW beta2.")
     adam_eps: float = option(1e-8, help="AdamW epsilon.")
     max_grad_norm: float = option(1.0, help="Gradient clipping norm; 0 disables clipping.")
+    router_aux_loss_coef: float | None = option(None, help="MoE load-balancing loss weight, on every strategy (the HF "
+                                                           "config key it overrides); default: the model config's "
+                                                           "router_aux_loss_coef, else 0.")
+    router_z_loss_coef: float | None = option(None, help="MoE router z-loss weight (ST-MoE), on every strategy; default: "
+                                                         "the model config's router_z_loss_coef, else 0. A plain HF model "
+                                                         "has no z-loss: use it with --moe-enabled (toolkit-moe) or "
+                                                         "--strategy megatron.")
     micro_batch_size: int = option(1, help="Rows per micro-batch per data-parallel rank.")
     global_batch_size: int = option(0, help="Rows per optimizer step over all ranks; 0 means micro-batch x DP.")
     seq_len: int = option(512, help="Tokens per row. Longer SFT/preference samples are truncated (and counted); PT "
@@ -193,6 +200,10 @@ class Recipe:
             problems.append(f"adam_eps must be positive, got {self.adam_eps}")
         if math.isfinite(self.max_grad_norm) and self.max_grad_norm < 0:
             problems.append(f"max_grad_norm must be 0 (no clipping) or more, got {self.max_grad_norm}")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                problems.append(f"{name} must be 0 (off) or more, got {value}")
         return problems
 
     def section(self, name: str) -> dict[str, Any]:
@@ -277,13 +288,15 @@ def resolve_recipe(values: dict[str, Any], source: str = "recipe", manager: Any 
 
 def _move_replaced_options(recipe: Recipe, manager: Any, explicit: set[str]) -> list[str]:
     """Move the values of deprecated section fields (``option(replaced_by=...)``) to the Recipe field that
-    replaced them, printing one line per field (on the main rank); a conflicting value given both ways is a problem."""
+    replaced them, printing one line per field (on the main rank); a conflicting value given both ways, or by two
+    deprecated fields that feed one Recipe field (toolkit-moe's and megatron's router-loss weights), is a problem."""
     import os
     import sys
 
     from toolkit.config import flag_name
 
     problems = []
+    moved: dict[str, str] = {}  # target -> the deprecated flag whose value it took (two old flags may feed one field)
     for section, values in recipe.options.items():
         for field in dataclasses.fields(_option_owner(manager, section).Config):
             target = field.metadata.get("replaced_by")
@@ -292,15 +305,30 @@ def _move_replaced_options(recipe: Recipe, manager: Any, explicit: set[str]) -> 
             value, values[field.name] = values[field.name], None
             new_flag = flag_name(None, next(f for f in dataclasses.fields(Recipe) if f.name == target))
             old_flag = flag_name(section, field)
-            if target in explicit and getattr(recipe, target) != value:
-                problems.append(f"{old_flag} {value} (deprecated) and {new_flag} {getattr(recipe, target)} disagree: "
-                                f"give {new_flag} only")
+            if (target in explicit or target in moved) and getattr(recipe, target) != value:
+                current = getattr(recipe, target)
+                other = f"{new_flag} {current}" if target in explicit else f"{moved[target]} {current} (deprecated)"
+                problems.append(f"{old_flag} {value} (deprecated) and {other} disagree: give {new_flag} only")
                 continue
             setattr(recipe, target, value)
+            moved[target] = old_flag
             if os.environ.get("RANK", "0") == "0":
                 print(f"toolkit: {old_flag} (YAML {section}: {field.name}) is deprecated; use {new_flag} {value} "
                       f"(YAML {target}: {value})", file=sys.stderr)
     return problems
+
+
+def replaced_values(data: dict[str, Any], manager: Any) -> dict[str, Any]:
+    """The Recipe fields that deprecated section fields of a recipe mapping hold (``{"moe": {"z_loss_coef": 0.01}}``
+    gives ``{"router_z_loss_coef": 0.01}``): how a recipe.yaml written before a rename reads today."""
+    values: dict[str, Any] = {}
+    for section, content in data.items():
+        owner = _option_owner(manager, section) if isinstance(content, dict) else None
+        for field in dataclasses.fields(owner.Config) if owner is not None else ():
+            target = field.metadata.get("replaced_by")
+            if target and content.get(field.name) is not None:
+                values.setdefault(target, content[field.name])
+    return values
 
 
 def _option_names(manager: Any) -> list[str]:

@@ -194,11 +194,15 @@ def check_resume_changes(recipe: Recipe, is_main: bool) -> None:
 def _respell_sections(saved: dict, recipe: Recipe) -> None:
     """The saved recipe's tuner, optimizer, loss and format sections as this toolkit spells them: an option's alias
     (toolkit-rl's ``max_completion_length``, now ``max_new_tokens``) under its name, options added since at their
-    defaults. A section that no longer builds is left as saved (and reported as changed)."""
+    defaults. A section that no longer builds is left as saved (and reported as changed). A value of a deprecated
+    section field (``moe: {z_loss_coef: ...}``) counts as the Recipe field that replaced it."""
     from toolkit.config import build_dataclass, to_dict
     from toolkit.plugins import get_plugin_manager
+    from toolkit.recipe import replaced_values
 
     manager = get_plugin_manager()
+    for target, value in replaced_values(saved, manager).items():
+        saved.setdefault(target, value)
     for kind, name in (("tuner", recipe.tuner), ("optimizer", recipe.optimizer), ("loss", recipe.loss),
                        ("dataset_format", recipe.dataset_format)):
         if isinstance(saved.get(name), dict) and name in manager.registry(kind):

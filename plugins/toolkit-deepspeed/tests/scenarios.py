@@ -192,7 +192,7 @@ def main() -> None:
     pairs = (("peft-lora-dpo", {"tuner": "lora", **dpo}, 3, {"toolkit_peft", "toolkit_dpo"}),
                   ("peft-dora", {"tuner": "dora"}, 3, {"toolkit_peft"}),
                   ("peft-qlora", {"tuner": "qlora"}, 2, {"toolkit_peft"}),
-                  ("moe-patched", {"model": "tiny-qwen2-moe", "moe": {"enabled": True, "z_loss_coef": 0.001}}, 3, {"toolkit_moe"}))
+                  ("moe-patched", {"model": "tiny-qwen2-moe", "router_z_loss_coef": 0.001, "moe": {"enabled": True}}, 3, {"toolkit_moe"}))
     for tag, values, stage, needs in pairs:
         if not needs <= installed:
             continue

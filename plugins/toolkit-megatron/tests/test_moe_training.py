@@ -118,10 +118,12 @@ def test_router_losses_equal_toolkit_moe(tmp_path):
     pytest.importorskip("toolkit_moe", reason="the reference is toolkit-moe's router losses")
     args = ["pt", "--model", "tiny-qwen3-moe", "--dataset", "demo-text", *COMMON[2:]]
     megatron = [*args, "--strategy", "megatron", "--ep", "2"]
-    toolkit(*args, "--output", str(tmp_path / "local"), "--moe-enabled", "--moe-aux-loss-coef", "0.1", "--moe-z-loss-coef", "0.02")
-    toolkit(*megatron, "--output", str(tmp_path / "ep2"), "--megatron-moe-aux-loss-coef", "0.1",
-            "--megatron-moe-z-loss-coef", "0.01", nproc=2)
-    toolkit(*megatron, "--output", str(tmp_path / "off"), "--megatron-moe-aux-loss-coef", "0", nproc=2)
+    # one flag per loss for both engines (--router-aux-loss-coef, --router-z-loss-coef); only the values are mapped
+    toolkit(*args, "--output", str(tmp_path / "local"), "--moe-enabled", "--router-aux-loss-coef", "0.1",
+            "--router-z-loss-coef", "0.02")
+    toolkit(*megatron, "--output", str(tmp_path / "ep2"), "--router-aux-loss-coef", "0.1", "--router-z-loss-coef", "0.01",
+            nproc=2)
+    toolkit(*megatron, "--output", str(tmp_path / "off"), "--router-aux-loss-coef", "0", nproc=2)
     local, ep2, off = metrics(tmp_path / "local"), metrics(tmp_path / "ep2"), metrics(tmp_path / "off")
     assert local[0]["loss"] == pytest.approx(ep2[0]["loss"], abs=1e-5)
     # the router losses' share of the first gradient agrees

@@ -19,7 +19,7 @@ def step(packed: str) -> tuple[float, float, dict[str, torch.Tensor]]:
     from toolkit.recipe import resolve_recipe
 
     recipe = resolve_recipe({"model": "tiny-qwen3-moe", "lr": 1e-3, "precision": "fp32", "packing": True,
-                             "moe": {"enabled": True, "experts_backend": "loop", "z_loss_coef": 0.01}})
+                             "router_z_loss_coef": 0.01, "moe": {"enabled": True, "experts_backend": "loop"}})
     engine = LocalEngine(resolve_model("tiny-qwen3-moe"), FullTuner(), SFTLoss(), recipe, LocalConfig(packed_attention=packed))
     assert engine.packed_attention == packed
     assert type(engine.model.model.layers[0].mlp).__module__.startswith("toolkit_moe")

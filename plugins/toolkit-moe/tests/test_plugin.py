@@ -84,3 +84,74 @@ def test_deprecated_moe_expert_parallel_moves_to_ep(capsys) -> None:
     assert resolve_recipe({"expert_parallel": 2, "moe": {"expert_parallel": 2}}).expert_parallel == 2
     with pytest.raises(ConfigError, match="disagree: give --ep only"):
         resolve_recipe({"expert_parallel": 4, "moe": {"expert_parallel": 2}})
+
+
+def test_patched_blocks_take_the_router_flags_like_the_model_config(tmp_path) -> None:
+    """--router-aux-loss-coef / --router-z-loss-coef, the deprecated moe: fields and the model config's keys
+    (the default) train the patched blocks the same; the flags are not a no-op."""
+    from toolkit.models import materialize_preset
+
+    configured = materialize_preset("tiny-qwen3-moe", tmp_path / "configured", router_aux_loss_coef=0.2,
+                                    router_z_loss_coef=0.05)
+    moe = {"enabled": True, "experts_backend": "loop"}
+    by_config = _train(tmp_path, "config", model=str(configured), moe=moe)
+    by_flags = _train(tmp_path, "flags", router_aux_loss_coef=0.2, router_z_loss_coef=0.05, moe=moe)
+    by_old = _train(tmp_path, "old", moe={**moe, "aux_loss_coef": 0.2, "z_loss_coef": 0.05})
+    default = _train(tmp_path, "default", moe=moe)
+    keys = ("loss", "aux_loss", "grad_norm", "moe_aux_loss", "moe_z_loss")
+    rows = [[[m[k] for k in keys] for m in run] for run in (by_config, by_flags, by_old)]
+    assert rows[0] == rows[1] == rows[2]
+    assert by_flags[0]["aux_loss"] > 10 * default[0]["aux_loss"] and by_flags[-1]["loss"] != default[-1]["loss"]
+
+
+def test_deprecated_moe_coefficients_move_to_the_router_flags(capsys) -> None:
+    """The old flags still work: one deprecation line each, the value lands on the core's flag; a different
+    value given both ways is refused."""
+    from toolkit.errors import ConfigError
+    from toolkit.recipe import resolve_recipe
+
+    recipe = resolve_recipe({"model": "tiny-qwen3-moe", "moe": {"enabled": True, "aux_loss_coef": 0.1, "z_loss_coef": 0.01}})
+    assert (recipe.router_aux_loss_coef, recipe.router_z_loss_coef) == (0.1, 0.01)
+    assert recipe.options["moe"]["aux_loss_coef"] is None and recipe.options["moe"]["z_loss_coef"] is None
+    lines = [line for line in capsys.readouterr().err.splitlines() if "deprecated" in line]
+    assert lines == ["toolkit: --moe-aux-loss-coef (YAML moe: aux_loss_coef) is deprecated; use --router-aux-loss-coef "
+                     "0.1 (YAML router_aux_loss_coef: 0.1)",
+                     "toolkit: --moe-z-loss-coef (YAML moe: z_loss_coef) is deprecated; use --router-z-loss-coef 0.01 "
+                     "(YAML router_z_loss_coef: 0.01)"]
+    assert resolve_recipe({"router_z_loss_coef": 0.01, "moe": {"z_loss_coef": 0.01}}).router_z_loss_coef == 0.01
+    with pytest.raises(ConfigError, match="--moe-z-loss-coef 0.01 \\(deprecated\\) and --router-z-loss-coef 0.02 "
+                                          "disagree: give --router-z-loss-coef only"):
+        resolve_recipe({"router_z_loss_coef": 0.02, "moe": {"z_loss_coef": 0.01}})
+
+
+def test_old_flag_strings_parse_through_the_cli() -> None:
+    """``--moe-aux-loss-coef`` is still a flag of ``toolkit sft`` (a deprecated alias), not an unknown option."""
+    import subprocess
+    import sys
+
+    args = ["sft", "--model", "tiny-qwen3-moe", "--moe-aux-loss-coef", "0.3", "--router-aux-loss-coef", "0.4"]
+    result = subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "--moe-aux-loss-coef 0.3 (deprecated) and --router-aux-loss-coef 0.4 disagree" in result.stderr + result.stdout
+
+
+def test_a_run_saved_with_the_old_fields_resumes_with_the_new_flag(tmp_path) -> None:
+    """recipe.yaml of a run started before the rename holds ``moe: {z_loss_coef: ...}``: resuming it with
+    --router-z-loss-coef at the same value is the same training, another value a change."""
+    import yaml
+
+    from toolkit.errors import ConfigError
+    from toolkit.recipe import resolve_recipe
+    from toolkit.train.runner import check_resume_changes
+
+    def recipe(z):
+        return resolve_recipe({"model": "tiny-qwen3-moe", "output": str(tmp_path), "resume": "auto",
+                               "router_z_loss_coef": z, "moe": {"enabled": True}})
+
+    saved = recipe(0.01).to_yaml_dict()
+    del saved["router_z_loss_coef"], saved["router_aux_loss_coef"]
+    saved["moe"]["z_loss_coef"] = 0.01
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(saved))
+    check_resume_changes(recipe(0.01), is_main=True)
+    with pytest.raises(ConfigError, match=r"router_z_loss_coef: 0.01 -> 0.02"):
+        check_resume_changes(recipe(0.02), is_main=True)

@@ -14,11 +14,11 @@ from toolkit.testing import run_python
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 COMMON = ["--model", "tiny-qwen3-moe", "--dataset", "demo", "--seq-len", "64", "--lr", "1e-3", "--max-steps", "3",
           "--micro-batch-size", "2", "--global-batch-size", "4", "--max-samples", "16",
-          "--moe-enabled", "--moe-experts-backend", "loop", "--moe-z-loss-coef", "0.01", "--moe-capacity-factor", "2.0"]
+          "--moe-enabled", "--moe-experts-backend", "loop", "--router-z-loss-coef", "0.01", "--moe-capacity-factor", "2.0"]
 # Five steps, drops (capacity 1.0), a z-loss and clipping that is active (grad norms 4-9 > 0.5).
 EP_RUN = ["--model", "tiny-qwen3-moe", "--dataset", "demo", "--seq-len", "64", "--lr", "1e-3", "--max-steps", "5",
           "--micro-batch-size", "2", "--global-batch-size", "4", "--max-samples", "24", "--max-grad-norm", "0.5",
-          "--moe-enabled", "--moe-experts-backend", "loop", "--moe-z-loss-coef", "0.01", "--moe-capacity-factor", "1.0"]
+          "--moe-enabled", "--moe-experts-backend", "loop", "--router-z-loss-coef", "0.01", "--moe-capacity-factor", "1.0"]
 
 
 def toolkit(*args: str, nproc: int = 1, common: list[str] = COMMON) -> str:

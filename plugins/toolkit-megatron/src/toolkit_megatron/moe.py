@@ -2,8 +2,8 @@
 
 The load-balancing aux loss and the router z-loss are Megatron-Core's (``aux_loss`` load balancing
 per layer, z-loss per layer), with coefficients taken from the HF config (``router_aux_loss_coef``,
-``router_z_loss_coef``) unless ``--megatron-moe-aux-loss-coef`` / ``--megatron-moe-z-loss-coef``
-override them. Megatron attaches them to the router activations (``MoEAuxLossAutoScaler``) and
+``router_z_loss_coef``) unless the core's ``--router-aux-loss-coef`` / ``--router-z-loss-coef`` (the
+flags of every strategy) override them. Megatron attaches them to the router activations (``MoEAuxLossAutoScaler``) and
 scales their gradient by a global factor; we set that factor so that each forward's router losses
 enter the step objective with weight ``1 / (micro-batches * data-parallel size)``, the rule the
 ``local`` engine uses for the HF aux loss.

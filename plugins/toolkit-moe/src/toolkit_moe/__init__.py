@@ -40,4 +40,5 @@ def toolkit_patch_model(model: Any, source: Any, recipe: Any) -> None:
         raise ConfigError(f"--ep {ep} with --strategy local splits toolkit-moe's experts: add --moe-enabled "
                           "(YAML moe: {enabled: true})", source="--ep")
     if options.enabled:  # a model toolkit-moe cannot patch is refused there, naming the families it knows
-        MoeArchitecture(options).patch(model, source, strategy=recipe.strategy, expert_parallel=ep)
+        MoeArchitecture(options).patch(model, source, strategy=recipe.strategy, expert_parallel=ep,
+                                       aux_loss_coef=recipe.router_aux_loss_coef, z_loss_coef=recipe.router_z_loss_coef)

@@ -16,8 +16,12 @@ from toolkit_moe.families import FAMILIES, MoeFamily
 class MoeConfig:
     enabled: bool = option(False, help="Replace the HF sparse MoE blocks (qwen2_moe, qwen3_moe, mixtral) with toolkit-moe's routed experts.")
     capacity_factor: float = option(0.0, help="Per-expert capacity as a multiple of the even share (N*k/E); 0 never drops tokens.")
-    aux_loss_coef: float | None = option(None, help="Load-balancing loss weight; unset uses the model config's router_aux_loss_coef.")
-    z_loss_coef: float = option(0.0, help="Router z-loss weight (ST-MoE); 0 disables it.")
+    aux_loss_coef: float | None = option(None, help="Deprecated: use --router-aux-loss-coef (the one flag of every "
+                                                    "strategy); this value is moved there with a warning.",
+                                         replaced_by="router_aux_loss_coef")
+    z_loss_coef: float | None = option(None, help="Deprecated: use --router-z-loss-coef (the one flag of every "
+                                                  "strategy); this value is moved there with a warning.",
+                                       replaced_by="router_z_loss_coef")
     experts_backend: Literal["auto", "grouped_mm", "loop"] = option(
         "auto", help="Expert matmuls: grouped_mm (torch grouped GEMM, CUDA), loop (one matmul per expert), auto picks.")
     expert_parallel: int | None = option(None, help="Deprecated: use --ep N (the one expert-parallel flag); this value "
@@ -27,7 +31,7 @@ class MoeConfig:
         problems = []
         if self.capacity_factor < 0:
             problems.append(f"capacity_factor must be 0 (no dropping) or positive, got {self.capacity_factor}")
-        if self.z_loss_coef < 0 or (self.aux_loss_coef is not None and self.aux_loss_coef < 0):
+        if any(value is not None and value < 0 for value in (self.aux_loss_coef, self.z_loss_coef)):
             problems.append("aux_loss_coef and z_loss_coef must not be negative")
         if self.expert_parallel is not None and self.expert_parallel < 1:
             problems.append(f"expert_parallel must be at least 1, got {self.expert_parallel}")
@@ -45,18 +49,21 @@ class MoeArchitecture:
     def __init__(self, config: MoeConfig | None = None):
         self.config = config or MoeConfig()
 
-    def patch(self, model: Any, source: Any = None, strategy: str | None = None, expert_parallel: int = 1) -> int:
+    def patch(self, model: Any, source: Any = None, strategy: str | None = None, expert_parallel: int = 1,
+              aux_loss_coef: float | None = None, z_loss_coef: float | None = None) -> int:
         """Patch ``model`` according to ``self.config``; returns the number of replaced blocks.
 
         Under torchrun with ``expert_parallel > 1`` (the layout's ep axis, ``--ep``) the experts are split
-        over groups of that many ranks (``strategy`` must be ``local``).
+        over groups of that many ranks (``strategy`` must be ``local``). ``aux_loss_coef`` / ``z_loss_coef``
+        are the recipe's ``--router-aux-loss-coef`` / ``--router-z-loss-coef``; ``None`` takes the model config's.
         """
         from toolkit_moe.patch import patch_moe_blocks
 
         expert_group = self._expert_group(strategy, expert_parallel)
-        return patch_moe_blocks(model, capacity_factor=self.config.capacity_factor, aux_loss_coef=self.config.aux_loss_coef,
-                                z_loss_coef=self.config.z_loss_coef, experts_backend=self.config.experts_backend,
-                                expert_group=expert_group)
+        aux = self.config.aux_loss_coef if aux_loss_coef is None else aux_loss_coef
+        z = self.config.z_loss_coef if z_loss_coef is None else z_loss_coef
+        return patch_moe_blocks(model, capacity_factor=self.config.capacity_factor, aux_loss_coef=aux, z_loss_coef=z,
+                                experts_backend=self.config.experts_backend, expert_group=expert_group)
 
     @staticmethod
     def _expert_group(strategy: str | None, size: int) -> Any:

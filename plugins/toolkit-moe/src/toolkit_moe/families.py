@@ -35,6 +35,9 @@ class MoeFamily:
     def aux_loss_coef(self, config: Any) -> float:
         return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
 
+    def z_loss_coef(self, config: Any) -> float:
+        return float(getattr(config, "router_z_loss_coef", 0.0) or 0.0)
+
 
 FAMILIES: dict[str, MoeFamily] = {
     f.model_type: f

@@ -25,13 +25,15 @@ def patch_moe_blocks(
     *,
     capacity_factor: float = 0.0,
     aux_loss_coef: float | None = None,
-    z_loss_coef: float = 0.0,
+    z_loss_coef: float | None = None,
     experts_backend: str = "auto",
     expert_group: ExpertGroup | None = None,
 ) -> int:
     """Patch every sparse MoE block of ``model`` in place; returns how many were replaced.
 
-    ``aux_loss_coef=None`` takes the model config's ``router_aux_loss_coef``.
+    ``aux_loss_coef=None`` / ``z_loss_coef=None`` take the model config's ``router_aux_loss_coef`` /
+    ``router_z_loss_coef`` (0 when the config has none): what ``--router-aux-loss-coef`` /
+    ``--router-z-loss-coef`` set on the config of a model the toolkit loads.
     """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
@@ -43,7 +45,7 @@ def patch_moe_blocks(
                          f"supported: {', '.join(sorted(FAMILIES))}. Drop the moe section (or --moe-enabled) for this model.")
     options = BlockOptions(capacity_factor=capacity_factor, experts_backend=experts_backend)
     collector = AuxCollector(aux_loss_coef=family.aux_loss_coef(config) if aux_loss_coef is None else aux_loss_coef,
-                             z_loss_coef=z_loss_coef)
+                             z_loss_coef=family.z_loss_coef(config) if z_loss_coef is None else z_loss_coef)
     targets = [(name, module) for name, module in model.named_modules() if type(module).__name__ == family.block_class]
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
