@@ -13,13 +13,15 @@ import typing
 from typing import Any, Literal, get_args, get_origin
 
 
-def option(default: Any = dataclasses.MISSING, *, help: str, flag: str | None = None, aliases: tuple[str, ...] = (),
+def option(default: Any = dataclasses.MISSING, *, help: str = "", flag: str | None = None, aliases: tuple[str, ...] = (),
            replaced_by: str | None = None, **kw: Any) -> Any:
     """A documented dataclass field: ``help`` becomes the flag's help, ``aliases`` extra flags (and YAML keys).
 
     ``replaced_by`` (a plugin section's field only) names the :class:`~toolkit.recipe.Recipe` field that took
     over its job: a value given there is moved to that field with one deprecation line (``resolve_recipe``);
-    the field's default must be ``None`` (not given)."""
+    the field's default must be ``None`` (not given), and its help is written from the new field's flag."""
+    if not help and not replaced_by:
+        raise TypeError("option() needs help= (the flag's help text)")
     metadata = {"help": help, "flag": flag, "aliases": aliases, "replaced_by": replaced_by}
     if isinstance(default, (list, dict, set)):
         value = default

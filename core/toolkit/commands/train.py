@@ -44,6 +44,12 @@ def _metavar(tp: Any) -> str:
     return describe_type(tp).upper()
 
 
+def _deprecation_help(replaced_by: str) -> str:
+    """The help of a plugin field that ``option(replaced_by=...)`` retired in favour of a core option."""
+    target = next(f for f in dataclasses.fields(Recipe) if f.name == replaced_by)
+    return f"Deprecated: use {flag_name(None, target)} (one flag for every strategy); this value is moved there with a warning."
+
+
 def _options_for(cls: type, prefix: str | None, dest_prefix: str) -> list[click.Option]:
     options = []
     hints = field_types(cls)
@@ -53,7 +59,7 @@ def _options_for(cls: type, prefix: str | None, dest_prefix: str) -> list[click.
         tp = hints[field.name]
         ctype, is_list = _click_type(tp)
         flag = flag_name(prefix, field)
-        help_text = field.metadata.get("help", "")
+        help_text = field.metadata.get("help", "") or _deprecation_help(field.metadata["replaced_by"])
         dest = f"{dest_prefix}{field.name}"
         names = [flag, *field.metadata.get("aliases", ())]
         if ctype is bool:

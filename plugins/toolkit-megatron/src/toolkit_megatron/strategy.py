@@ -32,12 +32,8 @@ class MegatronConfig:
     moe_experts: Literal["grouped", "sequential"] = option(
         "grouped", help="MoE experts without Transformer Engine: grouped (all local experts in one torch grouped matmul, "
         "same weights and checkpoint keys) or sequential (Megatron's SequentialMLP, a loop over experts).")
-    moe_aux_loss_coef: float | None = option(None, help="Deprecated: use --router-aux-loss-coef (the one flag of every "
-                                                        "strategy); this value is moved there with a warning.",
-                                             replaced_by="router_aux_loss_coef")
-    moe_z_loss_coef: float | None = option(None, help="Deprecated: use --router-z-loss-coef (the one flag of every "
-                                                      "strategy); this value is moved there with a warning.",
-                                           replaced_by="router_z_loss_coef")
+    moe_aux_loss_coef: float | None = option(None, replaced_by="router_aux_loss_coef")
+    moe_z_loss_coef: float | None = option(None, replaced_by="router_z_loss_coef")
     logps_kernel: Literal["auto", "chunked", "compiled", "reference"] = option(
         "auto", help="Label log-probs: chunked (fp32 a chunk of tokens at a time, bf16 logits kept), compiled "
                      "(the same under torch.compile), reference (plain autograd over full fp32 logits), auto "

@@ -16,16 +16,11 @@ from toolkit_moe.families import FAMILIES, MoeFamily
 class MoeConfig:
     enabled: bool = option(False, help="Replace the HF sparse MoE blocks (qwen2_moe, qwen3_moe, mixtral) with toolkit-moe's routed experts.")
     capacity_factor: float = option(0.0, help="Per-expert capacity as a multiple of the even share (N*k/E); 0 never drops tokens.")
-    aux_loss_coef: float | None = option(None, help="Deprecated: use --router-aux-loss-coef (the one flag of every "
-                                                    "strategy); this value is moved there with a warning.",
-                                         replaced_by="router_aux_loss_coef")
-    z_loss_coef: float | None = option(None, help="Deprecated: use --router-z-loss-coef (the one flag of every "
-                                                  "strategy); this value is moved there with a warning.",
-                                       replaced_by="router_z_loss_coef")
+    aux_loss_coef: float | None = option(None, replaced_by="router_aux_loss_coef")
+    z_loss_coef: float | None = option(None, replaced_by="router_z_loss_coef")
     experts_backend: Literal["auto", "grouped_mm", "loop"] = option(
         "auto", help="Expert matmuls: grouped_mm (torch grouped GEMM, CUDA), loop (one matmul per expert), auto picks.")
-    expert_parallel: int | None = option(None, help="Deprecated: use --ep N (the one expert-parallel flag); this value "
-                                                    "is moved there with a warning.", replaced_by="expert_parallel")
+    expert_parallel: int | None = option(None, replaced_by="expert_parallel")
 
     def check(self) -> list[str]:
         problems = []

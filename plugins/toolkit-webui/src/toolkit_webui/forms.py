@@ -125,7 +125,7 @@ def config_fields(cls: type, section: str | None, kind: str | None, flags: dict[
             from toolkit.models import PRESETS
 
             choices, custom = tuple(PRESETS), True
-        out.append(Field(section=section, kind=kind, name=f.name, type=tp, default=_default(f), help=f.metadata.get("help", ""),
+        out.append(Field(section=section, kind=kind, name=f.name, type=tp, default=_default(f), help=f.metadata.get("help", "") or getattr(option, "help", ""),
                          flag=option.opts[0] if option is not None else None,
                          negative=option.secondary_opts[0] if option is not None and option.secondary_opts else None,
                          choices=choices, custom=custom))
