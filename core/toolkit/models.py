@@ -275,6 +275,13 @@ def wants_scores(recipe: Any) -> bool:
     return get_plugin_manager().get("loss", recipe.loss).consumes == "scores"
 
 
+def attention_kwargs(config: Any) -> dict[str, str]:
+    """``from_pretrained`` keywords for the attention a model must run: eager for one whose config soft-caps
+    attention logits (Gemma 2), as only transformers' eager attention applies the cap; transformers 5.17 still
+    let such a model run sdpa without it, silently (later releases refuse sdpa for Gemma 2). None otherwise."""
+    return {"attn_implementation": "eager"} if getattr(config, "attn_logit_softcapping", None) else {}
+
+
 def load_hf_model(source: Any, tuner: Any, recipe: Any, device: Any) -> Any:
     """The HF causal LM in fp32 master weights, with the tuner applied, on ``device``.
 
@@ -285,7 +292,7 @@ def load_hf_model(source: Any, tuner: Any, recipe: Any, device: Any) -> Any:
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     torch.manual_seed(recipe.seed)
-    kwargs = {"dtype": torch.float32, **tuner.model_load_kwargs()}
+    kwargs = {"dtype": torch.float32, **attention_kwargs(source.config), **tuner.model_load_kwargs()}
     placed_by_loader = "quantization_config" in kwargs  # bitsandbytes quantises onto its device while loading
     kwargs.update(decompress_kwargs(source, kwargs))
     if wants_scores(recipe):

@@ -29,13 +29,17 @@ class HFBackend:
 
     def generate_ids(self, model_dir: Path, prompts: list[str], options: GenerateConfig) -> list[list[int]]:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        from toolkit.models import attention_kwargs
 
         trust = options.trust_remote_code  # always passed: left out, transformers asks on a terminal
         tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, options.dtype), trust_remote_code=trust,
-                                                     use_safetensors=True).to(device).eval()
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=getattr(torch, options.dtype),
+                                                     trust_remote_code=trust, use_safetensors=True,
+                                                     **attention_kwargs(config)).to(device).eval()
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         texts = [tokenizer(format_prompt(tokenizer, p, options.chat_template, options.system), add_special_tokens=False).input_ids
                  for p in prompts]

@@ -35,8 +35,9 @@ def main() -> None:
 
 
 def compare(hf_dir: str, layouts: list[str], mcore_dir: str | None, export_root: str) -> dict:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    from toolkit.models import attention_kwargs
     from toolkit.parallel import ParallelLayout
     from toolkit_megatron.bridge import SafetensorsReader, export_hf_tensors, load_hf_weights
     from toolkit_megatron.checkpoint import load_mcore
@@ -44,7 +45,8 @@ def compare(hf_dir: str, layouts: list[str], mcore_dir: str | None, export_root:
     from toolkit_megatron.model import build_model, initialize_parallel
     from toolkit_megatron.schedule import gather_logits
 
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    # the reference runs the attention transformers' own model needs (eager for Gemma 2's soft-capping)
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, **attention_kwargs(AutoConfig.from_pretrained(hf_dir))).eval()
     torch.manual_seed(0)
     ids = torch.randint(0, hf.config.vocab_size, (2, 16))
     # Two packed samples in row 0 (positions restart, no attention across them), one in row 1.

@@ -43,14 +43,20 @@ def preference_accuracy(model_dir: str | Path, dataset: str, reference_dir: str 
 
     With ``reference_dir`` it is DPO's implicit-reward accuracy instead (log-ratios against the reference).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    # never the model's own code, never pickled weights
+    from toolkit.models import attention_kwargs
+
+    def load(directory: Any) -> Any:  # never the model's own code, never pickled weights
+        config = AutoConfig.from_pretrained(directory, trust_remote_code=False)
+        return AutoModelForCausalLM.from_pretrained(directory, config=config, trust_remote_code=False, use_safetensors=True,
+                                                    **attention_kwargs(config))
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=False, use_safetensors=True)
+    model = load(model_dir)
     chosen, rejected = pair_logps(model, tokenizer, dataset, **kwargs)
     if reference_dir is not None:
-        reference = AutoModelForCausalLM.from_pretrained(reference_dir, trust_remote_code=False, use_safetensors=True)
+        reference = load(reference_dir)
         ref_chosen, ref_rejected = pair_logps(reference, tokenizer, dataset, **kwargs)
         chosen, rejected = chosen - ref_chosen, rejected - ref_rejected
     return float((chosen > rejected).float().mean())

@@ -58,9 +58,12 @@ def load_policy_copy(source: Any, device: Any) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from toolkit.models import attention_kwargs
+
     with whole_models():
         model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=torch.float32, use_safetensors=True,
-                                                     trust_remote_code=source.trust_remote_code)
+                                                     trust_remote_code=source.trust_remote_code,
+                                                     **attention_kwargs(source.config))
     return model.to(device).eval().requires_grad_(False)
 
 
