@@ -77,8 +77,8 @@ def _calls(pattern: str) -> list[str]:
 
 def test_one_writer_of_each_kind():
     # safetensors files: the HF writers (shards, adapters) and the training checkpoints, nothing else
-    assert _calls(r"\bsave_file\(") == ["core/toolkit/hfdir.py", "core/toolkit/train/hf_engine.py",
-                                        "core/toolkit/train/reference.py",
+    assert _calls(r"\bsave_file\(") == ["core/toolkit/hfdir.py", "core/toolkit/train/checkpoint.py",
+                                        "core/toolkit/train/hf_engine.py", "core/toolkit/train/reference.py",
                                         "plugins/toolkit-deepspeed/src/toolkit_deepspeed/engine.py"]
     adapter_writers = [p for p in _calls(r"adapter_model\.safetensors") if "save_file(" in (ROOT / p).read_text()]
     assert adapter_writers == ["core/toolkit/hfdir.py"]

@@ -167,6 +167,16 @@ def agree_on_resume(run_dir: Path, resume: str, engine: Any, verify: str = "sha2
 
 
 # ---------------------------------------------------------------------------------------------- manifest
+def write_model_state(directory: Path, state: dict[str, Any], tuner: str) -> None:
+    """A checkpoint's trained tensors under the tuner's names (``tuner.checkpoint_state`` on the HF model) as
+    ``model.safetensors``, the tuner named in its metadata: what a resume of the HF engines and the tuner's
+    ``adapter_from_checkpoint`` (``--adapter-only`` exports) read. Every engine writes it here."""
+    from safetensors.torch import save_file
+
+    save_file({name: tensor.detach().contiguous().cpu() for name, tensor in state.items()}, str(directory / "model.safetensors"),
+              metadata={"format": "pt", "tuner": tuner})
+
+
 def hash_files(directory: Path, names: list[str], sync: bool = False) -> dict[str, tuple[int, str]]:
     """``{name: (size, sha256)}``, several files at once (hashlib releases the GIL on large updates)."""
     workers = max(1, min(len(names), os.cpu_count() or 1, 8))

@@ -329,6 +329,7 @@ class LocalEngine(EngineBase):
         import torch
         from safetensors.torch import save_file
 
+        from toolkit.train.checkpoint import write_model_state
         from toolkit.train.sharded import full_optimizer_state, full_tensors
 
         if not self.is_main and not self.shard_names:
@@ -344,7 +345,7 @@ class LocalEngine(EngineBase):
             def host(state: dict) -> dict:
                 return {k: v.detach().contiguous().cpu() for k, v in state.items()}
 
-            save_file(host(model_state), str(directory / "model.safetensors"), metadata={"format": "pt", "tuner": self.tuner.name})
+            write_model_state(directory, model_state, self.tuner.name)
             torch.save(optimizer_state, directory / "optimizer.pt")
             torch.save(self.scheduler.state_dict() if self.scheduler else {}, directory / "scheduler.pt")
             if master_state is not None:

@@ -474,14 +474,12 @@ class MegatronEngine(EngineBase):
         Megatron; the run resumes from ``mcore/``."""
         if not self.lora:
             return
-        from safetensors.torch import save_file
-
+        from toolkit.train.checkpoint import write_model_state
         from toolkit_megatron.lora import adapter_state
 
         state = adapter_state(self.chunks)
         if self.is_main:
-            save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(directory / "model.safetensors"),
-                      metadata={"format": "pt", "tuner": self.tuner.name})
+            write_model_state(directory, state, self.tuner.name)
 
     def adapter_export(self) -> Any:
         """``ExportModel.adapter`` after training: the tuner's reading of the newest checkpoint's adapters (the runner
