@@ -290,8 +290,9 @@ def test_initial_adapters_equal_those_of_the_loaded_model(source, tuner_cls, opt
 
     from toolkit.models import load_hf_model
 
-    recipe = types.SimpleNamespace(seed=7, gradient_checkpointing=False, loss="sft", precision=precision, strategy="megatron",
-                                   optimizer="adamw", section=lambda name: {})
+    from toolkit.recipe import Recipe
+
+    recipe = Recipe(seed=7, loss="sft", precision=precision, strategy="megatron")
     tuner = tuner_cls(tuner_cls.Config(**options))
     assert tuner.validate(recipe, source) == []
     expected = tuner.checkpoint_state(load_hf_model(source, tuner, recipe, torch.device("cpu")))
