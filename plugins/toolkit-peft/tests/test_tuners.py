@@ -286,10 +286,8 @@ def test_initial_adapters_equal_those_of_the_loaded_model(source, tuner_cls, opt
     """``initial_adapters`` (what Megatron-Core LoRA starts from) is ``checkpoint_state`` of load_hf_model's model,
     bit for bit, and LoRA's needs no weight file at all (the base weights are never read)."""
     import shutil
-    import types
 
     from toolkit.models import load_hf_model
-
     from toolkit.recipe import Recipe
 
     recipe = Recipe(seed=7, loss="sft", precision=precision, strategy="megatron")
