@@ -59,7 +59,9 @@ def _options_for(cls: type, prefix: str | None, dest_prefix: str) -> list[click.
         tp = hints[field.name]
         ctype, is_list = _click_type(tp)
         flag = flag_name(prefix, field)
-        help_text = field.metadata.get("help", "") or _deprecation_help(field.metadata["replaced_by"])
+        help_text = field.metadata.get("help", "")
+        if not help_text and field.metadata.get("replaced_by"):
+            help_text = _deprecation_help(field.metadata["replaced_by"])
         dest = f"{dest_prefix}{field.name}"
         names = [flag, *field.metadata.get("aliases", ())]
         if ctype is bool:
