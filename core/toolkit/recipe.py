@@ -286,6 +286,14 @@ def resolve_recipe(values: dict[str, Any], source: str = "recipe", manager: Any 
     return recipe
 
 
+def replacement_flag(target: str) -> str:
+    """The flag of the :class:`Recipe` field ``target`` that a deprecated section field (``option(replaced_by=...)``)
+    moved to."""
+    from toolkit.config import flag_name
+
+    return flag_name(None, next(f for f in dataclasses.fields(Recipe) if f.name == target))
+
+
 def _move_replaced_options(recipe: Recipe, manager: Any, explicit: set[str]) -> list[str]:
     """Move the values of deprecated section fields (``option(replaced_by=...)``) to the Recipe field that
     replaced them, printing one line per field (on the main rank); a conflicting value given both ways, or by two
@@ -303,7 +311,7 @@ def _move_replaced_options(recipe: Recipe, manager: Any, explicit: set[str]) -> 
             if not target or values.get(field.name) is None:
                 continue
             value, values[field.name] = values[field.name], None
-            new_flag = flag_name(None, next(f for f in dataclasses.fields(Recipe) if f.name == target))
+            new_flag = replacement_flag(target)
             old_flag = flag_name(section, field)
             if (target in explicit or target in moved) and getattr(recipe, target) != value:
                 current = getattr(recipe, target)

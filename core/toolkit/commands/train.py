@@ -16,7 +16,7 @@ import click
 
 from toolkit.config import describe_type, field_types, flag_name
 from toolkit.contracts import member
-from toolkit.recipe import OPTION_KINDS, Recipe
+from toolkit.recipe import OPTION_KINDS, Recipe, replacement_flag
 
 
 def _click_type(tp: Any) -> tuple[Any, bool]:
@@ -46,8 +46,7 @@ def _metavar(tp: Any) -> str:
 
 def _deprecation_help(replaced_by: str) -> str:
     """The help of a plugin field that ``option(replaced_by=...)`` retired in favour of a core option."""
-    target = next(f for f in dataclasses.fields(Recipe) if f.name == replaced_by)
-    return f"Deprecated: use {flag_name(None, target)} (one flag for every strategy); this value is moved there with a warning."
+    return f"Deprecated: use {replacement_flag(replaced_by)} (one flag for every strategy); this value is moved there with a warning."
 
 
 def _options_for(cls: type, prefix: str | None, dest_prefix: str) -> list[click.Option]:
