@@ -8,6 +8,9 @@
 #   bash bench/gpu_userpath.sh 4    # export + infer, QLoRA, DoRA, isolated PT
 #   bash bench/gpu_userpath.sh 5    # megatron under torchrun, megatron MoE, unpacked SFT without length grouping
 #   bash bench/gpu_userpath.sh 7    # ~3 minutes: every toolkit case on tiny models on CUDA (6 at once) + the megatron tests
+#   bash bench/gpu_userpath.sh 8    # Gemma 2 / Gemma 3 at scale, local and megatron, + the megatron tests (CPU) and the
+#                                   # GPU-only FlexAttention test of the soft-capped, windowed attention
+#   bash bench/gpu_userpath.sh 9    # LoRA on the Qwen3-MoE experts: local + toolkit-peft vs megatron's per-expert adapters
 #   bash bench/gpu_userpath.sh 6    # one call of ~8 minutes: every toolkit case on tiny models on CUDA (5 at once: does
 #                                   # each run), then at scale dpo-pure, MoE (megatron, toolkit-moe), fsdp, deepspeed
 set -uo pipefail
@@ -72,6 +75,19 @@ case "$part" in
       --cases dpo-pure,moe-megatron,moe-sft,sft-fsdp,sft-deepspeed,trl-dpo
     wait $tests
     tail -5 "$OUT/megatron-tests.log"
+    ;;
+  8)
+    (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 timeout 420 python3 -m pytest -q -p no:cacheprovider -n 10 plugins/toolkit-megatron/tests \
+      > "$OUT/megatron-tests.log" 2>&1; echo "megatron tests: rc $?" >> "$OUT/megatron-tests.log") &
+    tests=$!
+    # the GPU-only tests (skipif without CUDA, so the CPU run above skips them)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider plugins/toolkit-megatron/tests/test_families.py -k gpu 2>&1 | tail -3
+    timeout 400 python3 bench/userpath.py --steps 8 --case-timeout 95 --cases gemma2-sft,gemma2-megatron,gemma3-sft,gemma3-megatron
+    wait $tests
+    tail -5 "$OUT/megatron-tests.log"
+    ;;
+  9)
+    timeout 500 python3 bench/userpath.py --steps 10 --case-timeout 150 --cases moe-lora,moe-megatron-lora,moe-megatron
     ;;
   5)
     timeout 560 python3 bench/userpath.py --case-timeout 170 --cases sft-megatron-torchrun,moe-megatron,sft-nopack-ungrouped

@@ -42,6 +42,17 @@ LLAMA_TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, nu
 MOE = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
            num_experts_per_tok=8, num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
            norm_topk_prob=True, max_position_embeddings=40960, rope_theta=1e6)
+# Gemma 2 at the 2B width with 6 of its 26 layers (sliding window 1024, so a 4096 row crosses it; soft-capped
+# attention and logits) and Gemma 3 1B whole (5 windowed layers to 1 global, QK norm): the families whose attention
+# the megatron bridge runs through FlexAttention score/mask functions on a GPU
+GEMMA2 = dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=6, num_attention_heads=8,
+              num_key_value_heads=4, head_dim=256, sliding_window=1024, max_position_embeddings=8192)
+GEMMA2_TINY = dict(vocab_size=768, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, sliding_window=64, max_position_embeddings=4096)
+GEMMA3 = dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+              num_key_value_heads=1, head_dim=256, sliding_window=512, max_position_embeddings=32768)
+GEMMA3_TINY = dict(vocab_size=768, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, sliding_window=64, max_position_embeddings=4096)
 MOE_TINY = dict(vocab_size=768, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
                 num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                 norm_topk_prob=True, max_position_embeddings=4096)
@@ -56,6 +67,7 @@ def cases(args: argparse.Namespace) -> dict[str, dict]:
     sft = ["sft", "--dataset", "{chats}", *common]
     pref = ["--dataset", "{prefs}", "--precision", "bf16", "--seq-len", "2048", "--micro-batch-size", str(mb),
             "--max-steps", str(args.steps), "--log-every", "1", "--lr", "1e-6", "--overwrite"]
+    moe_lora = ["--tuner", "lora", "--lr", "1e-4", "--lora-target-modules", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"]
     table = {
         "pt": {"cmd": ["pt", "--dataset", "{docs}", *common]},
         "pt-isolated": {"cmd": ["pt", "--dataset", "{docs}", *common, "--isolate-documents"]},
@@ -78,6 +90,14 @@ def cases(args: argparse.Namespace) -> dict[str, dict]:
         "rm": {"cmd": ["rm", *pref]},
         "moe-sft": {"cmd": [*sft, "--packing"], "model": "moe"},
         "moe-megatron": {"cmd": [*sft, "--packing", "--strategy", "megatron"], "model": "moe", "needs": "megatron.core"},
+        # LoRA on attention and every expert: toolkit-peft on the HF model vs the megatron bridge's per-expert adapters
+        "moe-lora": {"cmd": [*sft, "--packing", *moe_lora], "model": "moe"},
+        "moe-megatron-lora": {"cmd": [*sft, "--packing", "--strategy", "megatron", *moe_lora], "model": "moe",
+                              "needs": "megatron.core"},
+        "gemma2-sft": {"cmd": [*sft, "--packing"], "model": "gemma2"},
+        "gemma2-megatron": {"cmd": [*sft, "--packing", "--strategy", "megatron"], "model": "gemma2", "needs": "megatron.core"},
+        "gemma3-sft": {"cmd": [*sft, "--packing"], "model": "gemma3"},
+        "gemma3-megatron": {"cmd": [*sft, "--packing", "--strategy", "megatron"], "model": "gemma3", "needs": "megatron.core"},
         "export-infer": {"cmd": [*sft, "--packing", "--tuner", "lora", "--export", "hf"], "then_infer": True},
         "hf-sft": {"baseline": "hf-sft"},
         "trl-sft-bfd": {"baseline": "trl-sft-bfd"},
@@ -91,14 +111,19 @@ def cases(args: argparse.Namespace) -> dict[str, dict]:
 
 
 # ---------------------------------------------------------------------------------------------- set-up
-def prepare(args: argparse.Namespace) -> dict[str, Path]:
-    """Models and data under ``args.work`` (written once)."""
+def prepare(args: argparse.Namespace, needed: set[str]) -> dict[str, Path]:
+    """The ``needed`` models and the data under ``args.work`` (written once)."""
     from userdata import write
 
     work = args.work
     paths = {}
-    for kind, shape in (("dense", LLAMA_TINY if args.tiny else LLAMA_1B), ("moe", MOE_TINY if args.tiny else MOE)):
+    shapes = {"dense": (LLAMA_TINY, LLAMA_1B), "moe": (MOE_TINY, MOE), "gemma2": (GEMMA2_TINY, GEMMA2),
+              "gemma3": (GEMMA3_TINY, GEMMA3)}
+    for kind, (tiny, full) in shapes.items():
+        shape = tiny if args.tiny else full
         directory = work / f"model-{kind}"
+        if kind not in needed:
+            continue
         if not (directory / "config.json").is_file():
             write_model(directory, kind, shape)
         paths[kind] = directory
@@ -112,12 +137,13 @@ def prepare(args: argparse.Namespace) -> dict[str, Path]:
 
 def write_model(directory: Path, kind: str, shape: dict) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma2Config, Gemma3TextConfig, LlamaConfig, Qwen3MoeConfig
 
     from toolkit.models import TOKENIZER_DIR
 
-    config_cls = LlamaConfig if kind == "dense" else Qwen3MoeConfig
-    config = config_cls(**shape, tie_word_embeddings=False)
+    config_cls = {"dense": LlamaConfig, "moe": Qwen3MoeConfig, "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig}[kind]
+    # Gemma ties its head to the embedding, as the released checkpoints do
+    config = config_cls(**shape, tie_word_embeddings=kind.startswith("gemma"))
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
@@ -240,7 +266,7 @@ def main() -> None:
     if args.baseline:
         from userpath_baselines import run_baseline
 
-        paths = prepare(args)
+        paths = prepare(args, {"dense"})  # the baselines train the Llama
         args.baseline_out.write_text(json.dumps(run_baseline(args.baseline, paths, args)))
         return
     table = cases(args)
@@ -252,7 +278,7 @@ def main() -> None:
         for name in chosen:
             print(f"{name:24s} {' '.join(table[name].get('cmd', [table[name].get('baseline', '')]))}")
         return
-    paths = prepare(args)
+    paths = prepare(args, {table[name]["model"] for name in chosen})
     if args.prepare_only:
         return
     results: list[dict] = []
