@@ -22,13 +22,16 @@ A plugin takes part without being listed here. Its ``pyproject.toml`` may carry 
     pytest-args = ["-x"]        # added to its pytest command
     env = {VLLM_TARGET_DEVICE = "cpu"}
     skip = "needs a GPU"        # not tested by nox; the reason is printed
+    cost = 300                  # rough CPU seconds of its suite: scripts/test_pool.py starts the costliest first (default 60)
 
 Every install uses ``-c constraints.txt`` (it pins torch). The test sessions build the wheels of
 the core and the plugins into dist/ and install those (not editable), resolved once per venv, and
 the shared session smoke-tests that install (scripts/smoke_wheels.py) before the suites.
 ``TOOLKIT_TEST_FAST=1`` deselects tests marked ``slow``; ``TOOLKIT_TEST_WORKERS=4`` runs each suite on 4 pytest-xdist workers
 (``--dist loadscope``: a module's tests share a worker, so its module-scoped fixtures run once); tests marked
-``gpu`` never run here.
+``gpu`` never run here. ``TOOLKIT_TEST_SUITES=toolkit-megatron,smoke`` runs only those suites of a test session
+(``smoke``: the wheel install's smoke test); scripts/test_pool.py runs each suite so, in a pool of lanes
+(``nox --install-only`` first, then ``nox -R`` per suite).
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class Plugin:
     pytest_args: list[str] = dataclasses.field(default_factory=list)
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     skip: str | bool = False
+    cost: int = 60
 
     @property
     def short(self) -> str:
@@ -120,11 +124,32 @@ def pytest_args(session: nox.Session) -> list[str]:
     return ["-m", markers, "--durations=10", "--toolkit-cpu-report=15", *distributed, *session.posargs]
 
 
+CORE_COST = 530
+"""Rough CPU seconds of the core's suite (the plugins' are their ``cost``), for scripts/test_pool.py's order."""
+SMOKE = "smoke"
+"""The suite name of the shared session's smoke test of its wheel install (scripts/smoke_wheels.py)."""
+
+
+def selected(name: str) -> bool:
+    """Whether ``TOOLKIT_TEST_SUITES`` (comma-separated suite names; unset: every suite) picks suite ``name``."""
+    chosen = os.environ.get("TOOLKIT_TEST_SUITES", "")
+    return not chosen or name in {part.strip() for part in chosen.split(",")}
+
+
+def test_jobs() -> list[tuple[str, str, int]]:
+    """(nox session, suite, rough CPU seconds) of every suite the ``tests``-tagged sessions run, for
+    scripts/test_pool.py: the shared session's smoke test and core suite, then each plugin's."""
+    jobs = [("tests", SMOKE, 25), ("tests", "toolkit", CORE_COST)]
+    return jobs + [(p.session_name if p.own_session else "tests", p.name, p.cost) for p in PLUGINS if not p.skip]
+
+
 def run_suites(session: nox.Session, suites: list[tuple[str, Path, list[str], dict[str, str]]]) -> None:
     """Run each package's tests in its own pytest process (test module names may repeat across
-    packages) and fail at the end, naming every suite that failed."""
+    packages) and fail at the end, naming every suite that failed. ``TOOLKIT_TEST_SUITES`` picks some."""
     failed = []
     for name, path, extra, env in suites:
+        if not selected(name):
+            continue
         if not path.is_dir():
             session.log(f"{name}: no tests/ directory")
             continue
@@ -181,9 +206,10 @@ def uninstall_packages(session: nox.Session, *packages: str) -> None:
     if session.venv_backend == "uv":
         from nox.virtualenv import UV  # the uv binary nox creates its venvs with
 
-        session.run(UV, "pip", "uninstall", *packages, external=True)
+        # run_install: part of the install step (``--install-only`` runs it, ``-R`` on a reused venv does not)
+        session.run_install(UV, "pip", "uninstall", *packages, external=True)
     elif session.venv_backend != "none":
-        session.run("python", "-m", "pip", "uninstall", "-y", *packages)
+        session.run_install("python", "-m", "pip", "uninstall", "-y", *packages)
 
 
 def install_from_wheels(session: nox.Session, plugins: list[Plugin], extra: list[str]) -> None:
@@ -219,7 +245,8 @@ def smoke_test(session: nox.Session, distributions: list[str]) -> None:
 def tests(session: nox.Session) -> None:
     """The core and every plugin that shares the main venv, installed from their wheels."""
     shared = install_shared(session)
-    smoke_test(session, ["toolkit-core", *(p.name for p in shared)])
+    if selected(SMOKE):
+        smoke_test(session, ["toolkit-core", *(p.name for p in shared)])
     for plugin in PLUGINS:
         if plugin.skip:
             session.log(f"{plugin.name}: skipped ({plugin.skip})")
