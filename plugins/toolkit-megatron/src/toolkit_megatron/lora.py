@@ -212,7 +212,9 @@ class LoRALinear(torch.nn.Module):
         self.order = [p for p in _COLUMN_PARTS + ("row",) if p in parts]
         self.dora = any("M" in parts[p] for p in self.order)
         tp, rank = self.tp, self.rank
-        dtype = base.weight.dtype
+        # the base's device too: the adapters come from the tuner on the host (per-expert slices of PEFT's fused
+        # adapters stayed there, and Megatron's optimizer refuses a CPU parameter on a GPU run)
+        dtype, device = base.weight.dtype, base.weight.device
         for part in self.order:
             a, b = parts[part]["A"], _megatron_rows(part, parts[part]["B"], geometry, tp)
             if self.row:
@@ -221,13 +223,13 @@ class LoRALinear(torch.nn.Module):
             elif part != "kv_down":  # kv_down: A and B whole on every rank (see _kv_down_delta)
                 rows = b.shape[0] // tp
                 b = b[rank * rows:(rank + 1) * rows]
-            self.register_parameter(f"lora_a_{part}", torch.nn.Parameter(a.to(dtype).contiguous()))
-            self.register_parameter(f"lora_b_{part}", torch.nn.Parameter(b.to(dtype).contiguous()))
+            self.register_parameter(f"lora_a_{part}", torch.nn.Parameter(a.to(device, dtype).contiguous()))
+            self.register_parameter(f"lora_b_{part}", torch.nn.Parameter(b.to(device, dtype).contiguous()))
             if self.dora:  # DoRA magnitude per output row: split like B's rows
                 magnitude = _megatron_rows(part, parts[part]["M"], geometry, tp)
                 if not self.row:
                     magnitude = magnitude[rank * (magnitude.shape[0] // tp):(rank + 1) * (magnitude.shape[0] // tp)]
-                self.register_parameter(f"lora_m_{part}", torch.nn.Parameter(magnitude.to(dtype).contiguous()))
+                self.register_parameter(f"lora_m_{part}", torch.nn.Parameter(magnitude.to(device, dtype).contiguous()))
                 m = getattr(self, f"lora_m_{part}")
                 if self.row:
                     m.sequence_parallel = self.sequence_parallel
