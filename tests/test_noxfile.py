@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -119,3 +120,50 @@ def test_session_installs_skip_byte_compiling_everything(noxfile):
     session = type("Session", (), {"venv_backend": "venv", "install": lambda self, *args: calls.append(args)})()
     noxfile.install(session, "-c", "constraints.txt", "toolkit-core[test]")
     assert calls == [("--no-compile", "-c", "constraints.txt", "toolkit-core[test]")]
+
+
+FAKE_NOX = """
+import json, os, sys, time
+start = time.monotonic()
+time.sleep(0.3)
+failing = os.environ["FAKE_FAIL"]
+with open(os.environ["FAKE_LOG"], "a") as log:
+    log.write(json.dumps({"argv": sys.argv[1:], "suites": os.environ["TOOLKIT_TEST_SUITES"], "start": start,
+                          "end": time.monotonic()}) + "\\n")
+sys.exit(1 if "--install-only" in sys.argv and failing in sys.argv else 0)
+"""
+
+
+def test_the_pool_runs_each_suite_after_its_install_within_its_lanes(tmp_path, monkeypatch):
+    """scripts/test_pool.py: each suite in its own ``nox -R -s SESSION`` with ``TOOLKIT_TEST_SUITES``, none before its
+    session's install passed, never more at once than lanes; a failed install leaves its suites unrun (and reported)."""
+    spec = importlib.util.spec_from_file_location("toolkit_test_pool", ROOT / "scripts" / "test_pool.py")
+    pool = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = pool  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(pool)
+        fake = tmp_path / "nox.py"
+        fake.write_text(FAKE_NOX)
+        monkeypatch.setenv("FAKE_LOG", str(tmp_path / "calls.jsonl"))
+        monkeypatch.setenv("FAKE_FAIL", "tests-broken")
+        jobs = pool.plan([("tests", "toolkit", 500), ("tests", "toolkit-a", 20), ("tests-engine", "toolkit-b", 300),
+                          ("tests-broken", "toolkit-c", 900), ("tests-skipped", "toolkit-d", 10)],
+                         ["tests", "tests-engine", "tests-broken"])
+        pool.run(jobs, 2, [sys.executable, str(fake)], ["-k", "x"], tmp_path)
+    finally:
+        del sys.modules[spec.name]
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    status = {job.name: job.status for job in jobs}
+    assert status == {"tests install": "passed", "tests-engine install": "passed", "tests-broken install": "failed",
+                      "tests: toolkit": "passed", "tests: toolkit-a": "passed", "tests-engine: toolkit-b": "passed",
+                      "tests-broken: toolkit-c": "waiting"}
+    installs = {call["argv"][-1]: call for call in calls if "--install-only" in call["argv"]}
+    suites = [call for call in calls if "--install-only" not in call["argv"]]
+    assert sorted(call["suites"] for call in suites) == ["toolkit", "toolkit-a", "toolkit-b"]
+    for call in suites:
+        session = call["argv"][call["argv"].index("-s") + 1]
+        assert call["argv"][:1] == ["-R"] and call["argv"][-2:] == ["-k", "x"], call
+        assert call["start"] >= installs[session]["end"], call
+    edges = sorted([(c["start"], 1) for c in calls] + [(c["end"], -1) for c in calls])
+    running = [sum(step for _, step in edges[:i + 1]) for i in range(len(edges))]
+    assert max(running) == 2
