@@ -293,6 +293,10 @@ def test_expert_parallel_splits_only_experts():
     ep8 = memory(MIXTRAL, Layout("megatron", tp=2, pp=4, ep=8, dp=8))
     expert_share = MIXTRAL.expert_params / 4 * 2  # bf16 expert weights of one stage
     assert ep1.weights - ep8.weights == pytest.approx(expert_share * (1 - 1 / 8), rel=1e-6)
+    # toolkit-moe's --ep under local: the same split of the experts; DDP's buckets leave the expert slices out
+    local1, local8 = memory(MIXTRAL, Layout("local", dp=8)), memory(MIXTRAL, Layout("local", ep=8, dp=8))
+    assert local1.weights - local8.weights == pytest.approx(2 * MIXTRAL.expert_params * (1 - 1 / 8), rel=1e-6)
+    assert local1.buffers - local8.buffers == pytest.approx(2 * MIXTRAL.expert_params, rel=1e-6)
 
 
 # ----------------------------------------------------------------------------- time properties
@@ -452,6 +456,8 @@ def test_plan_command_prints_ranked_layouts_without_importing_torch():
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert data["ranked"][0]["overrides"]["strategy"] == "megatron"
+    command = data["ranked"][0]["command"]  # a hand-written config has no weights to train: MODEL_DIR stands for them
+    assert command[:5] == ["toolkit", "launch", "--nproc", "8", "--nnodes"] and "--model MODEL_DIR --strategy megatron" in " ".join(command)
     assert "NO-TORCH" in proc.stderr
     bad = subprocess.run([sys.executable, "-m", "toolkit", "plan", "--model", "nope.json", "--gpus", "1"],
                          capture_output=True, text=True)

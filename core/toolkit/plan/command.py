@@ -63,5 +63,16 @@ def plan_command(model: str, gpus: int, nodes: int, gpu_kind: str, gpu_memory: s
                         kernels=planned_kernels(local_kernels), fused_loss=local_fused_loss,
                         megatron_fused_loss=megatron_fused_loss)
     chosen = tuple(s.strip() for s in strategies.split(",") if s.strip())
-    result = plan(load_shape(model), cluster, workload, chosen, model=model)
+    result = plan(load_shape(model), cluster, workload, chosen, model=trainable_reference(model))
     click.echo(json.dumps(to_json(result, top), indent=2) if as_json else render(result, top))
+
+
+def trainable_reference(model: str) -> str:
+    """The ``--model`` a training command takes for the planned model: its directory (``dir/config.json`` names
+    ``dir``); a config file written by hand has no weights, so ``MODEL_DIR`` stands for them in the printed commands."""
+    from pathlib import Path
+
+    path = Path(model)
+    if path.is_file():
+        return str(path.parent) if path.name == "config.json" else "MODEL_DIR"
+    return model
