@@ -105,6 +105,7 @@ def expert_parallel_state(directory: str) -> int:
     return engine_allocated_bytes(engine)
 
 
+@pytest.mark.slow
 def test_planned_state_per_rank_equals_what_the_expert_parallel_engine_holds(tmp_path):
     """bf16 parameters, fp32 master weights and AdamW moments on each of two ranks of ``--strategy local --ep 2``
     (bf16, master weights): the planner's weights + masters + optimizer states of its local EP2 candidate, where the
