@@ -293,6 +293,10 @@ def test_expert_parallel_splits_only_experts():
     ep8 = memory(MIXTRAL, Layout("megatron", tp=2, pp=4, ep=8, dp=8))
     expert_share = MIXTRAL.expert_params / 4 * 2  # bf16 expert weights of one stage
     assert ep1.weights - ep8.weights == pytest.approx(expert_share * (1 - 1 / 8), rel=1e-6)
+    # toolkit-moe's --ep under local: the same split of the experts; DDP's buckets leave the expert slices out
+    local1, local8 = memory(MIXTRAL, Layout("local", dp=8)), memory(MIXTRAL, Layout("local", ep=8, dp=8))
+    assert local1.weights - local8.weights == pytest.approx(2 * MIXTRAL.expert_params * (1 - 1 / 8), rel=1e-6)
+    assert local1.buffers - local8.buffers == pytest.approx(2 * MIXTRAL.expert_params, rel=1e-6)
 
 
 # ----------------------------------------------------------------------------- time properties
@@ -452,6 +456,8 @@ def test_plan_command_prints_ranked_layouts_without_importing_torch():
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert data["ranked"][0]["overrides"]["strategy"] == "megatron"
+    command = data["ranked"][0]["command"]  # a hand-written config has no weights to train: MODEL_DIR stands for them
+    assert command[:5] == ["toolkit", "launch", "--nproc", "8", "--nnodes"] and "--model MODEL_DIR --strategy megatron" in " ".join(command)
     assert "NO-TORCH" in proc.stderr
     bad = subprocess.run([sys.executable, "-m", "toolkit", "plan", "--model", "nope.json", "--gpus", "1"],
                          capture_output=True, text=True)
@@ -599,9 +605,9 @@ def test_megatron_fused_head_replaces_the_logits_of_the_last_stage():
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3", "deepseek_v2"])
 def test_forward_flops_match_torch_flop_counter(family):
     """The planner's FLOPs per token against torch's FLOP counter on the transformers model (eager attention, so
-    the scores' matmuls are counted; the counter counts them over the whole square, the planner the causal half).
-    MLA's latent projections and its query-key vs value widths, experts (top-k), shared experts and dense first
-    layers all enter the count."""
+    the scores' matmuls are counted; the counter counts them over the whole square, the planner the pairs the causal
+    mask allows). MLA's latent projections and its query-key vs value widths, experts (top-k), shared experts and
+    dense first layers all enter the count."""
     transformers = pytest.importorskip("transformers")
     import torch
     from torch.utils.flop_counter import FlopCounterMode
@@ -619,8 +625,57 @@ def test_forward_flops_match_torch_flop_counter(family):
     shape: ModelShape = shape_from_config(config.to_dict())
     dense, routed = train_flops_per_token(shape, Workload(seq_len=seq, micro_batch_size=batch), recompute=False)
     forward_causal = (dense + routed) / 3  # forward + backward = 3 forwards without recompute
-    square_scores = 2 * shape.layers * seq * shape.attention_width  # the upper triangle the counter adds
-    assert counter.get_total_flops() == pytest.approx(batch * seq * (forward_causal + square_scores), rel=1e-9)
+    upper_triangle = 4 * shape.attention_width * shape.layers * (seq * (seq - 1) // 2)  # masked pairs the counter adds
+    assert counter.get_total_flops() == pytest.approx(batch * (seq * forward_causal + upper_triangle), rel=1e-9)
+
+
+WINDOWED = {  # window 5 over rows of 12 tokens: windowed layers see 5 keys per query at most
+    "gemma2": dict(TINY_CONFIGS["gemma2"], num_hidden_layers=4, sliding_window=5),  # every other layer
+    "gemma3_text": dict(TINY_CONFIGS["gemma3_text"], num_hidden_layers=4, sliding_window=5, sliding_window_pattern=3),
+    "gemma3_layer_types": dict(TINY_CONFIGS["gemma3_text"], num_hidden_layers=3, sliding_window=5,
+                               layer_types=["full_attention", "sliding_attention", "sliding_attention"]),
+    "mistral": dict(TINY_CONFIGS["llama"], model_type="mistral", sliding_window=5),  # every layer
+    "phi3": dict(TINY_CONFIGS["phi3"], sliding_window=5),
+    "qwen2": dict(TINY_CONFIGS["qwen2"], num_hidden_layers=3, use_sliding_window=True, sliding_window=5,
+                  max_window_layers=1),  # layers 1 and 2
+    "qwen2_off": dict(TINY_CONFIGS["qwen2"], use_sliding_window=False, sliding_window=5),  # the window is ignored
+    "qwen2_moe": dict(TINY_CONFIGS["qwen2_moe"], use_sliding_window=True, sliding_window=5, max_window_layers=2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WINDOWED))
+def test_attention_pairs_match_the_masks_transformers_builds(case):
+    """Sliding-window layers: the planner's query-key pairs per row against the masks transformers' own forward hands
+    each attention layer (eager, so every mask is materialised), counted entry by entry: which layers are windowed
+    (layer_types or each family's rule) and the window's bounds (the query itself inside) both come from transformers.
+    Counting a windowed layer as full causal attention fails this."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    config = transformers.AutoConfig.for_model(**WINDOWED[case], attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    allowed = []
+
+    def count(module, args, kwargs):
+        mask = kwargs["attention_mask"]
+        allowed.append(int(mask.sum()) if mask.dtype == torch.bool else int((mask == 0).sum()))
+
+    layers = model.model.layers
+    for layer in layers:
+        layer.self_attn.register_forward_pre_hook(count, with_kwargs=True)
+    seq = 12
+    with torch.no_grad():
+        model(torch.randint(0, config.vocab_size, (1, seq)))
+    shape = shape_from_config(config.to_dict())
+    assert len(allowed) == len(layers) and shape.attention_pairs(seq) == sum(allowed)
+    full = len(layers) * seq * (seq + 1) // 2
+    assert (shape.attention_pairs(seq) < full) == (case != "qwen2_off")
+    # the FLOPs and the time follow: a windowed model's attention is cheaper than the same model counted in full
+    from toolkit.plan.timing import train_flops_per_token
+
+    dense, _ = train_flops_per_token(shape, Workload(seq_len=seq), recompute=False)
+    unwindowed, _ = train_flops_per_token(replace(shape, attention_windows=()), Workload(seq_len=seq), recompute=False)
+    assert unwindowed - dense == pytest.approx(12 * shape.attention_width * (full - sum(allowed)) / seq)
 
 
 @pytest.mark.parametrize(("family", "recompute"), [("llama", False), ("qwen2_moe", False), ("qwen3_moe", False),
@@ -633,8 +688,8 @@ def test_lora_training_flops_match_torch_flop_counter(family, recompute):
     frozen base's input gradients without weight gradients (none through the first layer's input projections), the
     adapters, top-k routed experts (frozen in qwen2_moe; folded ``W + s*A_e B_e`` in qwen3_moe/mixtral/deepseek,
     whose folded weights do get a gradient), the router, shared experts and their gate, dense layers between MoE
-    layers. The counter counts the attention scores over the whole square, the planner the causal half (exact
-    difference added below). Without recompute the counts agree exactly. With recompute torch's non-reentrant
+    layers. The counter counts the attention scores over the whole square, the planner the pairs the causal mask
+    allows (the strict upper triangle, added below). Without recompute the counts agree exactly. With recompute torch's non-reentrant
     checkpoint stops re-running a layer once backward has every tensor it saved, so the trailing matmul of each
     layer whose output nothing saves (the last adapter's B, a frozen down projection) is skipped: the planner, which
     counts a whole second forward, may be high by at most one linear's forward per layer, never low."""
@@ -658,8 +713,8 @@ def test_lora_training_flops_match_torch_flop_counter(family, recompute):
     shape = shape_from_config(config.to_dict())
     dense, routed = train_flops_per_token(shape, Workload(seq_len=seq, micro_batch_size=batch, tuner="lora",
                                                           lora_rank=rank), recompute=recompute)
-    upper_triangle = (8 if recompute else 6) * shape.layers * seq * shape.attention_width  # forward(s) and backward
-    planned, measured = batch * seq * (dense + routed + upper_triangle), counter.get_total_flops()
+    upper_triangle = (16 if recompute else 12) * shape.attention_width * shape.layers * (seq * (seq - 1) // 2)
+    planned, measured = batch * (seq * (dense + routed) + upper_triangle), counter.get_total_flops()
     if not recompute:
         assert measured == pytest.approx(planned, rel=1e-12)
         return

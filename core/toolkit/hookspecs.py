@@ -74,7 +74,8 @@ def toolkit_strategy_axes(strategy: str) -> list[str]:
     holds it, and refuses it otherwise before anything loads. A plugin that claims an axis does the
     splitting itself (toolkit-moe answers ``["ep"]`` for ``local`` and splits its experts over
     ``recipe.expert_parallel`` ranks in :func:`toolkit_patch_model`), and refuses a run where it cannot.
-    Called when a training command checks its layout.
+    Called when a training command checks its layout, and when the planner (``toolkit plan``,
+    ``--strategy auto``) enumerates each strategy's candidate layouts.
     """
 
 

@@ -129,9 +129,13 @@ def choose_strategy(recipe: Any, source: Any = None, world_size: int | None = No
                         lora_rank=int(section.get("rank", 16) or 16), **local_precision(recipe), **local_speed(recipe))
     cluster = make_cluster(world_size, nodes, gpu_memory, kind)
     result = plan(shape_of(source), cluster, workload, installed_strategies())
-    if result.best is None:
+    # toolkit-moe splits experts under local only in the blocks it patches: its --ep layouts need --moe-enabled,
+    # which auto does not switch on by itself (it would replace the model's MoE blocks)
+    moe = recipe.section("moe") if hasattr(recipe, "section") else {}
+    runnable = [c for c in result.ranked if c.layout.ep == 1 or c.layout.strategy == "megatron" or moe.get("enabled")]
+    if not runnable:
         from toolkit.plan.report import render
 
         raise LayoutError(f"--strategy auto: no installed strategy fits {world_size} GPU(s) for this run.\n"
                           + render(result, top=0))
-    return result.best.layout.recipe_overrides()
+    return runnable[0].layout.recipe_overrides()

@@ -15,7 +15,7 @@ from toolkit.plan.memory import STRATEGIES, TUNERS
 @click.option("--gpu-memory", default=None, help="Memory per GPU, e.g. 80GiB (default: the GPU kind's).")
 @click.option("--seq-len", type=int, default=4096, show_default=True, help="Tokens per row.")
 @click.option("--micro-batch-size", type=int, default=1, show_default=True, help="Rows per micro-batch per DP rank.")
-@click.option("--global-batch-size", type=int, default=0, help="Rows per optimizer step (0: 8 x GPUs x micro-batch).")
+@click.option("--global-batch-size", type=int, default=0, help="Rows per optimizer step (0: one micro-batch per data-parallel rank, as training counts it).")
 @click.option("--tuner", type=click.Choice(TUNERS), default="full", show_default=True)
 @click.option("--lora-rank", type=int, default=16, show_default=True)
 @click.option("--local-master-weights/--no-local-master-weights", default=True, show_default=True,
@@ -63,5 +63,16 @@ def plan_command(model: str, gpus: int, nodes: int, gpu_kind: str, gpu_memory: s
                         kernels=planned_kernels(local_kernels), fused_loss=local_fused_loss,
                         megatron_fused_loss=megatron_fused_loss)
     chosen = tuple(s.strip() for s in strategies.split(",") if s.strip())
-    result = plan(load_shape(model), cluster, workload, chosen)
+    result = plan(load_shape(model), cluster, workload, chosen, model=trainable_reference(model))
     click.echo(json.dumps(to_json(result, top), indent=2) if as_json else render(result, top))
+
+
+def trainable_reference(model: str) -> str:
+    """The ``--model`` a training command takes for the planned model: its directory (``dir/config.json`` names
+    ``dir``); a config file written by hand has no weights, so ``MODEL_DIR`` stands for them in the printed commands."""
+    from pathlib import Path
+
+    path = Path(model)
+    if path.is_file():
+        return str(path.parent) if path.name == "config.json" else "MODEL_DIR"
+    return model

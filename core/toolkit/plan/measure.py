@@ -69,10 +69,13 @@ def cpu_peak_bytes(step: Callable[[], Any], baseline: int) -> int:
 def local_engine(config: dict, directory: Any, *, tuner: str = "full", seq_len: int, micro_batch_size: int = 1,
                  recompute: bool = False, precision: str = "bf16", bf16_mode: str = "master",
                  lora_rank: int = 16, chunk_tokens: int = 2048, recompute_logits: bool = False,
-                 micro_batches: int = 1, fused_loss: bool = False, kernels: str = "none") -> tuple[Any, Any, Callable[[], Any]]:
+                 micro_batches: int = 1, fused_loss: bool = False, kernels: str = "none",
+                 extra: dict | None = None) -> tuple[Any, Any, Callable[[], Any]]:
     """The ``local`` engine on a randomly initialised HF model of ``config`` (saved to ``directory``)
     with the registered tuner and the ``sft`` loss, as ``toolkit train`` builds it. ``fused_loss`` and
     ``kernels`` are explicit (not the engine's ``auto``) so a run measures what its Workload says.
+    ``extra``: more recipe values, e.g. ``{"expert_parallel": 2, "moe": {"enabled": True}}`` for toolkit-moe's
+    expert parallelism (under ``torch.distributed``; the model directory must then exist beforehand).
 
     Returns ``(engine, loss_fn, step)``: ``loss_fn()`` runs one forward and returns the loss of one
     micro-batch of random tokens, ``step()`` runs one optimizer step of ``micro_batches`` such
@@ -99,7 +102,7 @@ def local_engine(config: dict, directory: Any, *, tuner: str = "full", seq_len: 
                         "recompute_logits": recompute_logits, "fused_loss": fused_loss, "kernels": kernels}}
     if tuner != "full":
         values[tuner] = {"rank": lora_rank, "alpha": 2.0 * lora_rank}
-    recipe = resolve_recipe(values, source="plan-measure")
+    recipe = resolve_recipe({**values, **(extra or {})}, source="plan-measure")
     manager = get_plugin_manager()
     source = ModelSource(reference=str(directory), directory=directory,
                          config=transformers.AutoConfig.from_pretrained(directory), tokenizer=None,

@@ -108,7 +108,8 @@ class Layout:
 
     @property
     def expert_dp(self) -> int:
-        """Data-parallel size of the expert weights (expert tensor parallelism is 1)."""
+        """Ranks holding the same expert slice (expert tensor parallelism is 1): Megatron's expert data parallelism,
+        or under ``local`` the expert groups of toolkit-moe's ``--ep`` (``world / ep``)."""
         return max(1, self.world_size // (self.pp * self.ep))
 
     def describe(self) -> str:
@@ -268,7 +269,8 @@ def _hf_activation_bytes_per_token_layer(shape: ModelShape, layout: Layout, work
         return (12 * h + 4 * kv + mlp + lora + extra) / (layout.tp * layout.cp)
     if shape.model_type in EAGER_ATTENTION_FAMILIES:
         # eager attention: per query token and head a row of capped scores (bf16), their fp32 softmax and its bf16
-        # cast (8 bytes a key), and the keys and values repeated to every query head (4 (q - kv) more than SDPA)
+        # cast (8 bytes a key), and the keys and values repeated to every query head (4 (q - kv) more than SDPA);
+        # whole rows in sliding-window layers too: eager computes the full square and masks it
         extra += 8 * shape.heads * workload.seq_len + 4 * (shape.q_dim - kv)
     if fp32_autocast(layout, workload):
         # fp32 residual stream: both RMSNorms keep fp32 input and output (16h), five autocast
@@ -408,7 +410,7 @@ def params_on_stage(shape: ModelShape, layout: Layout, first: bool, last: bool) 
     if last:
         head = shape.output_params if layout.pp == 1 else shape.embedding_params
         dense += (head + shape.hidden) / split
-    expert = moe * shape.expert_params_per_layer / (layout.ep if layout.strategy == "megatron" else 1)
+    expert = moe * shape.expert_params_per_layer / layout.ep  # Megatron's EP, or toolkit-moe's under local
     return dense, expert
 
 
@@ -445,7 +447,7 @@ def stage_memory(shape: ModelShape, layout: Layout, workload: Workload, micro_ba
     master = uses_master_weights(layout, workload)
     w_bytes, m_bytes, g_bytes, o_bytes = bytes_per_param(layout, tuner, workload.bf16_mode)
     out = MemoryBreakdown(stage=("only stage" if first and last else "first stage" if first else "last stage"))
-    dp_dense, dp_expert = layout.dp, (layout.expert_dp if layout.strategy == "megatron" else layout.dp)
+    dp_dense, dp_expert = layout.dp, layout.expert_dp
 
     if tuner == "full":
         shard_w = layout.zero >= 3
@@ -494,7 +496,8 @@ def stage_memory(shape: ModelShape, layout: Layout, workload: Workload, micro_ba
         out.transient_gradients = 2.0 * head_trainable
         # Accumulation: every bf16 gradient waits while each is cast to fp32 (one cast tensor at a
         # time); with more than one micro-batch the fp32 master gradients already exist beside them.
-        largest = max(shape.embedding_params, shape.expert_params / max(1, shape.layers) * 2 / 3) if tuner == "full" else 0.0
+        experts = shape.expert_params / max(1, shape.layers) / layout.ep  # one layer's gate_up slice: 2/3 of it
+        largest = max(shape.embedding_params, experts * 2 / 3) if tuner == "full" else 0.0
         out.optimizer_step_temp = (w_bytes * trainable_local + 4.0 * largest) if micro_batches > 1 else 2.0 * largest
     elif uses_pure_bf16(layout, workload):
         # bf16 gradients are accumulated in place: during forward/backward they exist from the second
@@ -511,7 +514,8 @@ def stage_memory(shape: ModelShape, layout: Layout, workload: Workload, micro_ba
         layer = (shape.layer_params_nonexpert + shape.expert_params) / shape.layers
         out.buffers += 2 * 2.0 * layer  # current + prefetched layer gathered in bf16
     if layout.strategy == "local" and layout.dp > 1 and tuner == "full":
-        out.buffers += w_bytes * params  # DDP gradient buckets in the parameter dtype (not bucket views)
+        # DDP gradient buckets in the parameter dtype (not bucket views); expert slices split over --ep stay out of DDP
+        out.buffers += w_bytes * (dense if layout.ep > 1 else params)
     return out
 
 

@@ -36,6 +36,11 @@ MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3
 # only attention, the shared expert and its gate get adapters. tests/test_plan.py checks both against PEFT.
 PEFT_FUSED_EXPERT_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention
+# model_type -> every layer attends within ``sliding_window`` when it is set (transformers' modeling code ignores
+# ``layer_types`` for these; qwen3_moe only with ``use_sliding_window``)
+WINDOW_EVERY_LAYER_FAMILIES = ("mistral", "mixtral", "phi3", "qwen3_moe")
+USE_SLIDING_WINDOW_FAMILIES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+"""Families whose ``sliding_window`` counts only with ``use_sliding_window: true`` (their config classes drop it)."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,9 @@ class ModelShape:
     kv_lora_rank: int = 0
     rope_head_dim: int = 0
     v_head_dim: int = 0
+    attention_windows: tuple[int, ...] = ()
+    """Per layer, the sliding window of its attention (0: full causal attention), as transformers decides it
+    (:func:`attention_windows`); empty when no layer is windowed."""
 
     # ------------------------------------------------------------------ parameter counts
     @property
@@ -163,6 +171,12 @@ class ModelShape:
                                  + 3 * self.hidden * self.shared_expert_ffn + self.hidden * self.experts)
         return attention + dense + moe + self.vocab * self.hidden
 
+    def attention_pairs(self, seq_len: int) -> int:
+        """Query-key pairs the attention masks of all layers allow in a row of ``seq_len`` tokens (the useful work of
+        the scores and of their product with the values: ``4 x attention_width`` FLOPs a pair in forward)."""
+        windows = self.attention_windows or (0,) * self.layers
+        return sum(causal_pairs(seq_len, window) for window in windows)
+
     def moe_layers_among(self, layers: list[int]) -> float:
         """How many of ``layers`` (indices) are MoE (without a pattern: their share of ``moe_layers``)."""
         if self.moe_pattern:
@@ -210,9 +224,67 @@ class ModelShape:
                 if self.is_moe else f"dense, FFN {self.ffn}")
         if self.is_moe and self.dense_layers:
             kind += f" in {self.moe_layers} of {self.layers} layers (the others dense, FFN {self.ffn})"
+        windowed = [w for w in self.attention_windows if w]
+        if windowed:
+            sizes = "/".join(str(w) for w in sorted(set(windowed)))
+            kind += f"; sliding-window attention ({sizes} tokens) in {len(windowed)} of {self.layers} layers"
         return (f"{self.name}: {self.total_params / 1e9:.2f}B parameters ({self.active_matmul_params / 1e9:.2f}B active "
                 f"per token), {self.layers} layers, hidden {self.hidden}, {self.heads} heads / {self.kv_heads} KV, "
                 f"vocab {self.vocab}, {kind}")
+
+
+def causal_pairs(length: int, window: int = 0) -> int:
+    """Pairs (query i, key j) a causal mask allows in a row of ``length`` tokens: ``j <= i``, and with a sliding
+    ``window`` also ``i - j < window`` (transformers' ``sliding_window_overlay``: the window holds the query itself,
+    so query i sees ``min(i + 1, window)`` keys)."""
+    if window <= 0 or window >= length:
+        return length * (length + 1) // 2
+    return window * (window + 1) // 2 + (length - window) * window
+
+
+def attention_windows(config: dict[str, Any], model_type: str, layers: int, where: str) -> tuple[int, ...]:
+    """Each layer's sliding window (0: full attention) by transformers 5's rules, or ``()`` when none is windowed.
+
+    ``layer_types`` (``"sliding_attention"`` / ``"full_attention"`` per layer) is the general source; without it
+    the families' config classes derive it: Gemma 2 windows every other layer (the first of each pair), Gemma 3
+    all but every ``sliding_window_pattern``-th (6), Qwen2/Qwen3 the layers from ``max_window_layers`` (28) on and
+    Qwen2-MoE the even layers below it (both only with ``use_sliding_window``). Mistral, Mixtral, Phi-3 and
+    Qwen3-MoE window every layer when ``sliding_window`` is set (their modeling code reads no ``layer_types``)."""
+    window = config.get("sliding_window")
+    if model_type in ("gemma2", "gemma3_text") and "sliding_window" not in config:
+        window = 4096  # the config classes' default
+    if model_type in USE_SLIDING_WINDOW_FAMILIES and not config.get("use_sliding_window", False):
+        window = None
+    if not window:
+        return ()
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ModelError(f"{where}: 'sliding_window' must be a positive integer, got {window!r}")
+    if model_type in WINDOW_EVERY_LAYER_FAMILIES:
+        return (window,) * layers
+    kinds = config.get("layer_types")
+    if kinds is None:
+        kinds = _default_layer_types(config, model_type, layers)
+    if len(kinds) != layers or not set(kinds) <= {"sliding_attention", "full_attention"}:
+        raise ModelError(f"{where}: 'layer_types' must name 'sliding_attention' or 'full_attention' for each of the "
+                         f"{layers} layers, got {kinds!r}")
+    windows = tuple(window if kind == "sliding_attention" else 0 for kind in kinds)
+    return windows if any(windows) else ()
+
+
+def _default_layer_types(config: dict[str, Any], model_type: str, layers: int) -> list[str]:
+    """``layer_types`` as the family's transformers config class fills it in when config.json has none."""
+    if model_type == "gemma2":
+        windowed = [i % 2 == 0 for i in range(layers)]
+    elif model_type == "gemma3_text":
+        pattern = config.get("sliding_window_pattern", 6) or 6
+        windowed = [(i + 1) % pattern != 0 for i in range(layers)]
+    elif model_type in ("qwen2", "qwen3"):
+        windowed = [i >= config.get("max_window_layers", 28) for i in range(layers)]
+    elif model_type == "qwen2_moe":
+        windowed = [i % 2 == 0 and i < config.get("max_window_layers", 28) for i in range(layers)]
+    else:  # a family whose config names no windowed layers: sliding_window alone does not window them
+        windowed = [False] * layers
+    return ["sliding_attention" if w else "full_attention" for w in windowed]
 
 
 def _need(config: dict[str, Any], key: str, where: str) -> int:
@@ -245,7 +317,8 @@ def shape_from_config(config: dict[str, Any], name: str = "model", where: str | 
         raise ModelError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     common = dict(name=name, model_type=model_type, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
                   head_dim=head_dim, vocab=vocab, tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-                  qkv_bias=model_type in ("qwen2", "qwen2_moe") or bool(config.get("attention_bias", False)))
+                  qkv_bias=model_type in ("qwen2", "qwen2_moe") or bool(config.get("attention_bias", False)),
+                  attention_windows=attention_windows(config, model_type, layers, where))
     if model_type == "mixtral":
         experts = _need(config, "num_local_experts", where)
         ffn = _need(config, "intermediate_size", where)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import shlex
 from collections import Counter
 from typing import Any
 
 from toolkit.plan.hardware import GIB
 from toolkit.plan.memory import usable_memory
-from toolkit.plan.search import Candidate, PlanResult
+from toolkit.plan.search import Candidate, PlanResult, training_command
 
 
 def _gib(value: float) -> str:
@@ -57,7 +58,7 @@ def render(result: PlanResult, top: int = 3, show_rejected: int = 5) -> str:
         out.append("Try more GPUs (--gpus/--nodes), --tuner lora or qlora, a shorter --seq-len, or --micro-batch-size 1.")
         return "\n".join(out)
     for rank, candidate in enumerate(result.ranked[:top], 1):
-        out += _candidate_block(rank, candidate)
+        out += _candidate_block(rank, candidate, training_command(result, candidate.layout))
     why = why_lines(result)
     if why:
         out.append("why this layout:")
@@ -75,7 +76,7 @@ def _category(candidate: Candidate) -> str:
     return "out of memory" if candidate.memory is not None else "impossible splits"
 
 
-def _candidate_block(rank: int, candidate: Candidate) -> list[str]:
+def _candidate_block(rank: int, candidate: Candidate, command: list[str]) -> list[str]:
     memory, time = candidate.memory, candidate.time
     lines = [f"#{rank} {candidate.layout.describe()}: {time.tokens_per_second:,.0f} tokens/s "
              f"({candidate.tokens_per_second_per_gpu:,.0f} per GPU), {time.total:.2f} s/step, "
@@ -85,6 +86,7 @@ def _candidate_block(rank: int, candidate: Candidate) -> list[str]:
         lines.append(f"   activations without recompute would be {memory.activations_without_recompute / GIB:.1f} GiB")
     lines.append("   time (s/step): " + ", ".join(f"{name} {value:.3f}" for name, value in time.rows()))
     lines += [f"   - {reason}" for reason in candidate.reasons]
+    lines.append(f"   run (add --dataset and --output): {shlex.join(command)}")
     lines.append("")
     return lines
 
@@ -102,6 +104,7 @@ def to_json(result: PlanResult, top: int = 10) -> dict[str, Any]:
             data["rejected"] = c.rejected
         else:
             data["reasons"] = c.reasons
+            data["command"] = training_command(result, c.layout)
         return data
 
     return {"model": result.shape.describe(), "machine": result.cluster.describe(), "global_batch_rows": result.global_rows,

@@ -40,6 +40,8 @@ class PlanResult:
     global_rows: int
     ranked: list[Candidate]
     rejected: list[Candidate]
+    model: str = ""
+    """The ``--model`` the plan was made for (its printed commands train it)."""
 
     @property
     def best(self) -> Candidate | None:
@@ -58,42 +60,73 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def strategy_axes(strategy: str) -> frozenset[str]:
+    """The parallel axes ``strategy`` supports, as the runner reads them (:meth:`toolkit.plugins.Toolkit.parallel_axes`:
+    its own ``parallel_axes`` and those plugins add through ``toolkit_strategy_axes``; toolkit-moe adds ``ep`` to
+    ``local``). A strategy not installed here is planned with the axes of its first-party plugin (megatron: all), so
+    a plan can be made for a machine that will have it."""
+    from toolkit.parallel import AXES
+    from toolkit.plugins import get_plugin_manager
+
+    manager = get_plugin_manager()
+    registry = manager.registry("strategy")
+    if strategy in registry:
+        return manager.parallel_axes(registry.get(strategy))
+    return frozenset(AXES) if strategy == "megatron" else frozenset()
+
+
 def enumerate_layouts(shape: ModelShape, cluster: Cluster, workload: Workload, strategies: tuple[str, ...]) -> list[Layout]:
-    """Every combination worth judging (divisibility is checked later, to report reasons)."""
+    """Every combination worth judging (divisibility is checked later, to report reasons): each strategy's axes
+    (:func:`strategy_axes`) sized over the cluster, times the strategy's sharding choices."""
     world = cluster.world_size
     layouts: list[Layout] = []
     for recompute in (False, True):
-        if "local" in strategies:
-            layouts.append(Layout("local", dp=world, recompute=recompute))
-        if "fsdp" in strategies and world > 1:
-            layouts.append(Layout("fsdp", dp=world, zero=3, recompute=recompute))
-        if "deepspeed" in strategies:
-            for zero in (1, 2, 3):
-                for offload in (False, True):
-                    if world > 1 or zero == 1:
-                        layouts.append(Layout("deepspeed", dp=world, zero=zero, offload=offload, recompute=recompute))
-        if "megatron" in strategies:
-            layouts.extend(_megatron_layouts(shape, cluster, workload, recompute))
+        for strategy in strategies:
+            for split in _splits(shape, cluster, workload, strategy_axes(strategy)):
+                dp = world // (split["tp"] * split["pp"] * split["cp"])
+                for zero, offload in _sharding(strategy, shape, world, dp, split):
+                    layouts.append(Layout(strategy, **split, dp=dp, zero=zero, offload=offload, recompute=recompute))
     return layouts
 
 
-def _megatron_layouts(shape: ModelShape, cluster: Cluster, workload: Workload, recompute: bool) -> list[Layout]:
+def _splits(shape: ModelShape, cluster: Cluster, workload: Workload, axes: frozenset[str]) -> list[dict[str, int]]:
+    """Sizes of the model-splitting axes a strategy supports (1 for the others): TP in powers of two up to two
+    nodes, PP dividing the rest, CP only for rows of 8192 tokens or more, EP dividing the experts."""
     world = cluster.world_size
-    cps = [c for c in _powers_of_two(8) if c == 1 or workload.seq_len >= 8192]
-    eps = [e for e in _divisors(shape.experts) if e <= world] if shape.is_moe else [1]
+    tps = [t for t in _powers_of_two(world) if t <= 2 * cluster.gpus_per_node] if "tp" in axes else [1]
+    cps = [c for c in _powers_of_two(8) if c == 1 or workload.seq_len >= 8192] if "cp" in axes else [1]
+    eps = [e for e in _divisors(shape.experts) if e <= world] if "ep" in axes and shape.is_moe else [1]
     out = []
-    for tp in [t for t in _powers_of_two(world) if t <= 2 * cluster.gpus_per_node]:
-        for pp in _divisors(world // tp):
+    for tp in tps:
+        for pp in _divisors(world // tp) if "pp" in axes else [1]:
             for cp in cps:
                 if world % (tp * pp * cp):
                     continue
-                dp = world // (tp * pp * cp)
-                for vpp in ((1, 2, 4) if pp > 1 else (1,)):
-                    for ep in eps:
-                        for zero in ((0, 1) if dp > 1 or (shape.is_moe and ep < dp * tp * cp) else (0,)):
-                            out.append(Layout("megatron", tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp, zero=zero,
-                                              recompute=recompute))
+                for vpp in ((1, 2, 4) if pp > 1 and "vpp" in axes else (1,)):
+                    out += [dict(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep) for ep in eps]
     return out
+
+
+def _sharding(strategy: str, shape: ModelShape, world: int, dp: int, split: dict[str, int]) -> list[tuple[int, bool]]:
+    """(zero stage, optimizer offload) choices of a strategy: FSDP shards everything (ZeRO-3), DeepSpeed any stage
+    with or without offload, Megatron with or without its distributed optimizer where there is something to shard."""
+    if strategy == "fsdp":
+        return [(3, False)] if world > 1 else []
+    if strategy == "deepspeed":
+        return [(zero, offload) for zero in (1, 2, 3) for offload in (False, True) if world > 1 or zero == 1]
+    if strategy == "megatron":
+        shardable = dp > 1 or (shape.is_moe and split["ep"] < dp * split["tp"] * split["cp"])
+        return [(0, False), (1, False)] if shardable else [(0, False)]
+    return [(0, False)]
+
+
+def moe_families() -> frozenset[str] | None:
+    """The model types whose experts toolkit-moe's registered ``moe`` architecture patches (and so splits over
+    ``--ep`` under the HF-module strategies it adds the axis to); ``None`` when it is not installed."""
+    from toolkit.plugins import get_plugin_manager
+
+    registry = get_plugin_manager().registry("architecture")
+    return frozenset(registry.get("moe").families) if "moe" in registry else None
 
 
 def megatron_families() -> frozenset[str]:
@@ -124,6 +157,11 @@ def structural_problem(shape: ModelShape, layout: Layout, workload: Workload, gl
     if layout.strategy == "megatron" and (bridged := megatron_families()) and shape.model_type not in bridged:
         return (f"the Megatron bridge has no architecture for {shape.model_type} (it has: {', '.join(sorted(bridged))}); "
                 "local, fsdp and deepspeed run the HF model itself")
+    if layout.ep > 1 and layout.strategy != "megatron":
+        families = moe_families()
+        if families is not None and shape.model_type not in families:
+            return (f"--ep {layout.ep} under --strategy {layout.strategy} splits toolkit-moe's experts, which patches "
+                    f"{', '.join(sorted(families))}, not {shape.model_type}")
     if workload.tuner == "qlora" and (layout.strategy == "megatron" or layout.zero >= 3):
         return "QLoRA's 4-bit base weights cannot be sharded by Megatron TP/PP or ZeRO-3 here"
     if workload.tuner != "full" and (layout.zero >= 1 and layout.strategy != "megatron" and layout.dp == 1):
@@ -202,8 +240,10 @@ def check_inputs(cluster: Cluster, workload: Workload, strategies: tuple[str, ..
         raise ConfigError(problems)
 
 
-def plan(shape: ModelShape, cluster: Cluster, workload: Workload, strategies: tuple[str, ...] = STRATEGIES) -> PlanResult:
-    """Judge every candidate layout; feasible ones ranked fastest first."""
+def plan(shape: ModelShape, cluster: Cluster, workload: Workload, strategies: tuple[str, ...] = STRATEGIES,
+         model: str = "") -> PlanResult:
+    """Judge every candidate layout; feasible ones ranked fastest first. ``model``: the reference the printed
+    commands name (default: the shape's name)."""
     check_inputs(cluster, workload, strategies)
     seen: set[Layout] = set()
     ranked, rejected = [], []
@@ -218,7 +258,37 @@ def plan(shape: ModelShape, cluster: Cluster, workload: Workload, strategies: tu
     ranked.sort(key=lambda c: (round(math.log(c.time.total) / math.log(1.005)), c.memory.total,
                                c.layout.tp * c.layout.pp * c.layout.cp))
     best = ranked[0].layout if ranked else None
-    return PlanResult(shape, cluster, workload, global_rows(workload, best) if best else workload.global_batch_size, ranked, rejected)
+    return PlanResult(shape, cluster, workload, global_rows(workload, best) if best else workload.global_batch_size, ranked,
+                      rejected, model or shape.name)
+
+
+def training_command(result: PlanResult, layout: Layout) -> list[str]:
+    """The command line that trains ``result.model`` on ``layout`` with the planned workload (``sft``; add
+    ``--dataset`` and ``--output``): ``toolkit launch`` over the cluster's processes, the layout's flags as the
+    runner reads them, bf16 precision as planned."""
+    cluster, workload = result.cluster, result.workload
+    launch = ["toolkit"]
+    if cluster.world_size > 1:
+        launch += ["launch", "--nproc", str(cluster.gpus_per_node)]
+        if cluster.nodes > 1:
+            launch += ["--nnodes", str(cluster.nodes), "--node-rank", "RANK", "--master-addr", "NODE0"]
+    args = ["sft", "--model", result.model, "--strategy", layout.strategy, *layout.parallel.flags().split()]
+    if layout.ep > 1 and layout.strategy != "megatron":
+        args.append("--moe-enabled")  # toolkit-moe splits the experts of the blocks it patches, and only when asked
+    if layout.strategy == "deepspeed":
+        args += ["--zero", str(layout.zero)] + (["--deepspeed-offload-optimizer", "cpu"] if layout.offload else [])
+    if layout.strategy == "megatron" and layout.zero:
+        args.append("--megatron-distributed-optimizer")
+    if layout.recompute:
+        args.append("--gradient-checkpointing")
+    args += ["--precision", "bf16", "--seq-len", str(workload.seq_len), "--micro-batch-size", str(workload.micro_batch_size)]
+    if workload.global_batch_size:  # 0 means the same to the runner: one micro-batch per data-parallel rank
+        args += ["--global-batch-size", str(workload.global_batch_size)]
+    if layout.strategy == "local" and workload.bf16_mode != "master":
+        args += ["--local-bf16-mode", workload.bf16_mode]
+    if workload.tuner != "full":
+        args += ["--tuner", workload.tuner, f"--{workload.tuner}-rank", str(workload.lora_rank)]
+    return launch + args
 
 
 def global_rows(workload: Workload, layout: Layout) -> int:

@@ -1,7 +1,7 @@
 """Step-time model of one layout: compute at an efficiency, communication, pipeline bubble, optimizer.
 
 Compute is training FLOPs (6 per matmul weight per token, 4 for frozen LoRA bases with their
-adapters counted where PEFT puts them, +2 with recompute, plus causal attention) at a matmul efficiency that grows with the rows of the matmul
+adapters counted where PEFT puts them, +2 with recompute, plus the query-key pairs the causal and sliding-window masks allow) at a matmul efficiency that grows with the rows of the matmul
 (tokens of a micro-batch; for routed experts, the tokens each expert receives) and the per-GPU
 hidden size. Collectives use ring volumes over NVLink when the
 group stays inside a node and over the network when it spans nodes (Megatron's rank order:
@@ -103,9 +103,12 @@ def train_flops_per_token(shape: ModelShape, workload: Workload, recompute: bool
     """(dense, routed-expert) FLOPs of forward and backward (and recompute) for one token.
 
     Dense covers attention/shared matmuls, the LM head (recomputed in backward with
-    ``recompute_logits``) and causal attention scores; adapters are counted where LoRA puts them
-    (:func:`lora_flops_per_token`)."""
-    attention = (8.0 if recompute else 6.0) * shape.layers * workload.seq_len * shape.attention_width
+    ``recompute_logits``) and the attention scores; adapters are counted where LoRA puts them
+    (:func:`lora_flops_per_token`). The scores count the useful work, the query-key pairs the causal (and
+    sliding-window) masks allow (:meth:`~toolkit.plan.model.ModelShape.attention_pairs`), not the whole square an
+    eager or masked-SDPA kernel computes: ``4 x attention_width`` a pair in forward, twice that in backward."""
+    pairs_per_token = shape.attention_pairs(workload.seq_len) / workload.seq_len
+    attention = (16.0 if recompute else 12.0) * pairs_per_token * shape.attention_width
     if workload.tuner != "full":
         dense, routed = lora_flops_per_token(shape, workload, recompute)
         return dense + attention, routed
@@ -184,10 +187,9 @@ def matmul_efficiency(shape: ModelShape, layout: Layout, workload: Workload, row
 
 
 def expert_rows(shape: ModelShape, layout: Layout, workload: Workload) -> float:
-    """Tokens each local expert multiplies per micro-batch: expert parallelism gathers the tokens
-    routed to a GPU's experts from EP ranks, so its grouped GEMMs get EP times more rows."""
-    ep = layout.ep if layout.strategy == "megatron" else 1
-    return workload.micro_batch_tokens / layout.cp * shape.experts_per_token / shape.experts * ep
+    """Tokens each local expert multiplies per micro-batch: expert parallelism (Megatron's, or toolkit-moe's under
+    ``local``) gathers the tokens routed to a GPU's experts from EP ranks, so its grouped GEMMs get EP times more rows."""
+    return workload.micro_batch_tokens / layout.cp * shape.experts_per_token / shape.experts * layout.ep
 
 
 def ring_time(bytes_: float, group: int, bandwidth: float, all_reduce: bool = True) -> float:
@@ -226,7 +228,9 @@ def step_time(shape: ModelShape, layout: Layout, workload: Workload, cluster: Cl
         per_layer = 0.5 * 3 * (layout.cp - 1) * kv / cluster.bandwidth(layout.tp * layout.cp > gpn)
         per_mb += layers_here * per_layer
         out.context_parallel = micro_batches * layers_here * per_layer
-    if shape.is_moe and layout.ep > 1 and layout.strategy == "megatron":
+    if shape.is_moe and layout.ep > 1:
+        # dispatch and combine all-to-alls of the routed rows, forward and backward (toolkit-moe's local EP sends the
+        # same rows: the per-expert counts it exchanges first are small)
         routed = tokens_mb / layout.tp * shape.experts_per_token * shape.hidden * 2.0
         per_layer = 4 * (layout.ep - 1) / layout.ep * routed / cluster.bandwidth(layout.ep > gpn)
         moe_here = shape.moe_layers / layout.pp
@@ -250,7 +254,11 @@ def step_time(shape: ModelShape, layout: Layout, workload: Workload, cluster: Cl
     bandwidth = cluster.bandwidth(dp_span)
     reduce_each_micro_batch = layout.strategy == "deepspeed" and layout.zero >= 2
     syncs = micro_batches if reduce_each_micro_batch else 1
-    out.data_parallel = EXPOSED_DP[layout.strategy] * syncs * ring_time(trainable * grad_bytes, layout.dp, bandwidth)
+    # expert slices reduce over the ranks holding the same slice (expert_dp), the rest over data parallelism
+    expert_share = expert if workload.tuner == "full" else 0.0
+    reduced = (ring_time((trainable - expert_share) * grad_bytes, layout.dp, bandwidth)
+               + ring_time(expert_share * grad_bytes, layout.expert_dp, bandwidth))
+    out.data_parallel = EXPOSED_DP[layout.strategy] * syncs * reduced
     if layout.zero >= 3 and workload.tuner == "full":
         gathers = 2 * ring_time(trainable * 2.0, layout.dp, bandwidth, all_reduce=False)
         out.zero_gather = 0.5 * micro_batches * gathers
