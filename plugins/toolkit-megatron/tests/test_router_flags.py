@@ -54,6 +54,11 @@ def test_deprecated_megatron_coefficients_train_the_objective_they_trained_befor
         _megatron_coefficients({"router_aux_loss_coef": 0.1, "megatron": {"moe_aux_loss_coef": 0.1}}, hf_config)
 
 
+def test_a_negative_deprecated_weight_is_refused_with_the_recipe():
+    with pytest.raises(ConfigError, match=r"megatron: moe_z_loss_coef must be 0 \(off\) or more, got -0.1"):
+        resolve_recipe({"strategy": "megatron", "megatron": {"moe_z_loss_coef": -0.1}})
+
+
 def test_toolkit_moe_and_megatron_deprecated_weights_must_mean_the_same():
     """toolkit-moe's old flag moves to --router-aux-loss-coef; megatron's, converted, must agree with it."""
     pytest.importorskip("toolkit_moe")

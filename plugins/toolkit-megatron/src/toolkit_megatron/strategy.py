@@ -64,6 +64,12 @@ class MegatronConfig:
                      "[tokens, V/tp] logits never exist. auto (the default): on a GPU only; true/false "
                      "(--megatron-fused-loss / --no-megatron-fused-loss) force it. Other losses keep the logits path.")
 
+    def check(self) -> list[str]:
+        """The deprecated router weights bypass the core's check of ``--router-*`` (they are converted later)."""
+        return [f"{name} must be 0 (off) or more, got {value}"
+                for name, value in (("moe_aux_loss_coef", self.moe_aux_loss_coef), ("moe_z_loss_coef", self.moe_z_loss_coef))
+                if value is not None and not value >= 0]  # NaN too
+
 
 class SpeedLevers(NamedTuple):
     """The engine's speed options as they resolved for this device and loss."""
