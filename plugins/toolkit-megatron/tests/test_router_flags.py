@@ -76,3 +76,20 @@ def test_a_coefficient_for_a_dense_model_is_refused(tmp_path):
                              "seq_len": 32, "max_samples": 4, "output": str(tmp_path / "run")})
     with pytest.raises(ConfigError, match="--router-z-loss-coef 0.01: model type 'llama' has no MoE router"):
         run_training(recipe)
+
+
+def test_a_run_saved_with_the_deprecated_weights_resumes_with_them(tmp_path):
+    """recipe.yaml keeps ``megatron: {moe_aux_loss_coef: ...}`` as given, so the run resumes with the same flag; a
+    ``--router-aux-loss-coef`` of the same number is another objective and is reported as a change."""
+    import yaml
+
+    from toolkit.train.runner import check_resume_changes
+
+    def recipe(**values):
+        return resolve_recipe({"model": "tiny-qwen3-moe", "strategy": "megatron", "output": str(tmp_path),
+                               "resume": "auto", **values})
+
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe(megatron={"moe_aux_loss_coef": 0.1}).to_yaml_dict()))
+    check_resume_changes(recipe(megatron={"moe_aux_loss_coef": 0.1}), is_main=True)
+    with pytest.raises(ConfigError, match=r"router_aux_loss_coef: None -> 0.1"):
+        check_resume_changes(recipe(router_aux_loss_coef=0.1), is_main=True)
