@@ -333,8 +333,8 @@ def router_aux_loss(inner: nn.Module, out: Any, sequence_ids: torch.Tensor) -> t
     experts = getattr(inner.config, "num_local_experts", None) or inner.config.num_experts
     top_k = inner.config.num_experts_per_tok
     attention = (sequence_ids >= 0).long()
-    loss = torch.stack([load_balancing_loss_func((logits,), experts, top_k, attention) for logits in router_logits]).mean()
-    return coef * loss, {"moe_aux_loss": float(loss.detach())}  # toolkit-moe's and megatron's name for it
+    layers = [load_balancing_loss_func((logits,), experts, top_k, attention) for logits in router_logits]
+    return coef * torch.stack(layers).mean(), {}
 
 
 def pop_aux_loss(pop: Callable[..., Any], tokens: torch.Tensor) -> Any:
