@@ -56,13 +56,16 @@ class Recipe:
     adam_beta2: float = option(0.999, help="AdamW beta2.")
     adam_eps: float = option(1e-8, help="AdamW epsilon.")
     max_grad_norm: float = option(1.0, help="Gradient clipping norm; 0 disables clipping.")
-    router_aux_loss_coef: float | None = option(None, help="MoE load-balancing loss weight, on every strategy (the HF "
-                                                           "config key it overrides); default: the model config's "
-                                                           "router_aux_loss_coef, else 0.")
-    router_z_loss_coef: float | None = option(None, help="MoE router z-loss weight (ST-MoE), on every strategy; default: "
-                                                         "the model config's router_z_loss_coef, else 0. A plain HF model "
-                                                         "has no z-loss: use it with --moe-enabled (toolkit-moe) or "
-                                                         "--strategy megatron.")
+    router_aux_loss_coef: float | None = option(None, help="MoE load-balancing loss weight (the HF config key it "
+                                                           "overrides): weighs the mean over MoE layers of each layer's "
+                                                           "Switch loss E * sum_e f_e P_e, the same objective on every "
+                                                           "strategy; default: the model config's router_aux_loss_coef, "
+                                                           "else 0.")
+    router_z_loss_coef: float | None = option(None, help="MoE router z-loss weight (ST-MoE): weighs the mean over MoE "
+                                                         "layers of mean(logsumexp(router logits)^2), the same on every "
+                                                         "strategy; default: the model config's router_z_loss_coef, else "
+                                                         "0. A plain HF model has no z-loss: use it with --moe-enabled "
+                                                         "(toolkit-moe) or --strategy megatron.")
     micro_batch_size: int = option(1, help="Rows per micro-batch per data-parallel rank.")
     global_batch_size: int = option(0, help="Rows per optimizer step over all ranks; 0 means micro-batch x DP.")
     seq_len: int = option(512, help="Tokens per row. Longer SFT/preference samples are truncated (and counted); PT "
@@ -297,7 +300,7 @@ def replacement_flag(target: str) -> str:
 def _move_replaced_options(recipe: Recipe, manager: Any, explicit: set[str]) -> list[str]:
     """Move the values of deprecated section fields (``option(replaced_by=...)``) to the Recipe field that
     replaced them, printing one line per field (on the main rank); a conflicting value given both ways, or by two
-    deprecated fields that feed one Recipe field (toolkit-moe's and megatron's router-loss weights), is a problem."""
+    deprecated fields that feed one Recipe field, is a problem."""
     import os
     import sys
 

@@ -311,7 +311,13 @@ class CausalLMLogps(nn.Module):
 
 
 def router_aux_loss(inner: nn.Module, out: Any, sequence_ids: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, float]]:
-    """The weighted MoE auxiliary loss of this forward and routing metrics (both empty for dense models)."""
+    """The weighted MoE auxiliary loss of this forward and routing metrics (both empty for dense models).
+
+    The plain HF model's loss is transformers' ``load_balancing_loss_func`` of each MoE layer's router logits,
+    averaged over the layers: the one definition toolkit-moe and megatron compute too (docs/moe.md). Transformers
+    itself passes all layers at once, which pools ``f_e`` and ``P_e`` over layers and couples them (cross-layer
+    terms ``f_l P_m``) in a way a per-layer engine cannot compute; for one MoE layer the two are equal.
+    """
     patched_aux = getattr(inner, "toolkit_pop_aux_loss", None)
     if patched_aux is not None:  # a plugin replaced the MoE blocks (toolkit_patch_model) and owns the aux loss
         loss, metrics = pop_aux_loss(patched_aux, (sequence_ids >= 0).flatten())
@@ -327,7 +333,8 @@ def router_aux_loss(inner: nn.Module, out: Any, sequence_ids: torch.Tensor) -> t
     experts = getattr(inner.config, "num_local_experts", None) or inner.config.num_experts
     top_k = inner.config.num_experts_per_tok
     attention = (sequence_ids >= 0).long()
-    return coef * load_balancing_loss_func(router_logits, experts, top_k, attention), {}
+    layers = [load_balancing_loss_func((logits,), experts, top_k, attention) for logits in router_logits]
+    return coef * torch.stack(layers).mean(), {}
 
 
 def pop_aux_loss(pop: Callable[..., Any], tokens: torch.Tensor) -> Any:

@@ -164,11 +164,12 @@ def test_aux_loss_without_tokens_counts_every_position() -> None:
 
 
 def test_engine_forward_passes_the_real_tokens() -> None:
-    """Through the core's ``CausalLMLogps`` with padding, one MoE layer's loss equals the core's own HF path."""
+    """Through the core's ``CausalLMLogps`` with padding, the aux loss of three MoE layers and its router gradients
+    equal the core's own HF path (transformers' ``load_balancing_loss_func`` per layer, averaged)."""
     from toolkit.train.logps import CausalLMLogps
     from toolkit_moe.patch import patch_moe_blocks
 
-    reference = _hf_model("qwen3_moe", num_hidden_layers=1, router_aux_loss_coef=0.1)
+    reference = _hf_model("qwen3_moe", num_hidden_layers=3, router_aux_loss_coef=0.1)
     ours = copy.deepcopy(reference)
     patch_moe_blocks(ours, z_loss_coef=0.0, experts_backend="loop")
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(7))
@@ -179,6 +180,12 @@ def test_engine_forward_passes_the_real_tokens() -> None:
     expected = CausalLMLogps(reference)(ids, labels, positions, sequence_ids)[1]
     aux = CausalLMLogps(ours)(ids, labels, positions, sequence_ids)[1]
     torch.testing.assert_close(aux, expected, rtol=0, atol=1e-6)
+    expected.backward()
+    aux.backward()
+    gates = [name for name, _ in reference.named_parameters() if name.endswith("mlp.gate.weight")]
+    assert len(gates) == 3
+    for name in gates:
+        torch.testing.assert_close(ours.get_parameter(name).grad, reference.get_parameter(name).grad, rtol=1e-5, atol=1e-7)
 
 
 def test_unknown_family_is_a_clear_error() -> None:

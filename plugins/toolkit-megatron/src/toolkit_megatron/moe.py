@@ -1,36 +1,84 @@
 """Mixture-of-experts training under the megatron strategy: router losses, their scale and metrics.
 
-The load-balancing aux loss and the router z-loss are Megatron-Core's (``aux_loss`` load balancing
-per layer, z-loss per layer), with coefficients taken from the HF config (``router_aux_loss_coef``,
-``router_z_loss_coef``) unless the core's ``--router-aux-loss-coef`` / ``--router-z-loss-coef`` (the
-flags of every strategy) override them. Megatron attaches them to the router activations (``MoEAuxLossAutoScaler``) and
-scales their gradient by a global factor; we set that factor so that each forward's router losses
-enter the step objective with weight ``1 / (micro-batches * data-parallel size)``, the rule the
-``local`` engine uses for the HF aux loss.
+The load-balancing aux loss and the router z-loss are Megatron-Core's, computed per layer. The recipe's
+``--router-aux-loss-coef`` / ``--router-z-loss-coef`` (default: the HF config's ``router_aux_loss_coef`` /
+``router_z_loss_coef``) weigh the toolkit's one definition of each loss, the mean over the MoE layers of
+``E * sum_e f_e P_e`` (``f_e`` top-k assignments to expert ``e`` per token, ``P_e`` its mean router
+probability) and of ``mean(logsumexp(logits)^2)`` (docs/moe.md). Megatron sums per layer
+``coeff * E/k * sum_e f_e P_e`` and ``coeff * mean(logsumexp^2)``, so :func:`router_options` hands it
+``aux * k / L`` and ``z / L`` (``L`` MoE layers, ``k`` experts per token): the same flags train the same
+objective here, under toolkit-moe and on the plain HF path.
 
-Megatron's load-balancing loss differs from HF's ``load_balancing_loss_func``: Megatron sums one
-loss per layer, ``E / k * sum_e f_e P_e`` (``f_e`` fraction of routed assignments, ``P_e`` mean
-router probability), while HF concatenates every layer's router logits and computes
-``E * sum_e f_e P_e`` once over all layers' tokens. The coefficient means the same thing, the
-value does not: equality with ``local`` (HF's loss) holds only with the coefficient at 0. Padding
-positions are masked out of both losses (Megatron's ``padding_mask``).
+Megatron attaches the losses to the router activations (``MoEAuxLossAutoScaler``) and scales their
+gradient by a global factor; we set that factor so that each forward's router losses enter the step
+objective with weight ``1 / (micro-batches * data-parallel size)``, the rule the ``local`` engine uses.
+Padding positions are masked out of both losses (Megatron's ``padding_mask``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 
-def router_options(hf_config: Any, aux_coeff: float | None, z_coeff: float | None, dispatcher: str) -> dict[str, Any]:
-    """``TransformerConfig`` overrides for training: dispatcher, aux loss and z-loss coefficients."""
-    aux = float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0) if aux_coeff is None else float(aux_coeff)
-    z = float(getattr(hf_config, "router_z_loss_coef", 0.0) or 0.0) if z_coeff is None else float(z_coeff)
+def router_options(hf_config: Any, aux_coef: float | None, z_coef: float | None, dispatcher: str) -> dict[str, Any]:
+    """``TransformerConfig`` overrides for training: dispatcher and Megatron's coefficients for the recipe's weights.
+
+    ``aux_coef`` / ``z_coef`` weigh the mean over MoE layers (``None``: the HF config's keys, else 0);
+    Megatron sums per-layer losses, its load-balancing one ``E/k`` times ours, hence ``* k / L`` and ``/ L``.
+    """
+    aux = float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0) if aux_coef is None else float(aux_coef)
+    z = float(getattr(hf_config, "router_z_loss_coef", 0.0) or 0.0) if z_coef is None else float(z_coef)
+    topk, layers = moe_shape(_transformer_options(hf_config))
     return {"moe_token_dispatcher_type": dispatcher,
             "moe_router_load_balancing_type": "aux_loss" if aux > 0 else "none",
-            "moe_aux_loss_coeff": aux,
-            "moe_z_loss_coeff": z if z > 0 else None}
+            "moe_aux_loss_coeff": aux * topk / layers,
+            "moe_z_loss_coeff": z / layers if z > 0 else None}
+
+
+def moe_shape(options: Any) -> tuple[int, int]:
+    """``(k, L)``: experts per token and MoE layers of ``TransformerConfig`` options (a dict or the config)."""
+    read = options.get if isinstance(options, dict) else lambda name, default=None: getattr(options, name, default)
+    return read("moe_router_topk"), moe_layer_count(read("moe_layer_freq", 1), read("num_layers"))
+
+
+def deprecated_coefficients(recipe: Any, config: Any, hf_config: Any, is_main: bool) -> tuple[float | None, float | None]:
+    """The recipe's router-loss weights, with a deprecated ``--megatron-moe-aux-loss-coef`` /
+    ``--megatron-moe-z-loss-coef`` turned into them.
+
+    The old flags held Megatron's own per-layer coefficients (summed over layers, ``E/k`` in the
+    load-balancing term); converted (``* L / k``, ``* L``) they train the objective they trained before,
+    which a plain move to the new flags would not. A different value given the new way too is refused.
+    """
+    from toolkit.errors import ConfigError
+
+    topk, layers = moe_shape(_transformer_options(hf_config))
+    values = {"router_aux_loss_coef": recipe.router_aux_loss_coef, "router_z_loss_coef": recipe.router_z_loss_coef}
+    for old, new, factor in (("moe_aux_loss_coef", "router_aux_loss_coef", layers / topk),
+                             ("moe_z_loss_coef", "router_z_loss_coef", layers)):
+        given = getattr(config, old)
+        if given is None:
+            continue
+        old_flag, new_flag = f"--megatron-{old.replace('_', '-')}", f"--{new.replace('_', '-')}"
+        converted = float(given) * factor
+        if values[new] is not None and not math.isclose(values[new], converted, rel_tol=1e-9, abs_tol=1e-12):
+            raise ConfigError(f"{old_flag} {given} (deprecated; Megatron's per-layer weight, {new_flag} {converted:g} for "
+                              f"this model) and {new_flag} {values[new]} disagree: give {new_flag} only", source=old_flag)
+        values[new] = converted
+        if is_main:
+            print(f"toolkit: {old_flag} {given} (YAML megatron: {old}) is deprecated; it is Megatron's per-layer weight, "
+                  f"which is {new_flag} {converted:g} for this model ({layers} MoE layers, top-{topk}): give that instead",
+                  file=sys.stderr)
+    return values["router_aux_loss_coef"], values["router_z_loss_coef"]
+
+
+def _transformer_options(hf_config: Any) -> dict[str, Any]:
+    from toolkit_megatron.architectures import architecture_for
+
+    return architecture_for(hf_config.model_type).transformer_options(hf_config)
 
 
 def unscaled_router_losses(chunks: list[Any]) -> None:
@@ -96,34 +144,37 @@ def with_padding_masks(batches: list[dict], layout: Any) -> list[dict]:
 
 
 def pop_router_metrics(config: Any, share: float, tp_cp: int) -> dict[str, float]:
-    """This rank's router-loss contributions of the last schedule run (then cleared).
+    """This rank's router-loss contributions of the last schedule run (then cleared), named and scaled as
+    toolkit-moe logs them.
 
     ``aux_loss``: the weighted router losses as added to the objective (load balancing + z);
-    ``load_balancing_loss`` / ``z_loss``: unweighted, averaged over the MoE layers. Every value is this
-    rank's part; summed over all ranks they give the step's values (SP/CP ranks hold partial
-    sums, pipeline stages hold disjoint layers, data-parallel ranks carry ``share``).
+    ``moe_aux_loss`` / ``moe_z_loss``: unweighted, averaged over the MoE layers, in the toolkit's definition
+    (the load-balancing loss ``k`` times Megatron's, ``k`` when balanced). Every value is this rank's part;
+    summed over all ranks they give the step's values (SP/CP ranks hold partial sums, pipeline stages
+    hold disjoint layers, data-parallel ranks carry ``share``).
     """
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
     tracker = get_moe_layer_wise_logging_tracker()
     if not config.moe_aux_loss_coeff and not config.moe_z_loss_coeff:
         return {}
+    topk, layers = moe_shape(config)
     metrics = {"aux_loss": 0.0}
-    for name, coeff, per_rank in (("load_balancing_loss", config.moe_aux_loss_coeff, 1),
-                                  ("z_loss", config.moe_z_loss_coeff, tp_cp)):
+    for tracked, name, coeff, per_rank, unit in (
+            ("load_balancing_loss", "moe_aux_loss", config.moe_aux_loss_coeff, 1, topk),
+            ("z_loss", "moe_z_loss", config.moe_z_loss_coeff, tp_cp, 1)):
         if not coeff:
             continue
-        value = float(tracker[name]["values"].sum()) * share if name in tracker else 0.0
+        value = float(tracker[tracked]["values"].sum()) * share if tracked in tracker else 0.0
         # the tracker stores z-loss / (coeff / tp_cp) per TP/CP rank: each holds its tokens' mean
         metrics["aux_loss"] += value * float(coeff) / per_rank
-        metrics[name] = value / per_rank / moe_layer_count(config)
+        metrics[name] = value * unit / per_rank / layers
     clear_aux_losses_tracker()
     return metrics
 
 
-def moe_layer_count(config: Any) -> int:
-    """How many layers route through experts (dense layers of ``moe_layer_freq``'s pattern record no router loss)."""
-    pattern = config.moe_layer_freq
+def moe_layer_count(pattern: int | list[int], num_layers: int) -> int:
+    """How many layers route through experts (dense layers of a ``moe_layer_freq`` pattern record no router loss)."""
     if isinstance(pattern, int):
-        return sum(1 for i in range(config.num_layers) if i % pattern == 0)
+        return sum(1 for i in range(num_layers) if i % pattern == 0)
     return max(1, sum(pattern))

@@ -32,8 +32,12 @@ class MegatronConfig:
     moe_experts: Literal["grouped", "sequential"] = option(
         "grouped", help="MoE experts without Transformer Engine: grouped (all local experts in one torch grouped matmul, "
         "same weights and checkpoint keys) or sequential (Megatron's SequentialMLP, a loop over experts).")
-    moe_aux_loss_coef: float | None = option(None, replaced_by="router_aux_loss_coef")
-    moe_z_loss_coef: float | None = option(None, replaced_by="router_z_loss_coef")
+    moe_aux_loss_coef: float | None = option(
+        None, help="Deprecated: Megatron's own per-layer load-balancing weight; it trains as --router-aux-loss-coef "
+        "VALUE * MoE layers / top-k (the run prints that value): give --router-aux-loss-coef instead.")
+    moe_z_loss_coef: float | None = option(
+        None, help="Deprecated: Megatron's own per-layer z-loss weight; it trains as --router-z-loss-coef "
+        "VALUE * MoE layers (the run prints that value): give --router-z-loss-coef instead.")
     logps_kernel: Literal["auto", "chunked", "compiled", "reference"] = option(
         "auto", help="Label log-probs: chunked (fp32 a chunk of tokens at a time, bf16 logits kept), compiled "
                      "(the same under torch.compile), reference (plain autograd over full fp32 logits), auto "
@@ -60,6 +64,12 @@ class MegatronConfig:
                      "[tokens, V/tp] logits never exist. auto (the default): on a GPU only; true/false "
                      "(--megatron-fused-loss / --no-megatron-fused-loss) force it. Other losses keep the logits path.")
 
+    def check(self) -> list[str]:
+        """The deprecated router weights bypass the core's check of ``--router-*`` (they are converted later)."""
+        return [f"{name} must be 0 (off) or more, got {value}"
+                for name, value in (("moe_aux_loss_coef", self.moe_aux_loss_coef), ("moe_z_loss_coef", self.moe_z_loss_coef))
+                if value is not None and not value >= 0]  # NaN too
+
 
 class SpeedLevers(NamedTuple):
     """The engine's speed options as they resolved for this device and loss."""
@@ -71,12 +81,14 @@ class SpeedLevers(NamedTuple):
     """The fused output head (:mod:`toolkit_megatron.fused_head`): on, and the loss declares a uniform token gradient."""
 
 
-def _check_router_flags(recipe: Any, hf_config: Any, moe: bool) -> None:
+def _check_router_flags(recipe: Any, config: MegatronConfig, hf_config: Any, moe: bool) -> None:
     """A router-loss coefficient for a model without a router would be silently ignored: refuse it."""
     from toolkit.errors import ConfigError
 
     for flag, value in (("--router-aux-loss-coef", recipe.router_aux_loss_coef),
-                        ("--router-z-loss-coef", recipe.router_z_loss_coef)):
+                        ("--router-z-loss-coef", recipe.router_z_loss_coef),
+                        ("--megatron-moe-aux-loss-coef", config.moe_aux_loss_coef),
+                        ("--megatron-moe-z-loss-coef", config.moe_z_loss_coef)):
         if value and not moe:
             raise ConfigError(f"{flag} {value}: model type {hf_config.model_type!r} has no MoE router; leave the "
                               "flag out", source=flag)
@@ -201,7 +213,7 @@ class MegatronEngine(EngineBase):
         architecture = architecture_for(source.config.model_type)
         architecture.check(source.config)
         self.moe = architecture.moe
-        _check_router_flags(recipe, source.config, self.moe)
+        _check_router_flags(recipe, config, source.config, self.moe)
         self.world = init_world()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         from toolkit.train.distributed import one_process_group
@@ -219,10 +231,10 @@ class MegatronEngine(EngineBase):
         self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[recipe.precision]
         overrides: dict[str, Any] = {"calculate_per_token_loss": True}
         if self.moe:
-            from toolkit_megatron.moe import router_options
+            from toolkit_megatron.moe import deprecated_coefficients, router_options
 
-            overrides.update(router_options(source.config, recipe.router_aux_loss_coef, recipe.router_z_loss_coef,
-                                            config.moe_dispatcher))
+            aux, z = deprecated_coefficients(recipe, config, source.config, self.world.is_main)
+            overrides.update(router_options(source.config, aux, z, config.moe_dispatcher))
         if recipe.gradient_checkpointing:
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         compile_elementwise, self.logps_kernel, kernel_ops, fused_loss = _speed_levers(
