@@ -11,7 +11,10 @@
 # The wheels are built once (nox -s build); every session installs them (TOOLKIT_PREBUILT_WHEELS).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
+# one intra-op thread per process: the lanes and the tests' own ranks already fill the cores, and torch's OpenMP
+# threads spin while they wait for each other, so two per process on a busy 2-core machine more than doubled the CPU
+# time of the same tests (test_engine + test_numerics: 170 against 77 CPU-s, 757 against 253 s, 2026-12-06)
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 python3 -m venv .venv-nox
 # uv beside nox: the sessions create and fill their venvs with it (noxfile.py: several times faster than pip)
 .venv-nox/bin/pip install -q -c constraints.txt "nox>=2024.4" "uv>=0.5"
