@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from toolkit.commands.launch import torchrun_command
-from toolkit.testing import free_port
+from toolkit.testing import free_port, run_python
 
 WORKER = Path(__file__).with_name("launch_allreduce.py")
 
@@ -97,7 +97,7 @@ def test_an_input_error_of_a_launched_job_prints_once_without_a_torchrun_traceba
 def test_a_rank_other_than_zero_leaves_input_errors_to_rank_zero(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLKIT_")}
     command = [sys.executable, "-m", "toolkit", "sft", "--dataset", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "run")]
-    quiet = subprocess.run(command, capture_output=True, text=True, env={**env, "RANK": "1"}, timeout=120)
-    loud = subprocess.run(command, capture_output=True, text=True, env={**env, "RANK": "0"}, timeout=120)
+    quiet = run_python(command[1:], env={**env, "RANK": "1"}, timeout=120)  # forked: no second import of torch
+    loud = run_python(command[1:], env={**env, "RANK": "0"}, timeout=120)
     assert quiet.returncode == loud.returncode == 1
     assert "missing.jsonl" in loud.stderr and "missing.jsonl" not in quiet.stderr
