@@ -11,6 +11,7 @@
 #   bash bench/gpu_userpath.sh 8    # Gemma 2 / Gemma 3 at scale, local and megatron, + the megatron tests (CPU) and the
 #                                   # GPU-only FlexAttention test of the soft-capped, windowed attention
 #   bash bench/gpu_userpath.sh 9    # LoRA on the Qwen3-MoE experts: local + toolkit-peft vs megatron's per-expert adapters
+#   bash bench/gpu_userpath.sh 10   # the megatron tests (CPU) beside MoE LoRA with the default targets, local vs megatron
 #   bash bench/gpu_userpath.sh 6    # one call of ~8 minutes: every toolkit case on tiny models on CUDA (5 at once: does
 #                                   # each run), then at scale dpo-pure, MoE (megatron, toolkit-moe), fsdp, deepspeed
 set -uo pipefail
@@ -88,6 +89,14 @@ case "$part" in
     ;;
   9)
     timeout 500 python3 bench/userpath.py --steps 10 --case-timeout 150 --cases moe-lora,moe-megatron-lora,moe-megatron
+    ;;
+  10)
+    (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 timeout 420 python3 -m pytest -q -p no:cacheprovider -n 10 plugins/toolkit-megatron/tests \
+      > "$OUT/megatron-tests.log" 2>&1; echo "megatron tests: rc $?" >> "$OUT/megatron-tests.log") &
+    tests=$!
+    timeout 400 python3 bench/userpath.py --steps 10 --case-timeout 150 --cases moe-lora,moe-megatron-lora
+    wait $tests
+    tail -5 "$OUT/megatron-tests.log"
     ;;
   5)
     timeout 560 python3 bench/userpath.py --case-timeout 170 --cases sft-megatron-torchrun,moe-megatron,sft-nopack-ungrouped
