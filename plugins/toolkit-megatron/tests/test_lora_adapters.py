@@ -54,10 +54,14 @@ def test_adapters_come_from_initial_adapters_and_are_grouped_per_projection(monk
     ("qwen2_moe", "model.layers.0.mlp.shared_expert.up_proj", ("mlp.shared_experts.linear_fc1", "up", "gate_up")),
     ("deepseek_v3", "model.layers.0.self_attn.kv_a_proj_with_mqa", ("self_attention.linear_kv_down_proj", "column", "column")),
     ("mixtral", "experts.down_proj", ("mlp.experts.local_experts.{e}.linear_fc2", "row", "row")),
+    ("qwen3_moe", "model.layers.0.mlp.gate", ("mlp.router", "weight", "gate")),
+    ("mixtral", "model.layers.0.mlp.gate", ("mlp.router", "weight", "gate")),  # checkpoints: block_sparse_moe.gate
+    ("qwen2_moe", "model.layers.0.mlp.shared_expert_gate", ("mlp.shared_experts", "gate_weight", "gate")),
 ])
 def test_hf_modules_map_to_megatron_linears_through_the_bridge_table(family, path, expected):
     """Fused HF linears (Phi-3) become one adapter on the fused Megatron linear; separate ones a part of it; shared
-    and routed experts and MLA's projections their own linears: all read off the bridge's PER_LAYER table."""
+    and routed experts and MLA's projections their own linears; the router and the shared expert gate their module's
+    weight, under the HF module's name (not the checkpoint's): all read off the bridge's PER_LAYER table."""
     from toolkit_megatron.architectures import architecture_for
     from toolkit_megatron.lora import _targets
 

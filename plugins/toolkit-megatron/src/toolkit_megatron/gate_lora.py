@@ -11,6 +11,7 @@ know it, and the adapter is a child module (``adapter``) whose parameters are na
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -83,6 +84,20 @@ def adapt_gate(owner: Any, name: str, tensors: dict, path: str) -> None:
                           f"{name} is {tuple(weight.shape)}")
     owner.adapter = LoRAGate(weight, tensors, bool(getattr(weight, "sequence_parallel", False)))
     owner.__class__ = _adapted_class(type(owner), name)
+
+
+def module_name(name: str, families: tuple[str, ...]) -> str:
+    """The name transformers 5 gives the module a checkpoint calls ``name`` (Mixtral's checkpoints, which the bridge
+    reads, say ``block_sparse_moe.gate``, its modules and so PEFT's adapters ``mlp.gate``): ``name`` through the
+    renamings of the families' checkpoint conversion mapping."""
+    from transformers.conversion_mapping import WeightRenaming, get_checkpoint_conversion_mapping
+
+    for family in families:
+        for rename in get_checkpoint_conversion_mapping(family) or []:
+            if isinstance(rename, WeightRenaming):
+                for source in rename.source_patterns:
+                    name = re.sub(source, rename.target_patterns[0], name)
+    return name
 
 
 def gates(chunk: Any) -> list[tuple[str, Any]]:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from toolkit.errors import ConfigError
-from toolkit_megatron.gate_lora import GATE_WEIGHTS, adapt_gate, gates, merged_gates
+from toolkit_megatron.gate_lora import GATE_WEIGHTS, adapt_gate, gates, merged_gates, module_name
 
 _ADAPTER = re.compile(r"^(?P<path>.+?)(?:\.base_layer)*\.lora_(?P<which>A|B|magnitude_vector)(?:\.default)?(?:\.weight)?$")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -416,7 +416,7 @@ def _targets(arch: Any, layer: int) -> dict[str, list[tuple[str, str, str]]]:
     for key, mapping in PER_LAYER.items():
         if key in GATE_WEIGHTS:  # replicated: the module and its parameter (see gate_lora)
             try:
-                name = hf_names(arch, mapping, layer)[0].removesuffix(".weight")
+                name = module_name(hf_names(arch, mapping, layer)[0].removesuffix(".weight"), arch.families)
             except (AttributeError, KeyError):
                 continue
             found.setdefault(name, []).append((*key.rsplit(".", 1), "gate"))
