@@ -128,9 +128,19 @@ def test_anything_trained_but_a_decoder_layer_adapter_is_refused(name):
         hf_adapters("SOURCE", _Tuner({name: torch.zeros(2, 8)}), "RECIPE")
 
 
-def test_an_adapter_on_a_module_the_bridge_has_no_linear_for_is_refused(tp1):
-    """The router (PEFT adapts Qwen3-MoE's ``mlp.gate`` under all-linear): Megatron's router weight is no parallel
-    linear, so the strategy says which module and what to do instead of training something else."""
+_ROUTER = {"A": torch.zeros(2, 32), "B": torch.zeros(4, 2), "scale": 1.0}
+
+
+@pytest.mark.parametrize(("path", "tensors", "dropout", "error"), [
+    ("model.layers.0.mlp.shared_expert_gate", {"A": torch.zeros(2, 32), "B": torch.zeros(1, 2), "scale": 1.0}, 0.0,
+     r"LoRA on model\.layers\.0\.mlp\.shared_expert_gate is not supported .*--lora-target-modules"),
+    ("model.layers.0.mlp.gate", _ROUTER, 0.1, r"with dropout 0\.1.*--lora-dropout 0"),
+    ("model.layers.0.mlp.gate", {**_ROUTER, "M": torch.ones(4)}, 0.0, r"DoRA on the gate model\.layers\.0\.mlp\.gate"),
+], ids=["no-megatron-module", "gate-dropout", "gate-dora"])
+def test_adapters_the_strategy_cannot_train_are_refused(path, tensors, dropout, error, tp1):
+    """Qwen3-MoE has no shared expert gate, so the bridge has no weight for the adapter; a gate's adapter is merged
+    into its weight, so dropout on its input cannot be honoured; DoRA on a gate is not implemented: each says which
+    module and what to do instead of training something else."""
     from transformers import Qwen3MoeConfig
 
     from toolkit.parallel import ParallelLayout
@@ -140,6 +150,5 @@ def test_an_adapter_on_a_module_the_bridge_has_no_linear_for_is_refused(tp1):
     config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
                             num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
     models = build_model(config, ParallelLayout())
-    adapters = {(0, "model.layers.0.mlp.gate"): {"A": torch.zeros(2, 32), "B": torch.zeros(4, 2), "scale": 1.0}}
-    with pytest.raises(ConfigError, match=r"LoRA on model\.layers\.0\.mlp\.gate is not supported .*--lora-target-modules"):
-        apply_lora(models, adapters, 0.0, config, models[0].vocab_size)
+    with pytest.raises(ConfigError, match=error):
+        apply_lora(models, {(0, path): tensors}, dropout, config, models[0].vocab_size)
