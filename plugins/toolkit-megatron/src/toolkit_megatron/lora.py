@@ -12,7 +12,8 @@ columns (its partial product is all-reduced over TP) and ``B`` is replicated. Ro
 ``down_proj`` parameters with one ``[experts * r, in]`` / ``[out, r * experts]`` pair) become one
 adapter per expert on that expert's ``linear_fc1`` / ``linear_fc2``, split over the expert
 tensor-parallel group, whose token exchange does the communication the dense layers do themselves.
-So Megatron LoRA starts from exactly the adapters the local strategy trains.
+The MoE router and Qwen2-MoE's shared expert gate, whose weights are replicated, keep whole adapters
+(:mod:`toolkit_megatron.gate_lora`). So Megatron LoRA starts from exactly the adapters the local strategy trains.
 """
 
 from __future__ import annotations
