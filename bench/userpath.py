@@ -67,7 +67,7 @@ def cases(args: argparse.Namespace) -> dict[str, dict]:
     sft = ["sft", "--dataset", "{chats}", *common]
     pref = ["--dataset", "{prefs}", "--precision", "bf16", "--seq-len", "2048", "--micro-batch-size", str(mb),
             "--max-steps", str(args.steps), "--log-every", "1", "--lr", "1e-6", "--overwrite"]
-    moe_lora = ["--tuner", "lora", "--lr", "1e-4", "--lora-target-modules", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"]
+    moe_lora = ["--tuner", "lora", "--lr", "1e-4"]  # the default targets (all-linear): the router too
     table = {
         "pt": {"cmd": ["pt", "--dataset", "{docs}", *common]},
         "pt-isolated": {"cmd": ["pt", "--dataset", "{docs}", *common, "--isolate-documents"]},
@@ -90,7 +90,8 @@ def cases(args: argparse.Namespace) -> dict[str, dict]:
         "rm": {"cmd": ["rm", *pref]},
         "moe-sft": {"cmd": [*sft, "--packing"], "model": "moe"},
         "moe-megatron": {"cmd": [*sft, "--packing", "--strategy", "megatron"], "model": "moe", "needs": "megatron.core"},
-        # LoRA on attention and every expert: toolkit-peft on the HF model vs the megatron bridge's per-expert adapters
+        # LoRA on attention, the router and every expert: toolkit-peft on the HF model vs the megatron bridge's
+        # per-expert adapters and its adapted router
         "moe-lora": {"cmd": [*sft, "--packing", *moe_lora], "model": "moe"},
         "moe-megatron-lora": {"cmd": [*sft, "--packing", "--strategy", "megatron", *moe_lora], "model": "moe",
                               "needs": "megatron.core"},

@@ -54,10 +54,14 @@ def test_adapters_come_from_initial_adapters_and_are_grouped_per_projection(monk
     ("qwen2_moe", "model.layers.0.mlp.shared_expert.up_proj", ("mlp.shared_experts.linear_fc1", "up", "gate_up")),
     ("deepseek_v3", "model.layers.0.self_attn.kv_a_proj_with_mqa", ("self_attention.linear_kv_down_proj", "column", "column")),
     ("mixtral", "experts.down_proj", ("mlp.experts.local_experts.{e}.linear_fc2", "row", "row")),
+    ("qwen3_moe", "model.layers.0.mlp.gate", ("mlp.router", "weight", "gate")),
+    ("mixtral", "model.layers.0.mlp.gate", ("mlp.router", "weight", "gate")),  # checkpoints: block_sparse_moe.gate
+    ("qwen2_moe", "model.layers.0.mlp.shared_expert_gate", ("mlp.shared_experts", "gate_weight", "gate")),
 ])
 def test_hf_modules_map_to_megatron_linears_through_the_bridge_table(family, path, expected):
     """Fused HF linears (Phi-3) become one adapter on the fused Megatron linear; separate ones a part of it; shared
-    and routed experts and MLA's projections their own linears: all read off the bridge's PER_LAYER table."""
+    and routed experts and MLA's projections their own linears; the router and the shared expert gate their module's
+    weight, under the HF module's name (not the checkpoint's): all read off the bridge's PER_LAYER table."""
     from toolkit_megatron.architectures import architecture_for
     from toolkit_megatron.lora import _targets
 
@@ -124,9 +128,19 @@ def test_anything_trained_but_a_decoder_layer_adapter_is_refused(name):
         hf_adapters("SOURCE", _Tuner({name: torch.zeros(2, 8)}), "RECIPE")
 
 
-def test_an_adapter_on_a_module_the_bridge_has_no_linear_for_is_refused(tp1):
-    """The router (PEFT adapts Qwen3-MoE's ``mlp.gate`` under all-linear): Megatron's router weight is no parallel
-    linear, so the strategy says which module and what to do instead of training something else."""
+_ROUTER = {"A": torch.zeros(2, 32), "B": torch.zeros(4, 2), "scale": 1.0}
+
+
+@pytest.mark.parametrize(("path", "tensors", "dropout", "error"), [
+    ("model.layers.0.mlp.shared_expert_gate", {"A": torch.zeros(2, 32), "B": torch.zeros(1, 2), "scale": 1.0}, 0.0,
+     r"LoRA on model\.layers\.0\.mlp\.shared_expert_gate is not supported .*--lora-target-modules"),
+    ("model.layers.0.mlp.gate", _ROUTER, 0.1, r"with dropout 0\.1.*--lora-dropout 0"),
+    ("model.layers.0.mlp.gate", {**_ROUTER, "M": torch.ones(4)}, 0.0, r"DoRA on the gate model\.layers\.0\.mlp\.gate"),
+], ids=["no-megatron-module", "gate-dropout", "gate-dora"])
+def test_adapters_the_strategy_cannot_train_are_refused(path, tensors, dropout, error, tp1):
+    """Qwen3-MoE has no shared expert gate, so the bridge has no weight for the adapter; a gate's adapter is merged
+    into its weight, so dropout on its input cannot be honoured; DoRA on a gate is not implemented: each says which
+    module and what to do instead of training something else."""
     from transformers import Qwen3MoeConfig
 
     from toolkit.parallel import ParallelLayout
@@ -136,6 +150,5 @@ def test_an_adapter_on_a_module_the_bridge_has_no_linear_for_is_refused(tp1):
     config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
                             num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
     models = build_model(config, ParallelLayout())
-    adapters = {(0, "model.layers.0.mlp.gate"): {"A": torch.zeros(2, 32), "B": torch.zeros(4, 2), "scale": 1.0}}
-    with pytest.raises(ConfigError, match=r"LoRA on model\.layers\.0\.mlp\.gate is not supported .*--lora-target-modules"):
-        apply_lora(models, adapters, 0.0, config, models[0].vocab_size)
+    with pytest.raises(ConfigError, match=error):
+        apply_lora(models, {(0, path): tensors}, dropout, config, models[0].vocab_size)

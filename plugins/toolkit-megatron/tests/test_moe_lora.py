@@ -1,7 +1,9 @@
-"""LoRA on mixture-of-experts models under --strategy megatron equals PEFT's LoRA under --strategy local: routed
-experts (Qwen3-MoE at EP1 with two data-parallel ranks, EP2 and TP2+SP) and Qwen2-MoE's shared expert train step
-for step alike, their merged exports give local's logits, and the adapter-only export (PEFT's own files, read from
-the megatron checkpoint) loads onto the HF model with PEFT and gives those logits too. Router losses are off (their
+"""LoRA on mixture-of-experts models under --strategy megatron equals PEFT's LoRA under --strategy local, with
+toolkit-peft's default targets (``all-linear``: the attention, the routed experts, Qwen3-MoE's router ``mlp.gate``,
+Qwen2-MoE's shared expert and its ``shared_expert_gate``): Qwen3-MoE at EP1 with two data-parallel ranks, EP2 and
+TP2+SP, and Qwen2-MoE at TP2+SP train step for step alike and end with the same adapters, their merged exports (also
+from the megatron checkpoint) give local's logits, and the adapter-only export (PEFT's own files, read from the
+megatron checkpoint) loads onto the HF model with PEFT and gives those logits too. Router losses are off (their
 definitions differ between the engines, test_moe_training.py)."""
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from test_strategy import COMMON, assert_same_steps, metrics, toolkit
 
 pytestmark = pytest.mark.slow
 
-LORA = ["--tuner", "lora", "--lora-rank", "4", "--lora-alpha", "8", "--max-steps", "3",
-        "--lora-target-modules", "q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"]
+LORA = ["--tuner", "lora", "--lora-rank", "4", "--lora-alpha", "8", "--max-steps", "3"]
+GATES = {"tiny-qwen3-moe": "mlp.gate.", "tiny-qwen2-moe": "mlp.shared_expert_gate."}
+"""The gate each preset's default targets adapt, by its HF module name."""
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +38,13 @@ def local_runs(tmp_path_factory):
     return run
 
 
+def _adapters(run) -> dict[str, torch.Tensor]:
+    """The last checkpoint's adapters under PEFT's names (both engines write them so)."""
+    from safetensors.torch import load_file
+
+    return load_file(sorted((run / "checkpoints").glob("step-*"))[-1] / "model.safetensors")
+
+
 def _logits(directory, ids) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
@@ -54,10 +64,19 @@ def test_moe_lora_equals_local_lora_and_exports(preset, layout, local_runs, tmp_
     toolkit("sft", "--model", str(model), *COMMON[2:], *LORA, "--output", str(run), "--strategy", "megatron", *layout,
             "--export", "hf", nproc=2)
     assert_same_steps(metrics(local), metrics(run))
+    trained, got = _adapters(local), _adapters(run)
+    gates = [name for name in trained if GATES[preset] in name and ".lora_B." in name]
+    assert len(gates) == 2 and all(trained[name].abs().max() > 1e-4 for name in gates), gates  # one per layer, trained
+    assert set(got) == set(trained)
+    for name, tensor in trained.items():  # a detached adapter would keep its initial value
+        torch.testing.assert_close(got[name], tensor, rtol=1e-3, atol=1e-4, msg=name)
     ids = torch.arange(5, 40)[None]
     expected = _logits(local / "export", ids)
     assert (expected - _logits(model, ids)).abs().max() > 1e-3  # the adapters trained
     torch.testing.assert_close(_logits(run / "export", ids), expected, rtol=1e-4, atol=1e-4)
+    if preset == "tiny-qwen3-moe" and "--sequence-parallel" in layout:  # merged again from the sharded checkpoint
+        toolkit("export", str(run), "--to", "hf", "--output", str(tmp_path / "from-checkpoint"))
+        torch.testing.assert_close(_logits(tmp_path / "from-checkpoint", ids), expected, rtol=1e-4, atol=1e-4)
     if "--ep" in layout:  # PEFT's adapter files from the megatron checkpoint, loaded by PEFT itself
         import json
 
@@ -66,7 +85,7 @@ def test_moe_lora_equals_local_lora_and_exports(preset, layout, local_runs, tmp_
 
         toolkit("export", str(run), "--to", "hf", "--adapter-only", "--output", str(tmp_path / "adapter"))
         config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-        assert set(config["target_parameters"]) == {"gate_up_proj", "down_proj"}, config  # the routed experts'
+        assert set(config["target_parameters"]) == {"gate_up_proj", "down_proj", "gate.weight"}, config  # experts, router
         with torch.no_grad():
             adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model), tmp_path / "adapter")(ids).logits
         torch.testing.assert_close(adapted, expected, rtol=1e-4, atol=1e-4)

@@ -12,7 +12,8 @@ columns (its partial product is all-reduced over TP) and ``B`` is replicated. Ro
 ``down_proj`` parameters with one ``[experts * r, in]`` / ``[out, r * experts]`` pair) become one
 adapter per expert on that expert's ``linear_fc1`` / ``linear_fc2``, split over the expert
 tensor-parallel group, whose token exchange does the communication the dense layers do themselves.
-So Megatron LoRA starts from exactly the adapters the local strategy trains.
+The MoE router and Qwen2-MoE's shared expert gate, whose weights are replicated, keep whole adapters
+(:mod:`toolkit_megatron.gate_lora`). So Megatron LoRA starts from exactly the adapters the local strategy trains.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from toolkit.errors import ConfigError
+from toolkit_megatron.gate_lora import GATE_WEIGHTS, adapt_gate, gates, merged_gates, module_name
 
 _ADAPTER = re.compile(r"^(?P<path>.+?)(?:\.base_layer)*\.lora_(?P<which>A|B|magnitude_vector)(?:\.default)?(?:\.weight)?$")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -409,11 +411,19 @@ class LoRALinear(torch.nn.Module):
 
 def _targets(arch: Any, layer: int) -> dict[str, list[tuple[str, str, str]]]:
     """HF module path -> ``(Megatron module path in the layer, part, split)`` candidates, read from the bridge's
-    table: every linear weight the bridge splits over TP (the one a layer really has is picked by the caller)."""
+    table: every linear weight the bridge splits over TP (the one a layer really has is picked by the caller), and
+    the gates LoRA adapts whole (``(module path, parameter name, "gate")``)."""
     from toolkit_megatron.bridge import PER_LAYER, fused, hf_names
 
     found: dict[str, list[tuple[str, str, str]]] = {}
     for key, mapping in PER_LAYER.items():
+        if key in GATE_WEIGHTS:  # replicated: the module and its parameter (see gate_lora)
+            try:
+                name = module_name(hf_names(arch, mapping, layer)[0].removesuffix(".weight"), arch.families)
+            except (AttributeError, KeyError):
+                continue
+            found.setdefault(name, []).append((*key.rsplit(".", 1), "gate"))
+            continue
         if mapping.split not in ("qkv", "gate_up", "column", "row") or not key.endswith(".weight"):
             continue
         module = key.removesuffix(".weight")
@@ -471,6 +481,9 @@ def _layer_adapters(layer: Any, adapters: dict, arch: Any, hf_config: Any, geo: 
             raise ConfigError(f"LoRA on {path} is not supported by the megatron strategy for {hf_config.model_type}: the "
                               "bridge maps no Megatron linear of this layer to it (drop it from --lora-target-modules)")
         module, part, split = options[0]
+        if split == "gate":  # whole on every rank: nothing to split (see gate_lora)
+            grouped[f"{module}.{part}"] = (split, {path: tensors})
+            continue
         if isinstance(_submodule(layer, module), KVDownProjection):
             part = split = "kv_down"
         if "M" in tensors and split in ("column", "kv_down"):
@@ -498,6 +511,14 @@ def apply_lora(models: list[Any], adapters: dict, dropout: float, hf_config: Any
             for path, (kind, parts) in _layer_adapters(layer, adapters, arch, hf_config, geo).items():
                 owner_path, name = path.rsplit(".", 1)
                 owner = _submodule(layer, owner_path)
+                if kind == "gate":
+                    (hf_path, tensors), = parts.items()
+                    if dropout:
+                        raise ConfigError(f"LoRA on the gate {hf_path} with dropout {dropout}: a gate's adapter is "
+                                          "merged into its weight (PEFT's router adapter takes no dropout either); use "
+                                          "--lora-dropout 0, or drop it from --lora-target-modules")
+                    adapt_gate(owner, name, tensors, hf_path)
+                    continue
                 setattr(owner, name, LoRALinear(getattr(owner, name), kind, parts, geo, dropout))
 
 
@@ -508,6 +529,7 @@ def export_merged(chunks: list[Any], hf_config: Any) -> Any:
     for chunk in chunks:
         chunk.toolkit_merged = {f"{path}.base.weight": module.merged_weight()
                                 for path, module in chunk.named_modules() if isinstance(module, LoRALinear)}
+        chunk.toolkit_merged.update(merged_gates(chunk))
     try:
         yield from export_hf_tensors(chunks, hf_config)
     finally:
@@ -533,6 +555,10 @@ def adapter_state(chunks: list[Any], value: Any = None) -> dict[str, torch.Tenso
                     for which, tensor in module.full_part(part, value).items():
                         if (expert_owner if expert else dense_owner) and module.rank == 0 and which in names:
                             pieces.append((names[which], which, expert, tensor.detach().float().cpu()))
+        if dense_owner and ps.get_tensor_model_parallel_rank() == 0:
+            for _, module in gates(chunk):
+                for which, tensor in module.adapter.full_part(value).items():
+                    pieces.append((module.adapter.sources[which], which, None, tensor.float().cpu()))
     everyone: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, pieces)  # adapters are small
     if torch.distributed.get_rank() != 0:
