@@ -32,8 +32,9 @@ class LoRAGate(torch.nn.Module):
         super().__init__()
         self.scale = float(tensors["scale"])
         self.sources = tensors.get("names", {})  # the tuner's names of A and B
-        self.lora_a = torch.nn.Parameter(tensors["A"].to(weight.dtype).contiguous())
-        self.lora_b = torch.nn.Parameter(tensors["B"].to(weight.dtype).contiguous())
+        # on the weight's device: the tuner's tensors may be on the host (as LoRALinear's)
+        self.lora_a = torch.nn.Parameter(tensors["A"].to(weight.device, weight.dtype).contiguous())
+        self.lora_b = torch.nn.Parameter(tensors["B"].to(weight.device, weight.dtype).contiguous())
         for param in (self.lora_a, self.lora_b):
             # as Megatron marks the gate weight: under sequence parallelism each TP rank's gradient covers its own
             # tokens, and finalize_model_grads sums such parameters' gradients over TP
