@@ -58,9 +58,10 @@ def plan(test_jobs: list[tuple[str, str, int]], sessions: list[str]) -> list[Job
 
 
 def next_job(jobs: list[Job]) -> Job | None:
-    """The costliest waiting job whose install has passed (installs first: they unlock the rest)."""
+    """The costliest waiting job whose install has passed. An install costs what its suites cost together, so the
+    shared session's comes first and a small session's (quantize: one short suite) waits behind the long suites."""
     ready = [j for j in jobs if j.status == "waiting" and (j.after is None or j.after.status == "passed")]
-    return max(ready, key=lambda j: (j.suite is None, j.cost), default=None)
+    return max(ready, key=lambda j: j.cost, default=None)
 
 
 def run(jobs: list[Job], lanes: int, nox: list[str], posargs: list[str], logs: Path) -> None:

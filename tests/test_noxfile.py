@@ -150,6 +150,12 @@ def test_the_pool_runs_each_suite_after_its_install_within_its_lanes(tmp_path, m
                           ("tests-broken", "toolkit-c", 900), ("tests-skipped", "toolkit-d", 10)],
                          ["tests", "tests-engine", "tests-broken"])
         pool.run(jobs, 2, [sys.executable, str(fake)], ["-k", "x"], tmp_path)
+        # a small session's install waits behind a long suite that is ready; the shared session's install goes first
+        order = pool.plan([("tests", "toolkit", 500), ("tests-small", "toolkit-s", 30), ("tests-engine", "toolkit-b", 300)],
+                          ["tests", "tests-small", "tests-engine"])
+        assert pool.next_job(order).name == "tests install"
+        order[0].status = "passed"
+        assert [pool.next_job(order).name] == ["tests: toolkit"]
     finally:
         del sys.modules[spec.name]
     calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
