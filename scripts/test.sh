@@ -3,7 +3,8 @@
 # plugins/ with their [test] extras (-c constraints.txt) into fresh venvs and runs every
 # package's tests, through the `tests`-tagged nox sessions (noxfile.py discovers the plugins).
 #   TOOLKIT_TEST_FAST=1 bash scripts/test.sh       skip tests marked slow
-#   TOOLKIT_TEST_WORKERS=4 bash scripts/test.sh    pytest-xdist workers per suite (default: none, one process)
+#   TOOLKIT_TEST_WORKERS=4 bash scripts/test.sh    pytest-xdist workers per suite (default: 2 for the shared
+#                                                  session's suites, one process for the plugins' own sessions)
 #   TOOLKIT_TEST_LANES=1 bash scripts/test.sh      suites one at a time (default 2 lanes: scripts/test_pool.py runs
 #                                                  each suite in its own nox call, the costliest first, its output
 #                                                  printed in one piece when it ends)

@@ -26,6 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+WORKERS = "2"
+"""pytest-xdist workers per suite of the shared session (``TOOLKIT_TEST_WORKERS`` overrides it; the plugins' own
+sessions run one process each, as their engines are heavy). Measured 2026-12-06 on 2 cores beside the other lane:
+the megatron suite on one process took 19 minutes, on two workers 6 (a test mostly waits on its own ranks'
+processes, which a second worker overlaps)."""
 
 
 @dataclass
@@ -86,6 +91,8 @@ def run(jobs: list[Job], lanes: int, nox: list[str], posargs: list[str], logs: P
                 job.status = "running"
             job.log = logs / f"{job.session}-{job.suite or 'install'}.log"
             env = {**os.environ, "TOOLKIT_TEST_SUITES": job.suite or ""}
+            if job.session == "tests":  # the shared venv's suites on two pytest-xdist workers each (see WORKERS)
+                env.setdefault("TOOLKIT_TEST_WORKERS", WORKERS)
             started = time.monotonic()
             with job.log.open("w") as out:
                 code = subprocess.call(command(job), stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
