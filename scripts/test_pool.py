@@ -28,9 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = "2"
 """pytest-xdist workers per suite of the shared session (``TOOLKIT_TEST_WORKERS`` overrides it; the plugins' own
-sessions run one process each, as their engines are heavy). Measured 2026-12-06 on 2 cores beside the other lane:
-the megatron suite on one process took 19 minutes, on two workers 6 (a test mostly waits on its own ranks'
-processes, which a second worker overlaps)."""
+sessions run one process each, as their engines are heavy). On 2 cores beside the other lane the megatron suite
+took 19 minutes on one process (2026-12-06, the first pooled CI run) where it had taken 6 on two workers."""
 
 
 @dataclass
