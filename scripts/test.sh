@@ -3,24 +3,45 @@
 # plugins/ with their [test] extras (-c constraints.txt) into fresh venvs and runs every
 # package's tests, through the `tests`-tagged nox sessions (noxfile.py discovers the plugins).
 #   TOOLKIT_TEST_FAST=1 bash scripts/test.sh       skip tests marked slow
-#   TOOLKIT_TEST_WORKERS=4 bash scripts/test.sh    pytest-xdist workers per suite (default: 2 for the shared
-#                                                  session's suites, one process for the plugins' own sessions)
-#   TOOLKIT_TEST_LANES=1 bash scripts/test.sh      suites one at a time (default 2 lanes: scripts/test_pool.py runs
-#                                                  each suite in its own nox call, the costliest first, its output
-#                                                  printed in one piece when it ends)
+#   TOOLKIT_TEST_WORKERS=4 bash scripts/test.sh    pytest-xdist workers per suite of the shared session (default: 2)
+#   TOOLKIT_TEST_LANES=1 bash scripts/test.sh      run the sessions one after another (default 2 lanes: the shared
+#                                                  session beside the plugins' own sessions, whose log follows it)
+#   TOOLKIT_TEST_POOL=1 bash scripts/test.sh       every suite in its own nox call, pooled over TOOLKIT_TEST_LANES lanes
+#                                                  (scripts/test_pool.py; for machines with more cores: on CI's 2 cores
+#                                                  it paired the core and megatron suites, whose two-rank tests then
+#                                                  spun against each other: 35 minutes against these lanes' 23)
 #   bash scripts/test.sh -k focal                  extra arguments go to pytest
 # The wheels are built once (nox -s build); every session installs them (TOOLKIT_PREBUILT_WHEELS).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# one intra-op thread per process: the lanes and the tests' own ranks already fill the cores, and torch's OpenMP
-# threads spin while they wait for each other, so two per process on a busy 2-core machine more than doubled the CPU
-# time of the same tests (test_engine + test_numerics: 170 against 77 CPU-s, 757 against 253 s, 2026-12-06)
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 python3 -m venv .venv-nox
 # uv beside nox: the sessions create and fill their venvs with it (noxfile.py: several times faster than pip)
 .venv-nox/bin/pip install -q -c constraints.txt "nox>=2024.4" "uv>=0.5"
 nox=(.venv-nox/bin/nox --no-reuse-existing-virtualenvs)
 "${nox[@]}" -s build
 export TOOLKIT_PREBUILT_WHEELS=1
-# every suite of every tests-tagged session in a pool of lanes, the costliest first (scripts/test_pool.py)
-exec .venv-nox/bin/python scripts/test_pool.py -- "$@"
+if [[ "${TOOLKIT_TEST_POOL:-0}" == 1 ]]; then
+  exec .venv-nox/bin/python scripts/test_pool.py -- "$@"
+fi
+mapfile -t own < <("${nox[@]}" -l -t tests --json | python3 -c \
+  'import json, sys; print("\n".join(s["session"] for s in json.load(sys.stdin) if s["session"] != "tests"))')
+if [[ "${TOOLKIT_TEST_LANES:-2}" == 1 || ${#own[@]} == 0 ]]; then
+  TOOLKIT_TEST_WORKERS="${TOOLKIT_TEST_WORKERS:-2}" exec "${nox[@]}" -t tests -- "$@"
+fi
+log=$(mktemp -t toolkit-own-sessions.XXXXXX.log)
+# the plugins' own sessions (mostly installs of their engines) run beside the shared one, their suites on one
+# worker each; their output is printed after the shared session's, in one piece
+"${nox[@]}" -s "${own[@]}" -- "$@" > "$log" 2>&1 &
+lane=$!
+status=0
+TOOLKIT_TEST_WORKERS="${TOOLKIT_TEST_WORKERS:-2}" "${nox[@]}" -s tests -- "$@" || status=$?
+own_status=0
+wait "$lane" || own_status=$?
+echo "=================== the plugins' own sessions (${own[*]}) ==================="
+cat "$log"
+rm -f "$log"
+if (( status || own_status )); then
+  echo "scripts/test.sh: failed: $( ((status)) && echo "the shared session (tests) ")$( ((own_status)) && echo "own sessions (${own[*]})")" >&2
+  exit 1
+fi

@@ -1,4 +1,5 @@
-"""Run every test suite of the ``tests``-tagged nox sessions as a pool over a few lanes (scripts/test.sh, CI).
+"""Run every test suite of the ``tests``-tagged nox sessions as a pool over a few lanes (``TOOLKIT_TEST_POOL=1 bash
+scripts/test.sh``, for machines with more cores than CI's two).
 
     python scripts/test_pool.py [--lanes 2] [--nox .venv-nox/bin/nox] [-- PYTEST ARGS]
 
@@ -6,9 +7,11 @@ Each session's venv is filled once (``nox --install-only -s SESSION``); then eac
 ``nox -R -s SESSION`` with ``TOOLKIT_TEST_SUITES=SUITE`` (noxfile.py), whenever a lane is free and its session's
 install has finished, the costliest first (``noxfile.test_jobs``: the plugins' ``cost`` in ``[tool.toolkit.nox]``).
 
-Why not nox alone: nox runs sessions one after another, and a session's suites one after another. Two fixed lanes
-(the shared session beside the plugins' own sessions) left one lane idle for minutes while the other still ran
-(CI 2026-12-06: 23 against 17 minutes); a pool of suites keeps both busy to the end. Each suite's output is
+Why not nox alone: nox runs sessions one after another, and a session's suites one after another; scripts/test.sh's
+two fixed lanes (the shared session beside the plugins' own sessions) leave one idle for minutes (CI 2026-12-06: 23
+against 17 minutes). A pool keeps every lane busy, but on CI's 2 cores it ran the core and megatron suites together,
+whose two-rank tests then spun against each other (megatron's suite: 1,458 CPU-s against 556 beside the other
+lane's engine suites), so CI keeps the fixed lanes. Each suite's output is
 printed in one piece when it ends, then a table of every job's time and status; the exit status is 1 if any
 install or suite failed.
 """
