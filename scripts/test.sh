@@ -8,8 +8,7 @@
 #                                                  session beside the plugins' own sessions, whose log follows it)
 #   TOOLKIT_TEST_POOL=1 bash scripts/test.sh       every suite in its own nox call, pooled over TOOLKIT_TEST_LANES lanes
 #                                                  (scripts/test_pool.py; for machines with more cores: on CI's 2 cores
-#                                                  it paired the core and megatron suites, whose two-rank tests then
-#                                                  spun against each other: 35 minutes against these lanes' 23)
+#                                                  it was no faster than these lanes in its trials of 2026-12-06)
 #   bash scripts/test.sh -k focal                  extra arguments go to pytest
 # The wheels are built once (nox -s build); every session installs them (TOOLKIT_PREBUILT_WHEELS).
 set -euo pipefail

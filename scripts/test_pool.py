@@ -9,9 +9,9 @@ install has finished, the costliest first (``noxfile.test_jobs``: the plugins' `
 
 Why not nox alone: nox runs sessions one after another, and a session's suites one after another; scripts/test.sh's
 two fixed lanes (the shared session beside the plugins' own sessions) leave one idle for minutes (CI 2026-12-06: 23
-against 17 minutes). A pool keeps every lane busy, but on CI's 2 cores it ran the core and megatron suites together,
-whose two-rank tests then spun against each other (megatron's suite: 1,458 CPU-s against 556 beside the other
-lane's engine suites), so CI keeps the fixed lanes. Each suite's output is
+against 17 minutes). A pool keeps every lane busy; on CI's 2 cores it was no faster in its trials of 2026-12-06 (it
+runs the core and megatron suites together, both full of two-rank tests: megatron 19.5 minutes, about what the
+fixed lanes took on the same machine that day), so CI keeps the fixed lanes. Each suite's output is
 printed in one piece when it ends, then a table of every job's time and status; the exit status is 1 if any
 install or suite failed.
 """
@@ -31,8 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = "2"
 """pytest-xdist workers per suite of the shared session (``TOOLKIT_TEST_WORKERS`` overrides it; the plugins' own
-sessions run one process each, as their engines are heavy). On 2 cores beside the other lane the megatron suite
-took 19 minutes on one process (2026-12-06, the first pooled CI run) where it had taken 6 on two workers."""
+sessions run one process each, as their engines are heavy)."""
 
 
 @dataclass
