@@ -120,13 +120,10 @@ def prepare(args: argparse.Namespace, needed: set[str]) -> dict[str, Path]:
     paths = {}
     shapes = {"dense": (LLAMA_TINY, LLAMA_1B), "moe": (MOE_TINY, MOE), "gemma2": (GEMMA2_TINY, GEMMA2),
               "gemma3": (GEMMA3_TINY, GEMMA3)}
-    for kind, (tiny, full) in shapes.items():
-        shape = tiny if args.tiny else full
+    for kind in sorted(needed):
         directory = work / f"model-{kind}"
-        if kind not in needed:
-            continue
         if not (directory / "config.json").is_file():
-            write_model(directory, kind, shape)
+            write_model(directory, kind, shapes[kind][0 if args.tiny else 1])
         paths[kind] = directory
     data = work / "data"
     if not (data / "prefs.jsonl").is_file():

@@ -19,6 +19,7 @@ install or suite failed.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -121,8 +122,6 @@ def main() -> int:
     import noxfile  # the sessions and suites (this interpreter has nox: scripts/test.sh runs it from .venv-nox)
 
     listing = subprocess.run([args.nox, "-l", "-t", "tests", "--json"], capture_output=True, text=True, check=True, cwd=ROOT)
-    import json
-
     sessions = [s["session"] for s in json.loads(listing.stdout)]
     jobs = plan(noxfile.test_jobs(), sessions)
     started = time.monotonic()
