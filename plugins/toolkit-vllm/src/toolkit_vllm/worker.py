@@ -12,11 +12,16 @@ import sys
 
 
 def main() -> None:
+    from toolkit.errors import ToolkitError
     from toolkit_vllm.backend import VLLMBackend
 
     request = json.loads(sys.stdin.read())
     backend = VLLMBackend(VLLMBackend.Config(**request["config"], python=""))
-    results = backend.generate_with_ids(request["model_dir"], request["prompts"], request["options"])
+    try:
+        results = backend.generate_with_ids(request["model_dir"], request["prompts"], request["options"])
+    except ToolkitError as exc:  # a refusal with its fix, for the caller to show: no traceback
+        sys.stderr.write(f"error: {exc}\n")
+        raise SystemExit(2) from None
     sys.stdout.write(json.dumps([{"text": text, "token_ids": ids} for text, ids in results]) + "\n")
     sys.stdout.flush()
 
