@@ -208,6 +208,12 @@ class ModelLoader(Registered, Protocol):
 
 
 class Architecture(Registered, Protocol):
+    """Per-family facts of a strategy's or plugin's own model code (``families``: the HF ``model_type`` values).
+
+    Optional (``OPTIONAL["architecture"]``): ``refusal(config)`` takes the dict of a model's config.json and returns
+    why this architecture cannot build that model (a setting of the family it does not implement), or None; the
+    planner asks it so that it never proposes a layout the strategy would refuse at start-up."""
+
     families: ClassVar[tuple[str, ...]]
 
 
@@ -451,6 +457,7 @@ OPTIONAL: dict[str, dict[str, Any]] = {
     "callback": {"available": _available, "on_train_start": _noop, "on_step_end": _noop, "on_log": _noop,
                  "on_train_end": _noop, "tracker": False, "requires": ""},
     "metric": {"prepare": _noop},
+    "architecture": {"refusal": None},
 }
 """Members the core reads only when a component has them, with what their absence means. Everything
 else a kind's protocol declares is required (:func:`missing_members`); the core reads nothing else
@@ -552,6 +559,12 @@ class MetricBase:
         """Nothing to prepare."""
 
 
+class ArchitectureBase:
+    """Defaults of an architecture's optional members: it refuses no config (``refusal`` absent)."""
+
+    refusal: Any = None
+
+
 BASES: dict[str, type] = {}
 """The base class of each kind with optional members (filled below): a plugin may inherit it for the defaults."""
 
@@ -579,4 +592,5 @@ class CallbackBase:
 
 
 BASES.update(engine=EngineBase, strategy=StrategyBase, tuner=TunerBase, loss=LossBase, dataset_format=DatasetFormatBase,
-             exporter=ExporterBase, inference_backend=InferenceBackendBase, callback=CallbackBase, metric=MetricBase)
+             exporter=ExporterBase, inference_backend=InferenceBackendBase, callback=CallbackBase, metric=MetricBase,
+             architecture=ArchitectureBase)

@@ -7,7 +7,7 @@ experts); no weights are read, so a hand-written config of a 70B model plans as 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,8 @@ class ModelShape:
     attention_windows: tuple[int, ...] = ()
     """Per layer, the sliding window of its attention (0: full causal attention), as transformers decides it
     (:func:`attention_windows`); empty when no layer is windowed."""
+    config: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+    """The config.json it was read from (None: built by hand), for strategies' own checks of it."""
 
     # ------------------------------------------------------------------ parameter counts
     @property
@@ -318,7 +320,7 @@ def shape_from_config(config: dict[str, Any], name: str = "model", where: str | 
     common = dict(name=name, model_type=model_type, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
                   head_dim=head_dim, vocab=vocab, tied_embeddings=bool(config.get("tie_word_embeddings", False)),
                   qkv_bias=model_type in ("qwen2", "qwen2_moe") or bool(config.get("attention_bias", False)),
-                  attention_windows=attention_windows(config, model_type, layers, where))
+                  attention_windows=attention_windows(config, model_type, layers, where), config=dict(config))
     if model_type == "mixtral":
         experts = _need(config, "num_local_experts", where)
         ffn = _need(config, "intermediate_size", where)

@@ -3,6 +3,8 @@ and rank the rest by estimated step time."""
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -138,6 +140,27 @@ def megatron_families() -> frozenset[str]:
     return frozenset(family for name, cls in registry.items() if name.startswith("megatron:") for family in cls.families)
 
 
+def megatron_refusal(shape: ModelShape) -> str | None:
+    """Why the registered ``megatron:*`` architecture of this family refuses this model's config (its optional
+    ``refusal``), None when it takes it, has no such check, or the shape carries no config."""
+    if shape.config is None:
+        return None
+    return _megatron_refusal(shape.model_type, json.dumps(shape.config, sort_keys=True, default=str))
+
+
+@functools.lru_cache(maxsize=16)  # once per model, not once per candidate layout
+def _megatron_refusal(model_type: str, config_json: str) -> str | None:
+    from toolkit.contracts import member
+    from toolkit.plugins import get_plugin_manager
+
+    registry = get_plugin_manager().registry("architecture")
+    for name, architecture in registry.items():
+        refusal = member(architecture, "architecture", "refusal")
+        if name.startswith("megatron:") and model_type in architecture.families and refusal is not None:
+            return refusal(json.loads(config_json))
+    return None
+
+
 def structural_problem(shape: ModelShape, layout: Layout, workload: Workload, global_rows: int) -> str | None:
     """Why ``layout`` cannot be built for this model at all (None when it can): first the rules of
     :class:`toolkit.parallel.ParallelLayout`, which the engines enforce, then the planner's own."""
@@ -157,6 +180,8 @@ def structural_problem(shape: ModelShape, layout: Layout, workload: Workload, gl
     if layout.strategy == "megatron" and (bridged := megatron_families()) and shape.model_type not in bridged:
         return (f"the Megatron bridge has no architecture for {shape.model_type} (it has: {', '.join(sorted(bridged))}); "
                 "local, fsdp and deepspeed run the HF model itself")
+    if layout.strategy == "megatron" and (refused := megatron_refusal(shape)):
+        return f"{refused}; local, fsdp and deepspeed run the HF model itself"
     if layout.ep > 1 and layout.strategy != "megatron":
         families = moe_families()
         if families is not None and shape.model_type not in families:

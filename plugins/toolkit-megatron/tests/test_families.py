@@ -267,3 +267,56 @@ def test_megatron_local_attention_refuses_soft_capping(tp1):
     with pytest.raises(ConfigError, match="--megatron-attention local has no attention logit soft-capping"):
         build_model(tiny_config("gemma2"), ParallelLayout(), attention="local")
     assert build_model(tiny_config("gemma3_text"), ParallelLayout(), attention="local")  # Gemma 3's attention is not capped
+
+
+@pytest.mark.parametrize(("model_type", "changes", "refused"), [
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2}, "use_sliding_window=true"),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2}, "use_sliding_window=true"),
+    ("gemma2", {"hidden_activation": "silu"}, "hidden_act='silu'"),
+    ("qwen2", {"use_sliding_window": False, "sliding_window": 64}, None)])
+def test_the_planner_offers_megatron_only_for_configs_the_bridge_builds(model_type, changes, refused):
+    """The planner asks the bridge's architecture (``refusal``) about the model's own config.json: a setting the
+    bridge refuses at start-up rejects every megatron layout with the bridge's own words; without it megatron is
+    planned. The same config through the bridge's ``check`` and per-layer attention raises the same words."""
+    from transformers import AutoConfig
+
+    from toolkit.plan.hardware import make_cluster
+    from toolkit.plan.memory import Workload
+    from toolkit.plan.model import shape_from_config
+    from toolkit.plan.search import plan
+
+    config = AutoConfig.for_model(model_type, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1000, **changes)
+    result = plan(shape_from_config(config.to_dict()), make_cluster(2, gpu_memory="80GiB"), Workload(seq_len=256),
+                  ("local", "megatron"))
+    megatron = [c for c in result.rejected if c.layout.strategy == "megatron"]
+    planned = [c for c in result.ranked if c.layout.strategy == "megatron"]
+    if refused is None:
+        assert planned and not any("Megatron bridge" in c.rejected for c in megatron), [c.rejected for c in megatron]
+        return
+    assert not planned and any(refused in c.rejected for c in megatron), [c.rejected for c in megatron]
+    with pytest.raises(ModelError, match=refused.replace("(", r"\(")):
+        architecture = architecture_for(model_type)
+        architecture.check(config)
+        architecture.layer_attention(config)
+
+
+def test_the_planners_question_reads_a_legacy_config_json_without_torch(tmp_path):
+    """``refusal`` answers from the JSON dict alone (``toolkit plan`` imports no torch): a legacy ``rope_scaling`` of
+    a type the bridge refuses is named as ``Rope.from_hf_config`` names it; a supported one passes."""
+    import json
+    import subprocess
+    import sys
+
+    legacy = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "intermediate_size": 128, "vocab_size": 100, "rope_theta": 10000.0}
+    code = ("import json, sys\nfrom toolkit_megatron.architectures import architecture_for\n"
+            "answers = [architecture_for('llama').refusal(json.loads(c)) for c in sys.argv[1:]]\n"
+            "print(json.dumps([answers, 'torch' in sys.modules]))")
+    configs = [{**legacy, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
+               {**legacy, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}, legacy]
+    done = subprocess.run([sys.executable, "-c", code, *map(json.dumps, configs)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (dynamic, linear, plain), torch_imported = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "rope_type 'dynamic' is not supported by the Megatron bridge" in dynamic and linear is None and plain is None
+    assert not torch_imported

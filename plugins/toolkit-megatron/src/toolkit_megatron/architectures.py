@@ -18,6 +18,8 @@ class DenseArchitecture:
 
     name: ClassVar[str] = "megatron:llama"
     families: ClassVar[tuple[str, ...]] = ("llama",)
+    rope_by_layer_type: ClassVar[bool] = False
+    """``rope_parameters`` is keyed by layer type (Gemma 3)."""
     qkv_bias: ClassVar[bool | None] = None
     """``None``: read ``attention_bias`` from the HF config."""
     attention_bias_on_output: ClassVar[bool] = True
@@ -73,6 +75,28 @@ class DenseArchitecture:
 
     @classmethod
     def sliding_window(cls, hf_config: Any) -> int | None:
+        return None
+
+    @classmethod
+    def refusal(cls, config: dict[str, Any]) -> str | None:
+        """``contracts.Architecture``'s optional check, which the planner asks: why the bridge refuses the model of
+        this config.json (``check`` and the per-layer attention, as ``build`` runs them), None when it builds it.
+
+        Without torch or transformers (``toolkit plan`` imports neither): the dict is read like the HF config and
+        RoPE is judged by its type alone (:func:`rope_type_problem`, the rule ``Rope.from_hf_config`` applies).
+        A key config.json leaves out means the family's default: the checks' own defaults are transformers' for
+        every key they read but the activation, whose default differs by family and is the one the bridge
+        implements. A config the checks cannot read is left to the loader, which names what is missing."""
+        judge = type(cls.__name__, (cls,), {"rope": classmethod(_judge_rope), "layer_rope": classmethod(_judge_layer_rope)})
+        defaults = {} if {"hidden_act", "hidden_activation"} & set(config) else {"hidden_act": cls.activation}
+        settings = ConfigSettings({**defaults, **config})
+        try:
+            judge.check(settings)
+            judge.layer_attention(settings)
+        except ModelError as exc:
+            return str(exc)
+        except (AttributeError, KeyError, TypeError, ValueError):
+            return None
         return None
 
     @classmethod
@@ -330,6 +354,7 @@ class Gemma3TextArchitecture(Gemma2Architecture):
     name = "megatron:gemma3_text"
     families = ("gemma3_text",)
     qk_norm = True
+    rope_by_layer_type = True
 
     @classmethod
     def layer_rope(cls, hf_config: Any, layer_type: str) -> Any:
@@ -639,3 +664,44 @@ def architecture_for(model_type: str) -> type[DenseArchitecture]:
                      f"supported: {', '.join(sorted(known)) or 'none'}. A plugin can add one with "
                      f"toolkit_register_architectures (a DenseArchitecture subclass named 'megatron:{model_type}' whose "
                      f"families hold {model_type!r}; docs/megatron.md, 'Adding a family', shows a plugin doing it).")
+
+
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+"""Rope types whose frequencies do not depend on the sequence (``longrope`` picks one of two sets by length)."""
+
+
+def rope_type_problem(hf_config: Any, layer_type: str | None = None) -> str | None:
+    """Why the bridge cannot reproduce this RoPE (its frequencies change with the sequence length), or None."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if layer_type is not None:
+        params = params.get(layer_type) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type in (*STATIC_ROPE_TYPES, "longrope"):
+        return None
+    return (f"{hf_config.model_type}: rope_type {rope_type!r} is not supported by the Megatron bridge (its frequencies "
+            f"change with the sequence length); supported: {', '.join((*STATIC_ROPE_TYPES, 'longrope'))}. "
+            "Train it with --strategy local.")
+
+
+class ConfigSettings:
+    """A config.json dict read as an HF config: its keys as attributes (a missing one raises AttributeError, so
+    ``getattr`` defaults apply), a legacy ``rope_scaling`` / ``rope_theta`` read as transformers 5's ``rope_parameters``."""
+
+    def __init__(self, config: dict[str, Any]):
+        self.__dict__.update(config)
+        if "rope_parameters" not in config:
+            legacy = dict(config.get("rope_scaling") or {})
+            if "type" in legacy:
+                legacy.setdefault("rope_type", legacy.pop("type"))
+            self.rope_parameters = {**legacy, **({"rope_theta": config["rope_theta"]} if "rope_theta" in config else {})}
+
+
+def _judge_rope(cls: Any, hf_config: Any) -> None:
+    return _judge_layer_rope(cls, hf_config, "full_attention")
+
+
+def _judge_layer_rope(cls: Any, hf_config: Any, layer_type: str) -> None:
+    """``rope`` / ``layer_rope`` of :meth:`DenseArchitecture.refusal`: the type's rule, no frequencies."""
+    problem = rope_type_problem(hf_config, layer_type if cls.rope_by_layer_type else None)
+    if problem:
+        raise ModelError(problem)

@@ -27,10 +27,6 @@ import torch.nn.functional as F
 
 from toolkit_megatron.compat import cpu_compat
 
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-"""Rope types whose frequencies do not depend on the sequence (``longrope`` picks one of two sets by length)."""
-
-
 @dataclass(frozen=True)
 class Rope:
     """RoPE as Hugging Face computes it: inverse frequencies, the cos/sin scaling and which dims rotate.
@@ -53,15 +49,15 @@ class Rope:
 
         from toolkit.errors import ModelError
 
+        from toolkit_megatron.architectures import rope_type_problem
+
+        if problem := rope_type_problem(hf_config, layer_type):
+            raise ModelError(problem)
         params = getattr(hf_config, "rope_parameters", None) or {}
         if layer_type is not None:
             params = params.get(layer_type) or {}
         by_layer = {"layer_type": layer_type} if layer_type is not None else {}
         rope_type = params.get("rope_type", "default")
-        if rope_type not in (*STATIC_ROPE_TYPES, "longrope"):
-            raise ModelError(f"{hf_config.model_type}: rope_type {rope_type!r} is not supported by the Megatron bridge "
-                             f"(its frequencies change with the sequence length); supported: "
-                             f"{', '.join((*STATIC_ROPE_TYPES, 'longrope'))}. Train it with --strategy local.")
         if rope_type == "default":
             base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
             head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
