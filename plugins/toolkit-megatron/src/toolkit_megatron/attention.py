@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from toolkit_megatron.compat import cpu_compat
 
+
 @dataclass(frozen=True)
 class Rope:
     """RoPE as Hugging Face computes it: inverse frequencies, the cos/sin scaling and which dims rotate.
@@ -48,7 +49,6 @@ class Rope:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         from toolkit.errors import ModelError
-
         from toolkit_megatron.architectures import rope_type_problem
 
         if problem := rope_type_problem(hf_config, layer_type):
