@@ -124,6 +124,39 @@ def test_packed_rows_of_windowed_and_eager_models_equal_hf_per_sample(model_type
     assert_grads_close(masked_grads, reference_grads, f"{model_type} masked SDPA vs HF per sample")
 
 
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text", "phi3"])
+def test_windowed_and_soft_capped_models_under_flex_equal_masked_sdpa_and_hf_per_sample(model_type, cpu_flex_backward,
+                                                                                        monkeypatch):
+    """Under ``flex`` each sliding-window layer gets the windowed document BlockMask (a dict by layer type where
+    windowed and full layers mix) and Gemma 2, loaded eager for its attention soft cap, runs transformers' own
+    flex_attention, which applies the cap: log-probs and gradients equal the masked path and HF per sample. The
+    cap is set low enough to bend these scores, so a flex path without it fails."""
+    from torch.nn.attention.flex_attention import flex_attention
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.integrations import flex_attention as hf_flex
+
+    from toolkit.models import attention_kwargs
+
+    # transformers compiles flex_attention on first use; on CPU the unfused reference is what the GPU kernel is tested against
+    monkeypatch.setattr(hf_flex, "compile_friendly_flex_attention",
+                        lambda query, key, value, training=False, **kwargs: flex_attention(query, key, value, **kwargs))
+    extra = dict(WINDOWED[model_type], **({"attn_logit_softcapping": 0.5} if model_type == "gemma2" else {}))
+    config = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+                                  num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, **extra)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, **attention_kwargs(config)).float().train()
+    batch = make_batch(ROWS, model.config.vocab_size)
+    reference, reference_grads = per_sample_logps_and_grads(model, batch)
+    masked, masked_grads = engine_logps_and_grads(model, batch, "sdpa-mask")
+    assert attention.apply_packed_attention("flex", model, torch.device("cpu"), "--local-packed-attention") == "flex"
+    flex, flex_grads = engine_logps_and_grads(model, batch, "flex")
+    trained = batch["labels"] != -100
+    torch.testing.assert_close(flex[trained], masked[trained], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(flex, reference, rtol=1e-5, atol=1e-5)
+    assert_grads_close(flex_grads, masked_grads, f"{model_type} flex vs masked SDPA")
+    assert_grads_close(flex_grads, reference_grads, f"{model_type} flex vs HF per sample")
+
+
 def test_plain_rows_never_build_a_block_mask(tiny_model_factory, monkeypatch, flex_calls):
     model = tiny_model_factory("llama").eval()
     batch = make_batch([[LENGTH], [LENGTH]], model.config.vocab_size)
@@ -217,8 +250,15 @@ def test_auto_is_flex_on_cuda_unless_something_stands_in_the_way(tiny_model_fact
     assert attention.apply_packed_attention("auto", dropout, torch.device("cuda"), "--local-packed-attention") == "sdpa-mask"
     eager = tiny_model_factory("llama", attn_implementation="eager")
     assert attention.apply_packed_attention("auto", eager, torch.device("cuda"), "--local-packed-attention") == "sdpa-mask"
-    windowed = tiny_model_factory("mistral", sliding_window=16)  # the document BlockMask has no window
-    assert attention.apply_packed_attention("auto", windowed, torch.device("cuda"), "--local-packed-attention") == "sdpa-mask"
+    windowed = tiny_model_factory("mistral", sliding_window=16)  # the document BlockMask takes the window
+    assert attention.apply_packed_attention("auto", windowed, torch.device("cuda"), "--local-packed-attention") == "flex"
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    gemma2 = AutoConfig.for_model("gemma2", vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    capped = AutoModelForCausalLM.from_config(gemma2, attn_implementation="eager")  # for its soft cap, which flex applies
+    assert attention.apply_packed_attention("auto", capped, torch.device("cuda"), "--local-packed-attention") == "flex"
+    assert capped.config._attn_implementation == "flex_attention"
 
 
 def test_forced_flex_that_cannot_run_is_a_clear_error(tiny_model_factory, monkeypatch):

@@ -56,18 +56,22 @@ def flex_problems(model: Any, device: torch.device) -> list[str]:
     problems = []
     config = getattr(model, "config", None)
     implementation = getattr(config, "_attn_implementation", None)
-    if implementation not in ("sdpa", ATTENTION_NAME):
+    # eager only for the soft cap (toolkit.models.attention_kwargs): FlexAttention applies the cap too
+    if implementation not in ("sdpa", ATTENTION_NAME) and not (implementation == "eager" and softcaps(config)):
         problems.append(f"the model runs attn_implementation {implementation!r}; FlexAttention replaces sdpa only")
     elif hasattr(model, "_can_set_attn_implementation") and not model._can_set_attn_implementation():
         problems.append(f"{type(model).__name__} does not dispatch attention through HF's AttentionInterface")
-    layer_types = getattr(config, "layer_types", None) or ()
-    if getattr(config, "sliding_window", None) and (not layer_types or "sliding_attention" in layer_types):
-        problems.append(f"sliding_window {config.sliding_window} is set; the document BlockMask has no window")
     if float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
         problems.append(f"attention_dropout {config.attention_dropout} is set; FlexAttention has no dropout")
     if flex_backward_refused(device):
         problems.append(f"torch {torch.__version__} has no FlexAttention backward on {device.type}")
     return problems
+
+
+def softcaps(config: Any) -> bool:
+    """Whether the model soft-caps its attention scores (Gemma 2): SDPA cannot, so under ``flex`` such a model runs
+    transformers' own ``flex_attention`` (:func:`use_flex`), which applies the cap on every row."""
+    return bool(getattr(config, "attn_logit_softcapping", None))
 
 
 def resolve_packed_attention(choice: str, model: Any, device: torch.device, flag: str) -> str:
@@ -106,10 +110,16 @@ def apply_packed_attention(choice: str, model: Any, device: torch.device, flag: 
 
 
 def use_flex(model: Any) -> None:
-    """Register :data:`ATTENTION_NAME` with HF and switch ``model`` (the unwrapped HF model) to it."""
+    """Register :data:`ATTENTION_NAME` with HF and switch ``model`` (the unwrapped HF model) to it; a model that
+    soft-caps its scores (loaded eager for that) to transformers' ``flex_attention`` instead: plain rows get
+    transformers' own causal (and windowed) ``BlockMask``, packed rows the document one, and every score the cap."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+    if softcaps(model.config):
+        if model.config._attn_implementation != "flex_attention":
+            model.set_attn_implementation("flex_attention")
+        return
     AttentionInterface.register(ATTENTION_NAME, attention_forward)
     # plain rows pass no mask: sdpa's mask function answers None, so they keep is_causal SDPA
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
@@ -117,8 +127,9 @@ def use_flex(model: Any) -> None:
         model.set_attn_implementation(ATTENTION_NAME)
 
 
-def document_block_mask(sequence_ids: torch.Tensor) -> Any:
-    """The block-causal ``BlockMask`` ``[B, 1, T, T]`` of packed rows: same sequence, causal, not padding.
+def document_block_mask(sequence_ids: torch.Tensor, window: int | None = None) -> Any:
+    """The block-causal ``BlockMask`` ``[B, 1, T, T]`` of packed rows: same sequence, causal, not padding, and
+    with ``window`` only the keys less than ``window`` positions back (transformers' sliding window).
 
     Padding (-1) attends to itself only, so no row of the softmax is empty; the same pattern as the dense
     mask of :func:`toolkit.train.logps.attention_mask_for`.
@@ -127,7 +138,10 @@ def document_block_mask(sequence_ids: torch.Tensor) -> Any:
 
     def document_causal(batch: Any, head: Any, query: Any, key: Any) -> Any:
         own = sequence_ids[batch, query]
-        return ((own == sequence_ids[batch, key]) & (query >= key) & (own >= 0)) | (query == key)
+        allowed = (own == sequence_ids[batch, key]) & (query >= key) & (own >= 0)
+        if window:
+            allowed = allowed & (query - key < window)
+        return allowed | (query == key)
 
     rows, length = sequence_ids.shape
     # compiled on a GPU: built block by block instead of materialising the T x T pattern once

@@ -49,15 +49,28 @@ def attention_mask_for(sequence_ids: torch.Tensor, plain: bool | None = None, pa
     if plain if plain is not None else plain_causal(sequence_ids):
         return None
     if packed == "flex":
-        from toolkit.train.attention import document_block_mask
-
-        return document_block_mask(sequence_ids)
+        return flex_mask_for_model(sequence_ids, config)
     length = sequence_ids.shape[1]
     same = sequence_ids[:, :, None] == sequence_ids[:, None, :]
     causal = torch.ones(length, length, dtype=torch.bool, device=sequence_ids.device).tril()
     mask = same & causal & (sequence_ids[:, :, None] >= 0)
     mask |= torch.eye(length, dtype=torch.bool, device=sequence_ids.device)
     return mask_for_model(mask[:, None, :, :], config)
+
+
+def flex_mask_for_model(sequence_ids: torch.Tensor, config: Any) -> Any:
+    """The document ``BlockMask`` as the model of ``config`` must be handed it: windowed for its sliding-window
+    layers (a dict by layer type where windowed and full layers mix), as :func:`mask_for_model` does densely."""
+    from toolkit.train.attention import document_block_mask
+
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or ()
+    if not window or (layer_types and "sliding_attention" not in layer_types):
+        return document_block_mask(sequence_ids)
+    if layer_types:
+        return {"full_attention": document_block_mask(sequence_ids),
+                "sliding_attention": document_block_mask(sequence_ids, window)}
+    return document_block_mask(sequence_ids, window)
 
 
 def mask_for_model(mask: torch.Tensor, config: Any) -> Any:
