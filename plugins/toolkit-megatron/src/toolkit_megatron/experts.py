@@ -230,7 +230,7 @@ def _lora_unsupported(modules: list[torch.nn.Module]) -> str | None:
         return "LoRA adapts only some of the experts"
     if first.dora:
         return "DoRA on the experts (its row norms of the merged weight are per expert)"
-    if first.sequence_parallel or (first.tp > 1 and not first.expert_comm):
+    if first.tp > 1 and (first.sequence_parallel or not first.expert_comm):  # (Megatron's expert linears never do)
         return "LoRA on expert linears that exchange tokens themselves (no explicit expert communication)"
 
     def layout(module: LoRALinear) -> tuple:
