@@ -7,6 +7,9 @@
    (``bias_activation_fusion``): outputs and every weight gradient.
 2. Model level, per layout (EP1, EP2, TP2+SP+ETP2/ETP1): a Qwen3-MoE GPTModel built with grouped and with
    sequential experts from the same HF weights: logits (also against HF), input and weight gradients.
+3. LoRA at ETP2: GroupedExperts against SequentialMLP with the same LoRALinear wrappers on every expert, split over
+   the two ranks; each rank weighs its partial output differently, so the replicated factors' gradients (fc1's A,
+   fc2's B) are right only when summed over the group: output, input and every weight and adapter gradient.
 """
 
 import sys
@@ -82,6 +85,59 @@ def module_checks() -> dict:
     return results
 
 
+def lora_etp_checks() -> dict:
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from toolkit.parallel import ParallelLayout
+    from toolkit_megatron import experts as grouped_module
+    from toolkit_megatron.lora import LoRALinear
+    from toolkit_megatron.model import initialize_parallel
+
+    initialize_parallel(ParallelLayout(tensor=2, expert_tensor=2))
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    provider = LocalSpecProvider()
+    submodules = MLPSubmodules(linear_fc1=provider.column_parallel_linear(), linear_fc2=provider.row_parallel_linear())
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, moe_ffn_hidden_size=24,
+                               num_moe_experts=4, moe_router_topk=2, add_bias_linear=False, gated_linear_unit=True,
+                               activation_func=torch.nn.functional.silu, tensor_model_parallel_size=2,
+                               expert_tensor_parallel_size=2, use_cpu_initialization=True, perform_initialization=True)
+    torch.manual_seed(1)  # the same on both ranks: the same full weights, adapters and tokens, each rank its shards
+    reference = SequentialMLP(4, config, submodules, pg_collection=pgs)
+    ours = grouped_module.GroupedExperts(4, config, submodules, pg_collection=pgs)
+    ours.load_state_dict(reference.state_dict())
+    for index in range(4):
+        fc1 = {"gate_up": {"A": torch.randn(4, 32) * 0.2, "B": torch.randn(48, 4) * 0.2, "scale": 2.0}}  # [gate; up]
+        fc2 = {"row": {"A": torch.randn(3, 24) * 0.2, "B": torch.randn(32, 3) * 0.2, "scale": 0.5}}
+        for module in (reference, ours):
+            expert = module.local_experts[index]
+            expert.linear_fc1 = LoRALinear(expert.linear_fc1, "gate_up", fc1, None, 0.0)
+            expert.linear_fc2 = LoRALinear(expert.linear_fc2, "row", fc2, None, 0.0)
+    counts = torch.tensor([5, 0, 7, 3])  # expert 1 gets no token
+    x = torch.randn(int(counts.sum()), 32)
+    probs = torch.rand(int(counts.sum()))
+    outputs, grads = [], []
+    for module in (reference, ours):
+        inputs = x.clone().requires_grad_(True)
+        out, _ = module(inputs, counts, probs)
+        weight = torch.linspace(-1, 1, out.numel()).reshape(out.shape) * (1 + dist.get_rank())  # partial, per rank
+        (out * weight).sum().backward()
+        outputs.append(out)
+        grads.append({"input": inputs.grad, **{n: p.grad for n, p in module.named_parameters()}})
+    entry = {"unsupported": ours._unsupported(), "expert_comm": ours.local_experts[0].linear_fc1.expert_comm,
+             "tp": ours.local_experts[0].linear_fc1.tp, "output": max_diff(*outputs),
+             "scale": float(outputs[0].abs().max()), "names": sorted(grads[0]) == sorted(grads[1]),
+             "missing": [n for n in grads[0] if grads[0][n] is None or grads[1][n] is None],
+             "grads": {n: max_diff(grads[0][n], grads[1][n]) / max(1.0, float(grads[0][n].abs().max()))
+                       for n in grads[0] if grads[0][n] is not None and grads[1][n] is not None}}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, entry)
+    return gathered
+
+
 def model_checks(hf_dir: str, layouts: list[str]) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -130,7 +186,7 @@ def model_checks(hf_dir: str, layouts: list[str]) -> dict:
 def main() -> None:
     hf_dir, out_path, layouts = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
     dist.init_process_group("gloo")
-    results = {"module": module_checks(), "model": model_checks(hf_dir, layouts)}
+    results = {"module": module_checks(), "lora_etp2": lora_etp_checks(), "model": model_checks(hf_dir, layouts)}
     finish_worker(results, out_path)
 
 

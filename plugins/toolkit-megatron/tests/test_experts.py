@@ -1,6 +1,6 @@
 """GroupedExperts (toolkit_megatron.experts) against Megatron-Core's SequentialMLP: outputs and gradients of the
-module (kernel, stacking, loop and fused-SwiGLU paths) and of a whole Qwen3-MoE model at EP1, EP2 and TP2+SP with ETP2 and ETP1
-(2 processes, gloo); the model's logits also against Hugging Face."""
+module (kernel, stacking, loop and fused-SwiGLU paths; with LoRA on the experts at ETP2) and of a whole Qwen3-MoE model
+at EP1, EP2 and TP2+SP with ETP2 and ETP1 (2 processes, gloo); the model's logits also against Hugging Face."""
 
 from __future__ import annotations
 
@@ -23,6 +23,11 @@ def test_grouped_experts_equal_sequential_mlp(tiny_models, tmp_path):
         assert entry["packed"], key  # the zero-copy path: weights are slices of one tensor
         assert entry["empty_expert_grad"] == 0.0, key  # an expert without tokens gets a zero gradient, not None
     assert len(result["module"]) == 7
+    for entry in result["lora_etp2"]:  # LoRA'd experts split over ETP2 run grouped, with SequentialMLP's gradients
+        assert entry["unsupported"] is None and entry["expert_comm"] and entry["tp"] == 2, entry
+        assert entry["names"] and entry["missing"] == [] and len(entry["grads"]) == 1 + 4 * 6, entry
+        assert entry["output"] <= 1e-5 * max(1.0, entry["scale"]), entry
+        assert max(entry["grads"].values()) <= 1e-5, entry
     for layout, ranks in result["model"].items():
         for entry in ranks:
             assert entry["types"] == ["SequentialMLP", "GroupedExperts"], layout

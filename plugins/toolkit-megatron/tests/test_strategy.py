@@ -19,12 +19,13 @@ COMMON = ["--model", "tiny-llama", "--dataset", "demo", "--seq-len", "64", "--lr
 TOLERANCE = 1e-4
 
 
-def toolkit(*args: str, nproc: int = 1) -> None:
+def toolkit(*args: str, nproc: int = 1, warnings: str = "ignore") -> None:
+    """``python -m toolkit ARGS`` on ``nproc`` ranks; ``warnings``: their PYTHONWARNINGS (``error:MESSAGE`` fails the run)."""
     if nproc > 1:  # the ranks with torchrun's environment, without torchrun's own process (its imports: ~1.6 s of CPU)
         run_distributed(["-m", "toolkit", *args], nproc=nproc, timeout=400,
-                        env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"})
+                        env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": warnings, "HF_HUB_OFFLINE": "1"})
         return
-    result = run_python(["-m", "toolkit", *args], env=ENV, timeout=400)
+    result = run_python(["-m", "toolkit", *args], env={**ENV, "PYTHONWARNINGS": warnings}, timeout=400)
     assert result.returncode == 0, f"{args} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
 
 

@@ -16,9 +16,12 @@ nothing; where something re-allocated a weight since (Megatron's distributed opt
 parameters into its own buffer) the forward stacks a copy instead, which is only slower. Where
 the grouped kernel cannot run (CUDA without a bf16 input or with unaligned sizes, a torch without
 ``grouped_mm``) each expert's slice is multiplied in a loop, still without ``SequentialMLP``'s
-per-expert modules. Anything ``SequentialMLP`` does that this module does not (fp8/fp4 padding,
-delayed weight gradients, TE activations, LoRA-wrapped expert linears) falls back to
-``SequentialMLP.forward`` itself.
+per-expert modules. LoRA on the experts (each expert's linears wrapped in
+:class:`~toolkit_megatron.lora.LoRALinear`) runs grouped too: the base through the wrapped linears' packed
+weights, each adapter as two more grouped matmuls over the experts' stacked ``A`` and ``B``, with the
+expert-tensor-parallel gradient sums of ``LoRALinear``'s replicated factors. Anything ``SequentialMLP`` does that
+this module does not (fp8/fp4 padding, delayed weight gradients, TE activations, DoRA on the experts) falls back to
+``SequentialMLP.forward`` itself, with a warning that says why.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from typing import Any
 
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
+
+from toolkit_megatron.lora import LoRALinear
 
 _KERNEL_BROKEN: set[tuple[str, torch.dtype]] = set()
 """(device type, dtype) pairs where the grouped kernel raised: the loop is used there from then on."""
@@ -80,8 +85,12 @@ class GroupedExperts(SequentialMLP):
         self.pack()
 
     # ------------------------------------------------------------------ weights
+    def _linears(self, linear: str) -> list[torch.nn.Module]:
+        return [getattr(expert, linear) for expert in self.local_experts]
+
     def _weights(self, linear: str, kind: str = "weight") -> list[torch.Tensor | None]:
-        return [getattr(getattr(expert, linear), kind, None) for expert in self.local_experts]
+        """The experts' base weights (or biases) of ``linear``, under a LoRA wrapper too."""
+        return [getattr(_unwrapped(module), kind, None) for module in self._linears(linear)]
 
     @torch.no_grad()
     def pack(self) -> None:
@@ -112,9 +121,12 @@ class GroupedExperts(SequentialMLP):
         for option in ("fp8", "fp4", "delay_wgrad_compute", "use_te_activation_func", "moe_latent_size"):
             if getattr(config, option, None):
                 return f"{option} is set"
-        if not all(isinstance(e.linear_fc1, ColumnParallelLinear) and isinstance(e.linear_fc2, RowParallelLinear)
-                   for e in self.local_experts):
-            return "expert linears are wrapped or replaced"
+        for linear, plain in (("linear_fc1", ColumnParallelLinear), ("linear_fc2", RowParallelLinear)):
+            modules = self._linears(linear)
+            if not all(isinstance(_unwrapped(module), plain) for module in modules):
+                return "expert linears are wrapped or replaced"
+            if (reason := _lora_unsupported(modules)) is not None:
+                return reason
         return None
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
@@ -133,16 +145,25 @@ class GroupedExperts(SequentialMLP):
             hidden = (probs.unsqueeze(-1) * hidden).to(hidden.dtype)
             probs = torch.ones_like(probs)
         counts = torch.as_tensor(tokens_per_expert).to(device=hidden.device, dtype=torch.int64)
-        fc1 = self._matmul(hidden, self._stacked("linear_fc1"), counts)
+        fc1 = self._project("linear_fc1", hidden, counts)
         bias1 = self._stacked("linear_fc1", "bias")
         if bias1 is not None:
             fc1 = fc1 + _rows(bias1, counts, fc1.shape[0])
         intermediate = self._weighted_activation(fc1, probs, fused=bias1 is None)
-        output = self._matmul(intermediate, self._stacked("linear_fc2"), counts)
+        output = self._project("linear_fc2", intermediate, counts)
         bias2 = self._stacked("linear_fc2", "bias")
         if bias2 is not None:  # MLP.forward adds an expert's output bias scaled by the token's probability
             output = output + _rows(bias2, counts, output.shape[0]) * probs.unsqueeze(-1)
         return output, None
+
+    def _project(self, linear: str, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Each expert's ``linear`` (without its bias) on its rows of ``x``: the base weight, plus the LoRA update
+        where the linears are wrapped."""
+        out = self._matmul(x, self._stacked(linear), counts)
+        modules = self._linears(linear)
+        if isinstance(modules[0], LoRALinear):
+            out = out + _lora_update(modules, x, counts, self._matmul)
+        return out
 
     def _weighted_activation(self, x: torch.Tensor, probs: torch.Tensor, fused: bool) -> torch.Tensor:
         """The activation times each row's router probability. With ``bias_activation_fusion`` (which
@@ -175,9 +196,11 @@ class GroupedExperts(SequentialMLP):
         """Rows of ``x`` grouped by expert (``counts`` per expert) times each expert's ``[out, in]`` weight."""
         function = grouped_mm_function()
         key = (x.device.type, x.dtype)
-        usable = function is not None and x.shape[0] > 0 and key not in _KERNEL_BROKEN
-        if usable and x.is_cuda:  # the CUDA kernels take bf16 with 16-byte aligned rows
-            usable = x.dtype == torch.bfloat16 and x.shape[1] % 8 == 0 and weights.shape[1] % 8 == 0
+        # the kernels take 16-byte aligned rows (CPU and CUDA), and on CUDA bf16 only
+        aligned = x.shape[1] * x.element_size() % 16 == 0 and weights.shape[1] * weights.element_size() % 16 == 0
+        usable = function is not None and x.shape[0] > 0 and key not in _KERNEL_BROKEN and aligned
+        if usable and x.is_cuda:
+            usable = x.dtype == torch.bfloat16
         if usable:
             offsets = counts.cumsum(0).to(torch.int32)
             try:
@@ -190,6 +213,63 @@ class GroupedExperts(SequentialMLP):
                               "the experts loop over their weights instead (slower)", stacklevel=2)
         pieces = torch.split(x, counts.tolist())
         return torch.cat([piece @ weight.t() for piece, weight in zip(pieces, weights.unbind(0))])
+
+
+def _unwrapped(linear: torch.nn.Module) -> torch.nn.Module:
+    """The Megatron linear itself, under a :class:`LoRALinear`."""
+    return linear.base if isinstance(linear, LoRALinear) else linear
+
+
+def _lora_unsupported(modules: list[torch.nn.Module]) -> str | None:
+    """Why the experts' LoRA wrappers of one linear cannot run grouped (``None``: they can, or there are none)."""
+    adapted = [module for module in modules if isinstance(module, LoRALinear)]
+    if not adapted:
+        return None
+    first = adapted[0]
+    if len(adapted) < len(modules):
+        return "LoRA adapts only some of the experts"
+    if first.dora:
+        return "DoRA on the experts (its row norms of the merged weight are per expert)"
+    if first.tp > 1 and (first.sequence_parallel or not first.expert_comm):  # (Megatron's expert linears never do)
+        return "LoRA on expert linears that exchange tokens themselves (no explicit expert communication)"
+
+    def layout(module: LoRALinear) -> tuple:
+        return (module.kind, module.order, module.scales, module.expert_comm, type(module.dropout),
+                getattr(module.dropout, "p", None), [getattr(module, f"lora_a_{p}").shape for p in module.order])
+
+    if any(layout(module) != layout(first) for module in adapted):
+        return "the experts' LoRA adapters differ in their parts, ranks, scales or dropout"
+    return None
+
+
+def _lora_update(modules: list[LoRALinear], x: torch.Tensor, counts: torch.Tensor, matmul: Any) -> torch.Tensor:
+    """What each expert's ``LoRALinear.forward`` adds to its base output, for rows of ``x`` grouped by expert:
+    ``scale * (x A_e^T) B_e^T`` per part, as two grouped matmuls over the experts' stacked factors, the parts placed
+    in the base weight's rows as ``LoRALinear._fused_delta`` places them.
+
+    With explicit expert communication ``LoRALinear`` multiplies by its replicated factor (the column layer's ``A``,
+    the row layer's ``B``) through ``_ReplicatedA`` / ``_ReplicatedB``, which sum that factor's gradient over the
+    expert-tensor-parallel group and leave the other gradients partial. Every rank of the group holds the same tokens,
+    so summing the stacked factor's gradient (``copy_to_tensor_model_parallel_region``) is the same sum."""
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+    first = modules[0]
+    x = first.dropout(x)  # one draw for all rows (each expert's own module has the same p)
+    replicated = "b" if first.row else "a"
+
+    def stacked(which: str, part: str) -> torch.Tensor:
+        factors = torch.stack([getattr(module, f"lora_{which}_{part}") for module in modules])
+        if first.expert_comm and which == replicated:
+            factors = copy_to_tensor_model_parallel_region(factors, group=first.group)
+        return factors
+
+    deltas = []
+    for part in first.order[:1] if first.row else first.order:
+        a, b = stacked("a", part), stacked("b", part)
+        if pad := -a.shape[1] % 8:  # zero rows of A, columns of B: the kernel takes 16-byte aligned rows
+            a, b = torch.nn.functional.pad(a, (0, 0, 0, pad)), torch.nn.functional.pad(b, (0, pad))
+        deltas.append(matmul(matmul(x, a, counts), b, counts) * first.scales[part])
+    return deltas[0] if first.row else first._fused_delta(deltas)
 
 
 def _rows(per_expert: torch.Tensor, counts: torch.Tensor, total: int) -> torch.Tensor:
