@@ -12,6 +12,8 @@
 #                                   # GPU-only FlexAttention test of the soft-capped, windowed attention
 #   bash bench/gpu_userpath.sh 9    # LoRA on the Qwen3-MoE experts: local + toolkit-peft vs megatron's per-expert adapters
 #   bash bench/gpu_userpath.sh 10   # the megatron tests (CPU) beside MoE LoRA with the default targets, local vs megatron
+#   bash bench/gpu_userpath.sh 11   # the same with megatron's expert adapters grouped, + megatron MoE without LoRA
+#   bash bench/gpu_userpath.sh 12   # Gemma 2 local: FlexAttention (soft cap) vs eager; Gemma 3; the GPU-only megatron tests
 #   bash bench/gpu_userpath.sh 6    # one call of ~8 minutes: every toolkit case on tiny models on CUDA (5 at once: does
 #                                   # each run), then at scale dpo-pure, MoE (megatron, toolkit-moe), fsdp, deepspeed
 set -uo pipefail
@@ -89,6 +91,20 @@ case "$part" in
     ;;
   9)
     timeout 500 python3 bench/userpath.py --steps 10 --case-timeout 150 --cases moe-lora,moe-megatron-lora,moe-megatron
+    ;;
+  11)
+    # the megatron tests (CPU) beside MoE LoRA with the experts' adapters in the grouped GEMM (was the per-expert loop)
+    (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 timeout 420 python3 -m pytest -q -p no:cacheprovider -n 10 plugins/toolkit-megatron/tests \
+      > "$OUT/megatron-tests.log" 2>&1; echo "megatron tests: rc $?" >> "$OUT/megatron-tests.log") &
+    tests=$!
+    timeout 440 python3 bench/userpath.py --steps 10 --case-timeout 140 --cases moe-megatron-lora,moe-lora,moe-megatron
+    wait $tests
+    tail -5 "$OUT/megatron-tests.log"
+    ;;
+  12)
+    # Gemma 2 under local: soft-capped attention through FlexAttention (the GPU default) against eager (sdpa-mask)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider plugins/toolkit-megatron/tests/test_families.py -k gpu 2>&1 | tail -3
+    timeout 420 python3 bench/userpath.py --steps 10 --warmup 4 --case-timeout 130 --cases gemma2-sft,gemma2-sft-eager,gemma3-sft
     ;;
   10)
     (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 timeout 420 python3 -m pytest -q -p no:cacheprovider -n 10 plugins/toolkit-megatron/tests \
