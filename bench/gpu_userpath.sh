@@ -102,9 +102,9 @@ case "$part" in
     tail -5 "$OUT/megatron-tests.log"
     ;;
   12)
-    # Gemma 2 under local: soft-capped attention through FlexAttention (the GPU default) against eager (sdpa-mask)
+    # Gemma 2 under local: soft-capped attention through FlexAttention (--local-packed-attention flex) against eager (auto)
     timeout 150 python3 -m pytest -q -p no:cacheprovider plugins/toolkit-megatron/tests/test_families.py -k gpu 2>&1 | tail -3
-    timeout 420 python3 bench/userpath.py --steps 10 --warmup 4 --case-timeout 130 --cases gemma2-sft,gemma2-sft-eager,gemma3-sft
+    timeout 420 python3 bench/userpath.py --steps 10 --warmup 4 --case-timeout 130 --cases gemma2-sft-flex,gemma2-sft,gemma3-sft
     ;;
   10)
     (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 timeout 420 python3 -m pytest -q -p no:cacheprovider -n 10 plugins/toolkit-megatron/tests \

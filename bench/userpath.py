@@ -96,7 +96,7 @@ def cases(args: argparse.Namespace) -> dict[str, dict]:
         "moe-megatron-lora": {"cmd": [*sft, "--packing", "--strategy", "megatron", *moe_lora], "model": "moe",
                               "needs": "megatron.core"},
         "gemma2-sft": {"cmd": [*sft, "--packing"], "model": "gemma2"},
-        "gemma2-sft-eager": {"cmd": [*sft, "--packing", "--local-packed-attention", "sdpa-mask"], "model": "gemma2"},
+        "gemma2-sft-flex": {"cmd": [*sft, "--packing", "--local-packed-attention", "flex"], "model": "gemma2"},
         "gemma2-megatron": {"cmd": [*sft, "--packing", "--strategy", "megatron"], "model": "gemma2", "needs": "megatron.core"},
         "gemma3-sft": {"cmd": [*sft, "--packing"], "model": "gemma3"},
         "gemma3-megatron": {"cmd": [*sft, "--packing", "--strategy", "megatron"], "model": "gemma3", "needs": "megatron.core"},
