@@ -1,6 +1,7 @@
 """Megatron LoRA takes its initial adapters from the tuner's ``initial_adapters`` (contracts.OPTIONAL), never
 from a loaded HF model: a tuner without it is refused by name; one with it is all hf_adapters reads. Which
-Megatron linear an adapter lands on is read from the bridge's table (``_targets``)."""
+Megatron linear an adapter lands on is read from the bridge's table (``_targets``). A fused gate_up adapter's rows are
+checkpointed as ``[gate; up]`` at any split, and older checkpoints that hold them as the ranks' blocks still load."""
 
 from __future__ import annotations
 
@@ -152,3 +153,52 @@ def test_adapters_the_strategy_cannot_train_are_refused(path, tensors, dropout, 
     models = build_model(config, ParallelLayout())
     with pytest.raises(ConfigError, match=error):
         apply_lora(models, {(0, path): tensors}, dropout, config, models[0].vocab_size)
+
+
+def _rank_entries(rows: torch.Tensor, ranks: int, metadata: dict | None) -> list:
+    """Each of ``ranks`` ranks' checkpoint entry of an expert's fused gate_up ``B`` in Megatron's row order (``rows``:
+    the whole HF ``[gate; up]``), expert 1 of 4 (the expert axis Megatron's experts prepend)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from toolkit_megatron.checkpoint import gate_up_rows
+    from toolkit_megatron.lora import _megatron_rows
+
+    offsets = ((0, 1, 4),)
+    local = _megatron_rows("gate_up", rows, None, ranks).chunk(ranks)
+    return [gate_up_rows(ShardedTensor.from_rank_offsets("b", local[rank], *offsets, (1, rank, ranks), prepend_axis_num=1),
+                         offsets, metadata, expert=True) for rank in range(ranks)]
+
+
+def _at(saved: torch.Tensor, piece) -> tuple:
+    """Where ``piece`` (a ShardedTensor with one prepended expert axis) lies in the saved ``[experts, rows, r]``."""
+    return (piece.global_offset[0], *(slice(o, o + n) for o, n in zip(piece.global_offset[1:], piece.local_shape, strict=True)))
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_fused_gate_up_adapter_rows_are_saved_as_gate_then_up_at_any_split(ranks):
+    """Each rank holds ``[gate shard; up shard]`` of a fused gate_up ``B``; the checkpoint holds ``[gate; up]`` whole
+    (as Megatron saves the gated ``linear_fc1.weight``) however many ranks split it, so another split reads the same
+    rows. Saved as the ranks' blocks (before), a TP1 reload of an ETP2 checkpoint read up rows as gate rows."""
+    rows = torch.arange(24.0)[:, None].expand(24, 3)
+    saved = torch.full((4, 24, 3), float("nan"))
+    for entry in _rank_entries(rows, ranks, None):
+        for piece in entry.build():
+            saved[_at(saved, piece)] = piece.data
+    assert torch.equal(saved[1], rows)
+
+
+@pytest.mark.parametrize(("saved_at", "loaded_at"), [(2, 1), (2, 2), (2, 4), (4, 2), (3, 2)])
+def test_fused_gate_up_adapter_rows_saved_as_rank_blocks_load_at_any_split(saved_at, loaded_at):
+    """A checkpoint written before its marker said ``gate_up_adapter_rows: halves`` holds the rows as the saving ranks'
+    ``[gate shard; up shard]`` blocks: each loading rank reads its own shard's rows from them."""
+    from toolkit_megatron.checkpoint import load_metadata
+    from toolkit_megatron.lora import _megatron_rows
+
+    rows = torch.arange(24.0)[:, None].expand(24, 3)
+    saved = torch.full((4, 24, 3), float("nan"))
+    saved[1] = _megatron_rows("gate_up", rows, None, saved_at)
+    metadata = load_metadata({"saved_layout": {"tensor": 1, "expert_tensor": saved_at}})
+    assert load_metadata({"saved_layout": {"tensor": 2}, "gate_up_adapter_rows": "halves"}) == {}
+    expected = _megatron_rows("gate_up", rows, None, loaded_at).chunk(loaded_at)
+    for rank, entry in enumerate(_rank_entries(torch.zeros(24, 3), loaded_at, metadata)):
+        assert torch.equal(entry.merge_fn([saved[_at(saved, piece)] for piece in entry.build()]), expected[rank])

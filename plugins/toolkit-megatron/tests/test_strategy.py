@@ -42,12 +42,16 @@ def assert_same_steps(expected, got):
         assert abs(a["grad_norm"] - b["grad_norm"]) <= TOLERANCE * max(1.0, a["grad_norm"]), (a, b)
 
 
-@pytest.mark.parametrize(("family", "tuner"), [("phi3", "lora"), ("glm4", "full"), ("gemma2", "full"), ("gemma3_text", "lora")])
-def test_added_family_sft_steps_equal_local(family, tuner, tmp_path):
-    """A family added to the bridge trains as `local` does (one process: the bridge's model, RoPE and fused
-    weights; Phi-3 with LoRA on its fused qkv_proj / gate_up_proj; Gemma 2 / 3 with their soft-capping and
-    windows of 4 on 64-token rows, Gemma 3 with LoRA on q/k/v/o/gate/up/down; layouts are held to HF's logits in
-    test_bridge.py)."""
+@pytest.mark.parametrize(("family", "tuner", "layout"), [("phi3", "lora", []), ("phi3", "lora", ["--tp", "2"]),
+                                                        ("glm4", "full", []), ("gemma2", "full", []),
+                                                        ("gemma3_text", "lora", [])],
+                         ids=["phi3-lora", "phi3-lora-tp2", "glm4-full", "gemma2-full", "gemma3_text-lora"])
+def test_added_family_sft_steps_equal_local(family, tuner, layout, tmp_path):
+    """A family added to the bridge trains as `local` does (one process, and Phi-3 with LoRA at TP2 too: the
+    bridge's model, RoPE and fused weights; Phi-3 with LoRA on its fused qkv_proj / gate_up_proj; Gemma 2 / 3 with
+    their soft-capping and windows of 4 on 64-token rows, Gemma 3 with LoRA on q/k/v/o/gate/up/down; layouts are
+    held to HF's logits in test_bridge.py). At TP2 the merged export from the checkpoint (reloaded at TP1, where
+    gate_up_proj's B is no longer split) gives the same logits too."""
     from conftest import cli_model_dir
 
     model = cli_model_dir(family, tmp_path / family)
@@ -55,14 +59,20 @@ def test_added_family_sft_steps_equal_local(family, tuner, tmp_path):
     from transformers import AutoModelForCausalLM
 
     toolkit("sft", *args, "--output", str(tmp_path / "local"), "--export", "hf")
-    toolkit("sft", *args, "--output", str(tmp_path / "megatron"), "--strategy", "megatron", "--export", "hf")
+    toolkit("sft", *args, "--output", str(tmp_path / "megatron"), "--strategy", "megatron", *layout, "--export", "hf",
+            nproc=2 if layout else 1)
     assert_same_steps(metrics(tmp_path / "local"), metrics(tmp_path / "megatron"))
+    exports = [tmp_path / "megatron" / "export"]
+    if layout:
+        toolkit("export", str(tmp_path / "megatron"), "--to", "hf", "--output", str(tmp_path / "from-checkpoint"))
+        exports.append(tmp_path / "from-checkpoint")
     ids = torch.arange(5, 40)[None]  # the exports (LoRA merged into the fused weights) give the same logits
     with torch.no_grad():
         eager = {"attn_implementation": "eager"}  # the attention that soft-caps (Gemma 2) on every transformers
         expected = AutoModelForCausalLM.from_pretrained(tmp_path / "local" / "export", **eager)(ids).logits
-        exported = AutoModelForCausalLM.from_pretrained(tmp_path / "megatron" / "export", **eager)(ids).logits
-    torch.testing.assert_close(exported, expected, rtol=1e-4, atol=1e-4)
+        for export in exports:
+            exported = AutoModelForCausalLM.from_pretrained(export, **eager)(ids).logits
+            torch.testing.assert_close(exported, expected, rtol=1e-4, atol=1e-4, msg=lambda text, export=export: f"{export}: {text}")
 
 
 def test_gemma2_context_parallel_sft_steps_equal_local(tmp_path):

@@ -2,8 +2,9 @@
 
 A toolkit mcore directory holds the ``dist_checkpointing`` files (layout-independent: tensors
 are stored by global key and shard offsets, so a checkpoint saved at TP2 loads at PP2),
-``toolkit_mcore.json`` (format marker, padded vocabulary, the layout it was saved at) and the
-HF ``config.json`` plus tokenizer files, so it can be converted back to HF without the source.
+``toolkit_mcore.json`` (format marker, padded vocabulary, the layout it was saved at, how fused
+gate_up LoRA rows are kept) and the HF ``config.json`` plus tokenizer files, so it can be
+converted back to HF without the source.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ def read_marker(path: str | Path) -> dict[str, Any]:
     return json.loads(marker.read_text())
 
 
-def model_sharded_state_dict(models: list[Any]) -> dict[str, Any]:
-    return {f"model{i}": unwrap(m).sharded_state_dict() for i, m in enumerate(models)}
+def model_sharded_state_dict(models: list[Any], metadata: dict | None = None) -> dict[str, Any]:
+    return {f"model{i}": unwrap(m).sharded_state_dict(metadata=dict(metadata or {})) for i, m in enumerate(models)}
 
 
 def save_mcore(models: list[Any], directory: str | Path, hf_config: Any, layout: ParallelLayout, *, extra: dict | None = None,
@@ -86,7 +87,7 @@ class _Finalize:
         torch.distributed.barrier()
         if torch.distributed.get_rank() == 0:
             marker = {"format": "toolkit-mcore", "version": 1, "model_type": hf_config.model_type,
-                      "padded_vocab_size": padded_vocab, "saved_layout": layout.__dict__, **extra}
+                      "padded_vocab_size": padded_vocab, "saved_layout": layout.__dict__, GATE_UP_ROWS: "halves", **extra}
             (tmp / MARKER).write_text(json.dumps(marker, indent=2))
             hf_config.save_pretrained(tmp)
             if tokenizer_source is not None:
@@ -95,6 +96,64 @@ class _Finalize:
                 copy_tokenizer_files(tokenizer_source, tmp)
             replace_directory(tmp, final)
         torch.distributed.barrier()
+
+
+GATE_UP_ROWS = "gate_up_adapter_rows"
+"""The marker's entry saying how fused gate_up LoRA rows are saved: ``"halves"`` of ``[gate; up]`` (absent: saved
+before, as each rank's ``[gate shard; up shard]`` in one block, see :func:`gate_up_rows`)."""
+_SAVED_BLOCKS = "toolkit_gate_up_blocks"
+"""``sharded_state_dict`` metadata for a checkpoint without :data:`GATE_UP_ROWS`: ``{"dense": n, "expert": n}``,
+the (expert) tensor-parallel sizes it was saved at, whose ranks' blocks its fused gate_up LoRA rows are."""
+
+
+def load_metadata(marker: dict[str, Any]) -> dict[str, Any]:
+    """``sharded_state_dict`` metadata to load the checkpoint of ``marker`` with."""
+    if marker.get(GATE_UP_ROWS) == "halves":
+        return {}
+    saved = marker.get("saved_layout", {})
+    tensor = saved.get("tensor", 1)
+    return {_SAVED_BLOCKS: {"dense": tensor, "expert": saved.get("expert_tensor") or tensor}}
+
+
+def gate_up_rows(entry: Any, sharded_offsets: tuple, metadata: dict | None, *, expert: bool) -> Any:
+    """The checkpoint entry of a fused gate_up LoRA tensor (rows: this rank's ``[gate shard; up shard]``, as
+    :class:`toolkit_megatron.lora.LoRALinear` holds them) saved, like the gated ``linear_fc1.weight`` in Megatron's
+    MLP, as the halves of the whole ``[gate; up]``, so that it loads at any (expert) tensor-parallel size; at a
+    group of one, the tensor saved before. A checkpoint saved before at a larger group holds the rows as its ranks'
+    blocks (``metadata``, :func:`load_metadata`): then they are read from there."""
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+    metadata = metadata or {}
+    blocks = metadata.get(_SAVED_BLOCKS, {}).get("expert" if expert else "dense", 1)
+    if blocks == 1:
+        return apply_swiglu_sharded_factory(entry, sharded_offsets, metadata.get("singleton_local_shards", False))
+    return _saved_blocks(entry, sharded_offsets, blocks)
+
+
+def _saved_blocks(entry: Any, sharded_offsets: tuple, blocks: int) -> Any:
+    """``entry`` read from rows saved as ``blocks`` ranks' ``[gate shard; up shard]`` in rank order: cut into
+    chunks that lie whole in one shard of either layout, each read from its place among the blocks."""
+    import math
+
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    axis = len(sharded_offsets)
+    ranks = entry.axis_fragmentations[axis]
+    rank = entry.global_offset[axis] // entry.local_shape[0]
+    chunks = math.lcm(ranks, blocks)  # of each half
+    per_rank, per_block = chunks // ranks, chunks // blocks
+
+    def build(key: str, tensor: torch.Tensor, replica_id: Any, flattened_range: Any) -> list[Any]:
+        pieces = []
+        for index, piece in enumerate(tensor.chunk(2 * per_rank)):
+            half, chunk = divmod(index, per_rank)
+            chunk += rank * per_rank  # in the whole half
+            place = (chunk // per_block) * 2 * per_block + half * per_block + chunk % per_block
+            pieces.append(ShardedTensor.from_rank_offsets(key, piece, *sharded_offsets, (axis, place, 2 * chunks),
+                                                          replica_id=replica_id, prepend_axis_num=axis))
+        return pieces
+
+    return ShardedTensorFactory(entry.key, entry.data, build, torch.cat, entry.replica_id, flattened_range=entry.flattened_range)
 
 
 def _optimizer_format(optimizer: Any) -> dict[str, Any]:
@@ -136,7 +195,8 @@ def load_mcore(models: list[Any], directory: str | Path, optimizer: Any = None) 
     """Load model chunks (and optimizer) from a toolkit mcore directory, at any layout."""
     from megatron.core import dist_checkpointing
 
-    state = model_sharded_state_dict(models)
+    marker = read_marker(directory)
+    state = model_sharded_state_dict(models, load_metadata(marker))
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, **_optimizer_format(optimizer))
     from toolkit.train.safe_load import check_dcp_metadata
@@ -151,7 +211,7 @@ def load_mcore(models: list[Any], directory: str | Path, optimizer: Any = None) 
                 raise ModelError(f"{directory} lacks {len(missing)} weights of this model, e.g. {missing[:3]}")
         if optimizer is not None:
             optimizer.load_state_dict(loaded["optimizer"])
-    return read_marker(directory)
+    return marker
 
 
 @contextlib.contextmanager

@@ -397,8 +397,13 @@ class LoRALinear(torch.nn.Module):
         return merged.to(self.base.weight.dtype)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """The base's entries plus the adapters', split over the group like the parameters; a fused ``gate_up``
+        adapter's rows (``B``, DoRA's magnitude) as Megatron saves the gated ``linear_fc1.weight``, by halves
+        (:func:`toolkit_megatron.checkpoint.gate_up_rows`)."""
         from megatron.core import parallel_state as ps
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        from toolkit_megatron.checkpoint import gate_up_rows
 
         state = self.base.sharded_state_dict(prefix, sharded_offsets, metadata)
         lora = {n: p for n, p in self._parameters.items() if p is not None}
@@ -406,6 +411,9 @@ class LoRALinear(torch.nn.Module):
                 if getattr(p, "tensor_model_parallel", False)}
         state.update(make_sharded_tensors_for_checkpoint(lora, prefix, axes, sharded_offsets, tp_group=self.group,
                                                          dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True)))
+        for name in ("lora_b_gate_up", "lora_m_gate_up"):
+            if name in lora:
+                state[prefix + name] = gate_up_rows(state[prefix + name], sharded_offsets, metadata, expert=self.expert)
         return state
 
 
