@@ -151,18 +151,31 @@ TEST_ENV = {"HF_HUB_OFFLINE": "1", "PYTHONDONTWRITEBYTECODE": ""}
 
 def run_suites(session: nox.Session, suites: list[tuple[str, Path, list[str], dict[str, str]]]) -> None:
     """Run each package's tests in its own pytest process (test module names may repeat across
-    packages) and fail at the end, naming every suite that failed. ``TOOLKIT_TEST_SUITES`` picks some."""
+    packages) and fail at the end, naming every suite that failed. ``TOOLKIT_TEST_SUITES`` picks some.
+
+    The suites' test processes share their fork servers (toolkit.forkserver, ``TOOLKIT_TEST_FORK_DIR``): one per
+    preload list and import-time environment for the whole session instead of one per pytest-xdist worker and
+    suite, each of which imported torch, transformers and megatron-core (about 11 CPU-s) again."""
+    import tempfile
+
     failed = []
-    for name, path, extra, env in suites:
-        if not selected(name):
-            continue
-        if not path.is_dir():
-            session.log(f"{name}: no tests/ directory")
-            continue
-        try:
-            session.run("pytest", str(path), *pytest_args(session), *extra, env={**TEST_ENV, **env})
-        except CommandFailed:
-            failed.append(name)
+    forks = tempfile.mkdtemp(prefix="toolkit-forks-")
+    try:
+        for name, path, extra, env in suites:
+            if not selected(name):
+                continue
+            if not path.is_dir():
+                session.log(f"{name}: no tests/ directory")
+                continue
+            try:
+                session.run("pytest", str(path), *pytest_args(session), *extra,
+                            env={**TEST_ENV, "TOOLKIT_TEST_FORK_DIR": forks, **env})
+            except CommandFailed:
+                failed.append(name)
+    finally:
+        session.run("python", "-c", "import sys; from toolkit.forkserver import stop_shared; stop_shared(sys.argv[1])",
+                    forks, silent=True, success_codes=[0, 1])
+        shutil.rmtree(forks, ignore_errors=True)
     if failed:
         session.error(f"tests failed in: {', '.join(failed)}")
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -225,3 +228,53 @@ def test_children_fork_once_the_conftest_defaults_are_in_the_servers_environment
     assert not forkserver.forkable(argv, {**os.environ, "HF_HUB_OFFLINE": "0"})
     with_engine = importlib.util.find_spec("transformer_engine") is not None
     assert forkserver.forkable(argv, {**os.environ, "NVTE_FLASH_ATTN": "0"}) is not with_engine
+
+
+SERVER_OF_THIS_JOB = ("import os; monitor = open(f'/proc/{os.getppid()}/stat').read();"  # the job's parent: its monitor
+                      "print(monitor.rsplit(')', 1)[1].split()[1])")                    # whose parent is the server
+CLIENT = ("import sys; from toolkit import forkserver;"
+          "print(forkserver.run([sys.executable, '-c', sys.argv[1]], capture_output=True, text=True, check=True).stdout)")
+
+
+def _server_of_a_job(env: dict[str, str]) -> int:
+    """A fresh test process (a pytest-xdist worker, the next suite) forks one job: the pid of the server it used."""
+    done = subprocess.run([sys.executable, "-c", CLIENT, SERVER_OF_THIS_JOB], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.split()[-1])
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_test_processes_of_a_session_share_one_fork_server_per_import_environment(tmp_path):
+    """With TOOLKIT_TEST_FORK_DIR, test processes that agree on the import-time environment use one server (the
+    second does not start its own); one that disagrees gets another; stop_shared ends both."""
+    env = {**os.environ, "TOOLKIT_TEST_FORK_DIR": str(tmp_path), "TOOLKIT_TEST_PRELOAD": "json", "HF_HUB_OFFLINE": "1"}
+    first, second = _server_of_a_job(env), _server_of_a_job(env)
+    other = _server_of_a_job({**env, "HF_HUB_OFFLINE": "0"})
+    assert first == second != other
+    assert sorted(int(p.read_text()) for p in tmp_path.glob("*/pid")) == sorted({first, other})
+    assert _running(first) and _running(other)  # they outlive the processes that started them
+    assert forkserver.stop_shared(tmp_path) == 2
+    deadline = time.monotonic() + 10
+    while (_running(first) or _running(other)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(first) and not _running(other) and not tmp_path.exists()
+
+
+def test_a_shared_fork_server_ends_when_idle_and_the_next_job_starts_another(tmp_path):
+    env = {**os.environ, "TOOLKIT_TEST_FORK_DIR": str(tmp_path), "TOOLKIT_TEST_PRELOAD": "json",
+           "TOOLKIT_TEST_FORK_IDLE": "0.5"}
+    first = _server_of_a_job(env)
+    deadline = time.monotonic() + 20
+    while _running(first) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(first)
+    assert not list(tmp_path.glob("*/socket"))  # it took its socket with it
+    second = _server_of_a_job(env)
+    assert second != first and _running(second)
+    forkserver.stop_shared(tmp_path)

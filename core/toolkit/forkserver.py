@@ -14,7 +14,14 @@ pipes, or with ``TOOLKIT_TEST_FORK=0``, the process is started by :mod:`subproce
 ``multiprocessing.forkserver`` does this for ``multiprocessing`` workers only (a function, a pickled payload);
 these are command lines with their own streams and exit codes, hence this module.
 
-Run as a script, this file is the server: ``python forkserver.py SOCKET MODULE,MODULE,...``.
+One server per test process by default. With ``TOOLKIT_TEST_FORK_DIR`` set to a directory (the noxfile sets one
+per session), the servers are shared: every test process (pytest-xdist workers, one suite after another) that agrees
+on the interpreter, the preloaded modules and every import-time variable uses the one server of that agreement,
+started by the first that needs it, under a lock, in that directory. A shared server ends when idle for
+``SHARED_IDLE_S`` seconds or at :func:`stop_shared`. Each server costs about 11 CPU-seconds of imports; a session
+started two per suite (one per worker), 20 and more in all.
+
+Run as a script, this file is the server: ``python forkserver.py SOCKET MODULE,MODULE,... [IDLE_SECONDS]``.
 """
 
 from __future__ import annotations
@@ -55,6 +62,9 @@ _READ_WHEN_USED = {"TORCH_EXTENSIONS_DIR", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_N
 # test process whenever it builds a model, for Transformer Engine
 _ONLY_WITH = {"NVTE": "transformer_engine"}
 _BASE_ENV = dict(os.environ)  # the environment the server starts with: before any test changed os.environ
+SHARED_DIR_VARIABLE = "TOOLKIT_TEST_FORK_DIR"
+SHARED_IDLE_S = float(os.environ.get("TOOLKIT_TEST_FORK_IDLE", "90"))
+"""A shared server with no job and no request for this long exits (the next request starts another)."""
 
 _server: _Server | None = None
 forked_cpu_seconds = 0.0
@@ -125,19 +135,57 @@ class ForkedProcess:
 
 
 class _Server:
-    """The server process of this (test) process, started on first use and stopped at exit."""
+    """The server of this (test) process: its own, started on first use and stopped at exit, or the shared one of
+    ``TOOLKIT_TEST_FORK_DIR`` for this process's interpreter, preload list and import-time environment."""
 
     def __init__(self) -> None:
-        self.directory = tempfile.mkdtemp(prefix="toolkit-fork-")
+        self.preload = os.environ.get("TOOLKIT_TEST_PRELOAD", ",".join(PRELOAD))
+        shared = os.environ.get(SHARED_DIR_VARIABLE)
+        self.process: subprocess.Popen | None = None
+        if shared:
+            self.directory = os.path.join(shared, _shared_key(self.preload))
+            os.makedirs(self.directory, exist_ok=True)
+        else:
+            self.directory = tempfile.mkdtemp(prefix="toolkit-fork-")
+            atexit.register(self.stop)
         self.address = os.path.join(self.directory, "socket")
-        preload = os.environ.get("TOOLKIT_TEST_PRELOAD", ",".join(PRELOAD))
-        self.log = open(os.path.join(self.directory, "server.log"), "wb")  # noqa: SIM115 - open while it runs
-        self.process = subprocess.Popen([sys.executable, __file__, self.address, preload], env=_BASE_ENV,
-                                        stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log,
-                                        start_new_session=True)
-        atexit.register(self.stop)
+        if not shared:
+            self.process = self._start(idle=None)
+
+    def _start(self, idle: float | None) -> subprocess.Popen:
+        with open(os.path.join(self.directory, "server.log"), "wb") as log:
+            return subprocess.Popen([sys.executable, __file__, self.address, self.preload, *([str(idle)] if idle else [])],
+                                    env=_BASE_ENV, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+
+    def alive(self) -> bool:
+        """Own server: whether it runs. Shared: always (:meth:`connect` starts one if it has ended)."""
+        return self.process is None or self.process.poll() is None
 
     def connect(self, timeout: float = 300.0) -> socket.socket:
+        if self.process is not None:
+            return self._connect(timeout)
+        try:
+            return self._connect(0.0)
+        except RuntimeError:
+            pass
+        import fcntl
+
+        with open(self.directory + ".lock", "w") as lock:  # one starter; the others wait for its server
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                return self._connect(0.0)
+            except RuntimeError:
+                if os.path.exists(self.address):  # a server that ended (idle, killed) left its socket
+                    os.unlink(self.address)
+                self.process = self._start(idle=SHARED_IDLE_S)
+                with open(os.path.join(self.directory, "pid"), "w") as pid:
+                    pid.write(str(self.process.pid))
+                try:
+                    return self._connect(timeout)
+                finally:
+                    self.process = None  # not this process's to stop: whoever shares it may be using it
+
+    def _connect(self, timeout: float) -> socket.socket:
         deadline = time.monotonic() + timeout
         while True:
             connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -146,19 +194,47 @@ class _Server:
                 return connection
             except (FileNotFoundError, ConnectionRefusedError):
                 connection.close()
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    log = Path(self.log.name).read_text(errors="replace")[-4000:]
-                    raise RuntimeError(f"the test fork server did not start ({self.process.returncode}):\n{log}") from None
+                started = self.process is not None
+                if (started and self.process.poll() is not None) or time.monotonic() >= deadline:
+                    log = Path(self.directory, "server.log")
+                    tail = log.read_text(errors="replace")[-4000:] if log.exists() else ""
+                    code = self.process.returncode if started else None
+                    raise RuntimeError(f"the test fork server did not start ({code}):\n{tail}") from None
                 time.sleep(0.05)
 
     def stop(self) -> None:
+        if self.process is None:
+            return
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
-        self.log.close()
         for name in os.listdir(self.directory):
             os.unlink(os.path.join(self.directory, name))
         os.rmdir(self.directory)
+
+
+def _shared_key(preload: str) -> str:
+    """What a shared server must agree on with a test process: interpreter, preload list, import-time variables."""
+    import hashlib
+
+    agreed = sorted((key, value) for key, value in _BASE_ENV.items() if _read_at_import(key) or key == "PYTHONPATH")
+    blob = json.dumps([sys.executable, preload, agreed])
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def stop_shared(directory: str | os.PathLike) -> int:
+    """End the shared servers under ``directory`` (their running jobs end with them) and remove it; how many ran."""
+    import shutil
+
+    stopped = 0
+    for pid_file in Path(directory).glob("*/pid"):
+        try:
+            os.killpg(int(pid_file.read_text()), signal.SIGKILL)  # the server leads its session: jobs have their own
+            stopped += 1
+        except (ProcessLookupError, ValueError, PermissionError):
+            pass
+    shutil.rmtree(directory, ignore_errors=True)
+    return stopped
 
 
 def take_environment() -> None:
@@ -215,7 +291,7 @@ def popen(args: Sequence[Any], *, env: dict[str, str] | None = None, cwd: str | 
     streams = (stdin, stdout, stderr)
     if not forkable(args, env) or any(s in (subprocess.PIPE, subprocess.STDOUT) for s in streams):
         return subprocess.Popen(args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr)
-    if _server is None or _server.process.poll() is not None:
+    if _server is None or not _server.alive():
         _server = _Server()
     request = json.dumps({"args": args, "env": dict(os.environ if env is None else env),
                           "cwd": os.path.abspath(cwd if cwd is not None else os.getcwd())}).encode()
@@ -275,7 +351,9 @@ def run(args: Sequence[Any], *, env: dict[str, str] | None = None, cwd: str | os
 # ----------------------------------------------------------------------------- server
 
 
-def _serve(address: str, preload: list[str]) -> None:
+def _serve(address: str, preload: list[str], idle: float | None = None) -> None:
+    """Import ``preload``, then fork a monitored job per request on ``address``: until the test process that started
+    it is gone, or (shared, ``idle`` given) until no job ran and no request came for ``idle`` seconds."""
     import importlib
     import select
     import warnings
@@ -296,25 +374,37 @@ def _serve(address: str, preload: list[str]) -> None:
     listener.bind(address + ".tmp")
     os.rename(address + ".tmp", address)  # clients connect only once every module is imported
     listener.listen(64)
-    while os.getppid() == parent:  # the test process is gone: so is the server
+    last_busy = time.monotonic()
+    while idle is not None or os.getppid() == parent:  # an own server ends with its test process
         try:
             while os.waitpid(-1, os.WNOHANG)[0]:  # reap the monitors of finished jobs
                 pass
+            last_busy = time.monotonic()  # a monitor still runs
         except ChildProcessError:
             pass
-        if not select.select([listener], [], [], 1.0)[0]:
-            continue
-        connection, _ = listener.accept()
-        header, fds, _, _ = socket.recv_fds(connection, 8, 3)
-        size, body = struct.unpack("!Q", header)[0], b""
-        while len(body) < size:
-            body += connection.recv(size - len(body))
-        if os.fork() == 0:
-            listener.close()
-            _monitor(connection, json.loads(body), fds)
-        connection.close()
-        for fd in fds:
-            os.close(fd)
+        if idle is not None and time.monotonic() - last_busy > idle:
+            os.unlink(address)  # a client from now on starts a new server; one that connected before is served below
+            while select.select([listener], [], [], 0)[0]:
+                _accept(listener)
+            break
+        if select.select([listener], [], [], 1.0)[0]:
+            _accept(listener)
+            last_busy = time.monotonic()
+
+
+def _accept(listener: socket.socket) -> None:
+    """Take one request (argv, environment, directory and the three standard streams) and fork its monitor."""
+    connection, _ = listener.accept()
+    header, fds, _, _ = socket.recv_fds(connection, 8, 3)
+    size, body = struct.unpack("!Q", header)[0], b""
+    while len(body) < size:
+        body += connection.recv(size - len(body))
+    if os.fork() == 0:
+        listener.close()
+        _monitor(connection, json.loads(body), fds)
+    connection.close()
+    for fd in fds:
+        os.close(fd)
 
 
 def _monitor(connection: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
@@ -447,4 +537,4 @@ def _exit_like_the_interpreter(code: int, threading: Any) -> None:
 
 if __name__ == "__main__":
     sys.path.pop(0)  # this file's directory (core/toolkit) must not shadow top-level modules
-    _serve(sys.argv[1], [m for m in sys.argv[2].split(",") if m])
+    _serve(sys.argv[1], [m for m in sys.argv[2].split(",") if m], float(sys.argv[3]) if len(sys.argv) > 3 else None)
