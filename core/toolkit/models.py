@@ -275,11 +275,18 @@ def wants_scores(recipe: Any) -> bool:
     return get_plugin_manager().get("loss", recipe.loss).consumes == "scores"
 
 
+def softcaps_attention(config: Any) -> bool:
+    """Whether the model of ``config`` soft-caps its attention scores (Gemma 2), which SDPA cannot do: it loads
+    eager (:func:`attention_kwargs`), or runs transformers' ``flex_attention`` under ``--local-packed-attention flex``
+    (toolkit.train.attention)."""
+    return bool(getattr(config, "attn_logit_softcapping", None))
+
+
 def attention_kwargs(config: Any) -> dict[str, str]:
     """``from_pretrained`` keywords for the attention a model must run: eager for one whose config soft-caps
     attention logits (Gemma 2), as only transformers' eager attention applies the cap; transformers 5.17 still
     let such a model run sdpa without it, silently (later releases refuse sdpa for Gemma 2). None otherwise."""
-    return {"attn_implementation": "eager"} if getattr(config, "attn_logit_softcapping", None) else {}
+    return {"attn_implementation": "eager"} if softcaps_attention(config) else {}
 
 
 def load_hf_model(source: Any, tuner: Any, recipe: Any, device: Any) -> Any:

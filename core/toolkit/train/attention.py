@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from toolkit.models import softcaps_attention
+
 ATTENTION_NAME = "toolkit_sdpa_flex"
 """The name registered in HF's ``AttentionInterface`` / ``AttentionMaskInterface``."""
 CHOICES = ("auto", "flex", "sdpa-mask")
@@ -57,7 +59,7 @@ def flex_problems(model: Any, device: torch.device) -> list[str]:
     config = getattr(model, "config", None)
     implementation = getattr(config, "_attn_implementation", None)
     # eager only for the soft cap (toolkit.models.attention_kwargs): FlexAttention applies the cap too
-    if implementation not in ("sdpa", ATTENTION_NAME) and not (implementation == "eager" and softcaps(config)):
+    if implementation not in ("sdpa", ATTENTION_NAME) and not (implementation == "eager" and softcaps_attention(config)):
         problems.append(f"the model runs attn_implementation {implementation!r}; FlexAttention replaces sdpa only")
     elif hasattr(model, "_can_set_attn_implementation") and not model._can_set_attn_implementation():
         problems.append(f"{type(model).__name__} does not dispatch attention through HF's AttentionInterface")
@@ -66,12 +68,6 @@ def flex_problems(model: Any, device: torch.device) -> list[str]:
     if flex_backward_refused(device):
         problems.append(f"torch {torch.__version__} has no FlexAttention backward on {device.type}")
     return problems
-
-
-def softcaps(config: Any) -> bool:
-    """Whether the model soft-caps its attention scores (Gemma 2): SDPA cannot, so under ``flex`` such a model runs
-    transformers' own ``flex_attention`` (:func:`use_flex`), which applies the cap on every row."""
-    return bool(getattr(config, "attn_logit_softcapping", None))
 
 
 def resolve_packed_attention(choice: str, model: Any, device: torch.device, flag: str) -> str:
@@ -89,7 +85,7 @@ def resolve_packed_attention(choice: str, model: Any, device: torch.device, flag
     if choice == "auto" and getattr(device, "type", str(device)) != "cuda":
         return "sdpa-mask"
     problems = flex_problems(model, device)
-    if choice == "auto" and softcaps(getattr(model, "config", None)):
+    if choice == "auto" and softcaps_attention(getattr(model, "config", None)):
         # transformers' flex_attention for soft-capped scores is tested on CPU against eager but not yet measured on a
         # GPU (docs/training.md): asked for by name only, until it is
         return "sdpa-mask"
@@ -120,7 +116,7 @@ def use_flex(model: Any) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    if softcaps(model.config):
+    if softcaps_attention(model.config):
         if model.config._attn_implementation != "flex_attention":
             model.set_attn_implementation("flex_attention")
         return

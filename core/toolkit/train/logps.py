@@ -58,41 +58,41 @@ def attention_mask_for(sequence_ids: torch.Tensor, plain: bool | None = None, pa
     return mask_for_model(mask[:, None, :, :], config)
 
 
-def flex_mask_for_model(sequence_ids: torch.Tensor, config: Any) -> Any:
-    """The document ``BlockMask`` as the model of ``config`` must be handed it: windowed for its sliding-window
-    layers (a dict by layer type where windowed and full layers mix), as :func:`mask_for_model` does densely."""
-    from toolkit.train.attention import document_block_mask
+def masks_by_layer(config: Any, build: Callable[[int | None], Any]) -> Any:
+    """The attention mask the model of ``config`` must be handed, from ``build(window)`` (``None``: no window).
 
+    HF hands a mask it is given to every layer as it is, so this chooses: one mask for a model without sliding
+    window layers; its windowed mask for one whose every layer is windowed (``sliding_window``); a dict by layer
+    type for one that mixes windowed and full layers (``layer_types``: Gemma 2/3)."""
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None) or ()
     if not window or (layer_types and "sliding_attention" not in layer_types):
-        return document_block_mask(sequence_ids)
+        return build(None)
     if layer_types:
-        return {"full_attention": document_block_mask(sequence_ids),
-                "sliding_attention": document_block_mask(sequence_ids, window)}
-    return document_block_mask(sequence_ids, window)
+        return {"full_attention": build(None), "sliding_attention": build(window)}
+    return build(window)
+
+
+def flex_mask_for_model(sequence_ids: torch.Tensor, config: Any) -> Any:
+    """The document ``BlockMask`` as the model of ``config`` must be handed it (:func:`masks_by_layer`)."""
+    from toolkit.train.attention import document_block_mask
+
+    return masks_by_layer(config, lambda window: document_block_mask(sequence_ids, window))
 
 
 def mask_for_model(mask: torch.Tensor, config: Any) -> Any:
-    """``mask`` as the model of ``config`` must be handed it: HF uses a 4-D mask as given for every layer.
-
-    So sliding-window layers get their window here (``sliding_window``; a dict by layer type for models that mix
-    windowed and full layers, Gemma 2/3), and eager attention, which adds the mask to the scores, gets 0 / -inf.
-    """
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None) or ()
+    """The dense boolean ``mask`` as the model of ``config`` must be handed it (:func:`masks_by_layer`): windowed
+    for its sliding-window layers, and 0 / -inf for eager attention, which adds the mask to the scores."""
     eager = getattr(config, "_attn_implementation", None) == "eager"
 
-    def finish(m: torch.Tensor) -> torch.Tensor:
+    def build(window: int | None) -> torch.Tensor:
+        m = mask
+        if window is not None:
+            index = torch.arange(mask.shape[-1], device=mask.device)
+            m = mask & ((index[:, None] - index[None, :]) < window)
         return torch.zeros(m.shape, device=m.device).masked_fill(~m, torch.finfo(torch.float32).min) if eager else m
 
-    if not window or (layer_types and "sliding_attention" not in layer_types):
-        return finish(mask)
-    index = torch.arange(mask.shape[-1], device=mask.device)
-    windowed = mask & ((index[:, None] - index[None, :]) < window)
-    if layer_types:
-        return {"full_attention": finish(mask), "sliding_attention": finish(windowed)}
-    return finish(windowed)
+    return masks_by_layer(config, build)
 
 
 def _chunk_logps(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
