@@ -14,6 +14,7 @@
 #   bash bench/gpu_userpath.sh 10   # the megatron tests (CPU) beside MoE LoRA with the default targets, local vs megatron
 #   bash bench/gpu_userpath.sh 11   # the same with megatron's expert adapters grouped, + megatron MoE without LoRA
 #   bash bench/gpu_userpath.sh 12   # Gemma 2 local: FlexAttention (soft cap) vs eager; Gemma 3; the GPU-only megatron tests
+#   bash bench/gpu_userpath.sh 13   # the megatron tests (CPU) beside part 12's Gemma 2 flex vs eager and the GPU-only tests
 #   bash bench/gpu_userpath.sh 6    # one call of ~8 minutes: every toolkit case on tiny models on CUDA (5 at once: does
 #                                   # each run), then at scale dpo-pure, MoE (megatron, toolkit-moe), fsdp, deepspeed
 set -uo pipefail
@@ -105,6 +106,15 @@ case "$part" in
     # Gemma 2 under local: soft-capped attention through FlexAttention (--local-packed-attention flex) against eager (auto)
     timeout 150 python3 -m pytest -q -p no:cacheprovider plugins/toolkit-megatron/tests/test_families.py -k gpu 2>&1 | tail -3
     timeout 420 python3 bench/userpath.py --steps 10 --warmup 4 --case-timeout 130 --cases gemma2-sft-flex,gemma2-sft,gemma3-sft
+    ;;
+  13)
+    (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 timeout 400 python3 -m pytest -q -p no:cacheprovider -n 10 plugins/toolkit-megatron/tests \
+      > "$OUT/megatron-tests.log" 2>&1; echo "megatron tests: rc $?" >> "$OUT/megatron-tests.log") &
+    tests=$!
+    timeout 150 python3 -m pytest -q -p no:cacheprovider plugins/toolkit-megatron/tests/test_families.py -k gpu 2>&1 | tail -3
+    timeout 300 python3 bench/userpath.py --steps 10 --warmup 4 --case-timeout 130 --cases gemma2-sft-flex,gemma2-sft
+    wait $tests
+    tail -5 "$OUT/megatron-tests.log"
     ;;
   10)
     (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 timeout 420 python3 -m pytest -q -p no:cacheprovider -n 10 plugins/toolkit-megatron/tests \
