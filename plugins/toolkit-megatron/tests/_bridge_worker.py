@@ -1,7 +1,8 @@
 """Worker for test_bridge.py, run under torchrun with 2 processes (gloo, CPU, fp32).
 
-For each layout: build the Megatron model, stream the HF weights in, compare full logits with
-the HF model, and (TP2, PP2) export back to HF safetensors for a bit-exact comparison.
+For each layout: build the Megatron model, stream the HF weights in (or, ``mcore=1``, load the mcore checkpoint
+``save=1`` wrote), compare full logits with the HF model, and (TP2, PP2) export back to HF safetensors for a
+bit-exact comparison.
 
     _bridge_worker.py HF_DIR OUT.json LAYOUTS [MCORE_DIR]     one model
     _bridge_worker.py JOBS.json OUT.json                      several models in one launch (imports and the
@@ -13,6 +14,7 @@ the HF model, and (TP2, PP2) export back to HF safetensors for a bit-exact compa
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -40,7 +42,7 @@ def compare(hf_dir: str, layouts: list[str], mcore_dir: str | None, export_root:
     from toolkit.models import attention_kwargs
     from toolkit.parallel import ParallelLayout
     from toolkit_megatron.bridge import SafetensorsReader, export_hf_tensors, load_hf_weights
-    from toolkit_megatron.checkpoint import load_mcore
+    from toolkit_megatron.checkpoint import load_mcore, save_mcore, stop_checkpoint_workers
     from toolkit_megatron.hf_io import save_hf_checkpoint
     from toolkit_megatron.model import build_model, initialize_parallel
     from toolkit_megatron.schedule import gather_logits
@@ -67,6 +69,9 @@ def compare(hf_dir: str, layouts: list[str], mcore_dir: str | None, export_root:
             load_mcore(models, mcore_dir)
         else:
             load_hf_weights(models, hf.config, SafetensorsReader.from_directory(hf_dir))
+        if "save" in spec:  # what the mcore exporter's processes write (toolkit_megatron.exporter._export_worker)
+            save_mcore(models, mcore_dir, hf.config, layout, extra={"dtype": "float32"}, tokenizer_source=Path(hf_dir))
+            stop_checkpoint_workers()
         entry = {}
         if "lora" in spec:  # LoRA (LORA_TARGETS): logits, adapter gradients and the merged export vs PEFT
             entry.update(lora_check(hf, models, ids, os.path.join(export_root, f"export-{name}") if "export" in spec else None))
