@@ -36,6 +36,10 @@ def main() -> None:
     finish_worker(results, out_path)
 
 
+HF_REFERENCES: dict[str, tuple] = {}
+"""hf_dir -> (HF model, (its logits, its logits of row 0's packed samples) on the ids): several jobs read one model."""
+
+
 def compare(hf_dir: str, layouts: list[str], mcore_dir: str | None, export_root: str) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -47,17 +51,22 @@ def compare(hf_dir: str, layouts: list[str], mcore_dir: str | None, export_root:
     from toolkit_megatron.model import build_model, initialize_parallel
     from toolkit_megatron.schedule import gather_logits
 
-    # the reference runs the attention transformers' own model needs (eager for Gemma 2's soft-capping)
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, **attention_kwargs(AutoConfig.from_pretrained(hf_dir))).eval()
+    if hf_dir not in HF_REFERENCES:
+        # the reference runs the attention transformers' own model needs (eager for Gemma 2's soft-capping)
+        config = AutoConfig.from_pretrained(hf_dir)
+        HF_REFERENCES[hf_dir] = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, **attention_kwargs(config)).eval(), None
+    hf, logits = HF_REFERENCES[hf_dir]
     torch.manual_seed(0)
     ids = torch.randint(0, hf.config.vocab_size, (2, 16))
     # Two packed samples in row 0 (positions restart, no attention across them), one in row 1.
     positions = torch.cat([torch.arange(10), torch.arange(6)])[None].repeat(2, 1)
     positions[1] = torch.arange(16)
     sequence_ids = torch.tensor([[0] * 10 + [1] * 6, [2] * 16])
-    with torch.no_grad():
-        reference = hf(ids).logits
-        packed_reference = torch.cat([hf(ids[:1, :10]).logits, hf(ids[:1, 10:]).logits], dim=1)
+    if logits is None:
+        with torch.no_grad():
+            logits = hf(ids).logits, torch.cat([hf(ids[:1, :10]).logits, hf(ids[:1, 10:]).logits], dim=1)
+        HF_REFERENCES[hf_dir] = hf, logits
+    reference, packed_reference = logits
     results = {}
     for name in layouts:
         spec = dict(part.split("=") for part in name.split("+"))
