@@ -1,7 +1,8 @@
 """Worker for test_bridge.py, run under torchrun with 2 processes (gloo, CPU, fp32).
 
-For each layout: build the Megatron model, stream the HF weights in, compare full logits with
-the HF model, and (TP2, PP2) export back to HF safetensors for a bit-exact comparison.
+For each layout: build the Megatron model, stream the HF weights in (or, ``mcore=1``, load the mcore checkpoint
+``save=1`` wrote), compare full logits with the HF model, and (TP2, PP2) export back to HF safetensors for a
+bit-exact comparison.
 
     _bridge_worker.py HF_DIR OUT.json LAYOUTS [MCORE_DIR]     one model
     _bridge_worker.py JOBS.json OUT.json                      several models in one launch (imports and the
@@ -13,6 +14,7 @@ the HF model, and (TP2, PP2) export back to HF safetensors for a bit-exact compa
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -34,28 +36,37 @@ def main() -> None:
     finish_worker(results, out_path)
 
 
+HF_REFERENCES: dict[str, tuple] = {}
+"""hf_dir -> (HF model, (its logits, its logits of row 0's packed samples) on the ids): several jobs read one model."""
+
+
 def compare(hf_dir: str, layouts: list[str], mcore_dir: str | None, export_root: str) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from toolkit.models import attention_kwargs
     from toolkit.parallel import ParallelLayout
     from toolkit_megatron.bridge import SafetensorsReader, export_hf_tensors, load_hf_weights
-    from toolkit_megatron.checkpoint import load_mcore
+    from toolkit_megatron.checkpoint import load_mcore, save_mcore, stop_checkpoint_workers
     from toolkit_megatron.hf_io import save_hf_checkpoint
     from toolkit_megatron.model import build_model, initialize_parallel
     from toolkit_megatron.schedule import gather_logits
 
-    # the reference runs the attention transformers' own model needs (eager for Gemma 2's soft-capping)
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, **attention_kwargs(AutoConfig.from_pretrained(hf_dir))).eval()
+    if hf_dir not in HF_REFERENCES:
+        # the reference runs the attention transformers' own model needs (eager for Gemma 2's soft-capping)
+        config = AutoConfig.from_pretrained(hf_dir)
+        HF_REFERENCES[hf_dir] = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, **attention_kwargs(config)).eval(), None
+    hf, logits = HF_REFERENCES[hf_dir]
     torch.manual_seed(0)
     ids = torch.randint(0, hf.config.vocab_size, (2, 16))
     # Two packed samples in row 0 (positions restart, no attention across them), one in row 1.
     positions = torch.cat([torch.arange(10), torch.arange(6)])[None].repeat(2, 1)
     positions[1] = torch.arange(16)
     sequence_ids = torch.tensor([[0] * 10 + [1] * 6, [2] * 16])
-    with torch.no_grad():
-        reference = hf(ids).logits
-        packed_reference = torch.cat([hf(ids[:1, :10]).logits, hf(ids[:1, 10:]).logits], dim=1)
+    if logits is None:
+        with torch.no_grad():
+            logits = hf(ids).logits, torch.cat([hf(ids[:1, :10]).logits, hf(ids[:1, 10:]).logits], dim=1)
+        HF_REFERENCES[hf_dir] = hf, logits
+    reference, packed_reference = logits
     results = {}
     for name in layouts:
         spec = dict(part.split("=") for part in name.split("+"))
@@ -67,6 +78,9 @@ def compare(hf_dir: str, layouts: list[str], mcore_dir: str | None, export_root:
             load_mcore(models, mcore_dir)
         else:
             load_hf_weights(models, hf.config, SafetensorsReader.from_directory(hf_dir))
+        if "save" in spec:  # what the mcore exporter's processes write (toolkit_megatron.exporter._export_worker)
+            save_mcore(models, mcore_dir, hf.config, layout, extra={"dtype": "float32"}, tokenizer_source=Path(hf_dir))
+            stop_checkpoint_workers()
         entry = {}
         if "lora" in spec:  # LoRA (LORA_TARGETS): logits, adapter gradients and the merged export vs PEFT
             entry.update(lora_check(hf, models, ids, os.path.join(export_root, f"export-{name}") if "export" in spec else None))

@@ -14,10 +14,10 @@ pytestmark = pytest.mark.slow
 
 TOLERANCE = 1e-4
 LAYOUTS = "tp=1,tp=2,tp=2+sp=1,pp=2,pp=2+vpp=2,cp=2"
-JOBS = {  # name: (tiny model, layouts); "llama-mcore" also reads the mcore checkpoint the fixture exports
+JOBS = {  # name: (tiny model, layouts); "llama-mcore" reads the mcore checkpoint "llama" saves at TP2
     "qwen2": ("qwen2", LAYOUTS),
     "qwen3": ("qwen3", LAYOUTS),
-    "llama": ("llama", LAYOUTS + ",tp=2+export=1,pp=2+export=1"),
+    "llama": ("llama", LAYOUTS + ",tp=2+export=1+save=1,pp=2+export=1"),  # save: the mcore checkpoint "llama-mcore" reads
     "qwen3_moe": ("qwen3_moe", "ep=2,pp=2,tp=2+sp=1"),
     "mixtral": ("mixtral", "ep=2+export=1,tp=2+sp=1+export=1"),
     "qwen2_moe": ("qwen2_moe", "ep=2+export=1"),
@@ -45,28 +45,16 @@ JOBS = {  # name: (tiny model, layouts); "llama-mcore" also reads the mcore chec
 }
 
 
-def export_llama_to_mcore_at_tp2(source: Path, output: Path) -> Path:
-    from safetensors.torch import load_file
-    from transformers import AutoConfig
-
-    from toolkit.contracts import ExportModel, ModelSource
-    from toolkit.plugins import get_plugin_manager
-
-    files = sorted(source.glob("*.safetensors"))
-    model = ExportModel(source=ModelSource(reference=str(source), directory=source, config=AutoConfig.from_pretrained(source),
-                                           tokenizer=None, weight_files=files),
-                        tensors=lambda: (item for f in files for item in load_file(f).items()))
-    return get_plugin_manager().create("exporter", "mcore").export(model, output, {"tp": 2})
-
-
 @pytest.fixture(scope="module")
 def bridge(tiny_models, tmp_path_factory):
     """Every model and layout the tests compare, in one 2-rank launch (8 launches before: imports and the
-    process group are most of each one's cost); {job: {layout: entry}}, plus the mcore checkpoint it read."""
+    process group are most of each one's cost); {job: {layout: entry}}, plus the mcore checkpoint that "llama" saved
+    at TP2 as the mcore exporter's processes do (which test_cli_export_preset_to_mcore_and_back_is_bit_exact runs)
+    and "llama-mcore" read back at PP2 and TP2+SP."""
     work = tmp_path_factory.mktemp("bridge")
-    mcore_dir = export_llama_to_mcore_at_tp2(tiny_models["llama"], work / "mcore")
+    mcore_dir = work / "mcore"
     jobs = [{"name": name, "hf_dir": str(tiny_models[arch]), "layouts": layouts,
-             **({"mcore_dir": str(mcore_dir)} if "mcore" in layouts else {})}
+             **({"mcore_dir": str(mcore_dir)} if "mcore" in layouts or "save" in layouts else {})}
             for name, (arch, layouts) in JOBS.items() if arch in tiny_models]
     (work / "jobs.json").write_text(json.dumps(jobs))
     torchrun("_bridge_worker.py", str(work / "jobs.json"), str(work / "result.json"), timeout=900)
@@ -102,7 +90,7 @@ def test_llama_logits_and_round_trip_is_bit_exact(tiny_models, bridge):
     assert set(results) == set(JOBS["llama"][1].split(","))
     _assert_close(results)
     original = _load(source)
-    for layout in ("tp=2+export=1", "pp=2+export=1"):
+    for layout in ("tp=2+export=1+save=1", "pp=2+export=1"):
         exported = Path(results[layout]["export_dir"])
         assert (exported / "model.safetensors.index.json").is_file()
         assert len(list(exported.glob("model-*-of-*.safetensors"))) > 1, "expected a sharded checkpoint"
@@ -209,7 +197,7 @@ def test_mcore_export_at_tp2_loads_at_pp2_and_back_to_hf(tiny_models, bridge):
     from toolkit.plugins import get_plugin_manager
 
     source = tiny_models["llama"]
-    mcore_dir = bridge["mcore_dir"]  # export_llama_to_mcore_at_tp2, read back by the launch at PP2 and TP2+SP
+    mcore_dir = bridge["mcore_dir"]  # saved by "llama" at TP2, read back by the launch at PP2 and TP2+SP
     assert (mcore_dir / "toolkit_mcore.json").is_file()
 
     results = bridge["llama-mcore"]

@@ -42,26 +42,43 @@ def assert_same_steps(expected, got):
         assert abs(a["grad_norm"] - b["grad_norm"]) <= TOLERANCE * max(1.0, a["grad_norm"]), (a, b)
 
 
+@pytest.fixture(scope="module")
+def family_local_run(tmp_path_factory):
+    """(args, local run dir) of 3 SFT steps of an added family with the bundled tokenizer, by (family, tuner), trained
+    (and exported to HF) once for every layout compared to it."""
+    runs = {}
+
+    def run(family: str, tuner: str):
+        if (family, tuner) not in runs:
+            from conftest import cli_model_dir
+
+            root = tmp_path_factory.mktemp(f"{family}-{tuner}")
+            model = cli_model_dir(family, root / family)
+            args = ["--model", str(model), *COMMON[2:], "--tuner", tuner, "--max-steps", "3",
+                    *(["--lr", "1e-2"] if tuner == "lora" else [])]
+            toolkit("sft", *args, "--output", str(root / "local"), "--export", "hf")
+            runs[family, tuner] = (args, root / "local")
+        return runs[family, tuner]
+
+    return run
+
+
 @pytest.mark.parametrize(("family", "tuner", "layout"), [("phi3", "lora", []), ("phi3", "lora", ["--tp", "2"]),
                                                         ("glm4", "full", []), ("gemma2", "full", []),
                                                         ("gemma3_text", "lora", [])],
                          ids=["phi3-lora", "phi3-lora-tp2", "glm4-full", "gemma2-full", "gemma3_text-lora"])
-def test_added_family_sft_steps_equal_local(family, tuner, layout, tmp_path):
+def test_added_family_sft_steps_equal_local(family, tuner, layout, family_local_run, tmp_path):
     """A family added to the bridge trains as `local` does (one process, and Phi-3 with LoRA at TP2 too: the
     bridge's model, RoPE and fused weights; Phi-3 with LoRA on its fused qkv_proj / gate_up_proj; Gemma 2 / 3 with
     their soft-capping and windows of 4 on 64-token rows, Gemma 3 with LoRA on q/k/v/o/gate/up/down; layouts are
     held to HF's logits in test_bridge.py). At TP2 the merged export from the checkpoint (reloaded at TP1, where
     gate_up_proj's B is no longer split) gives the same logits too."""
-    from conftest import cli_model_dir
-
-    model = cli_model_dir(family, tmp_path / family)
-    args = ["--model", str(model), *COMMON[2:], "--tuner", tuner, "--max-steps", "3", *(["--lr", "1e-2"] if tuner == "lora" else [])]
     from transformers import AutoModelForCausalLM
 
-    toolkit("sft", *args, "--output", str(tmp_path / "local"), "--export", "hf")
+    args, local = family_local_run(family, tuner)
     toolkit("sft", *args, "--output", str(tmp_path / "megatron"), "--strategy", "megatron", *layout, "--export", "hf",
             nproc=2 if layout else 1)
-    assert_same_steps(metrics(tmp_path / "local"), metrics(tmp_path / "megatron"))
+    assert_same_steps(metrics(local), metrics(tmp_path / "megatron"))
     exports = [tmp_path / "megatron" / "export"]
     if layout:
         toolkit("export", str(tmp_path / "megatron"), "--to", "hf", "--output", str(tmp_path / "from-checkpoint"))
@@ -69,22 +86,18 @@ def test_added_family_sft_steps_equal_local(family, tuner, layout, tmp_path):
     ids = torch.arange(5, 40)[None]  # the exports (LoRA merged into the fused weights) give the same logits
     with torch.no_grad():
         eager = {"attn_implementation": "eager"}  # the attention that soft-caps (Gemma 2) on every transformers
-        expected = AutoModelForCausalLM.from_pretrained(tmp_path / "local" / "export", **eager)(ids).logits
+        expected = AutoModelForCausalLM.from_pretrained(local / "export", **eager)(ids).logits
         for export in exports:
             exported = AutoModelForCausalLM.from_pretrained(export, **eager)(ids).logits
             torch.testing.assert_close(exported, expected, rtol=1e-4, atol=1e-4, msg=lambda text, export=export: f"{export}: {text}")
 
 
-def test_gemma2_context_parallel_sft_steps_equal_local(tmp_path):
+def test_gemma2_context_parallel_sft_steps_equal_local(family_local_run, tmp_path):
     """Gemma 2 at CP2: the window (4 tokens) and the attention soft-capping on keys gathered over the CP group, and
     the soft-capped logits, train as `local` does over 3 steps (gradients through every piece)."""
-    from conftest import cli_model_dir
-
-    model = cli_model_dir("gemma2", tmp_path / "gemma2")
-    args = ["--model", str(model), *COMMON[2:], "--max-steps", "3"]
-    toolkit("sft", *args, "--output", str(tmp_path / "local"))
+    args, local = family_local_run("gemma2", "full")
     toolkit("sft", *args, "--output", str(tmp_path / "cp2"), "--strategy", "megatron", "--cp", "2", nproc=2)
-    assert_same_steps(metrics(tmp_path / "local"), metrics(tmp_path / "cp2"))
+    assert_same_steps(metrics(local), metrics(tmp_path / "cp2"))
 
 
 @pytest.fixture(scope="module")
@@ -181,16 +194,24 @@ EVAL_RECORDS = [{"instruction": f"Name the colour number {i}.", "output": f"Colo
                 for i, c in enumerate(["red", "green", "blue", "amber", "violet"])]
 
 
-@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"]], ids=["tp2", "pp2"])
-def test_evaluation_during_training_equals_local(layout, tmp_path):
-    # 5 held-out examples in micro-batches of 2: a short last group, which pipeline stages cannot pass as is
+@pytest.fixture(scope="module")
+def eval_local_run(tmp_path_factory):
+    """(flags, local run dir): 2 steps evaluated after each on 5 held-out examples, trained once for both layouts."""
     from toolkit.testing import write_jsonl
 
-    dataset = write_jsonl(tmp_path / "eval.jsonl", EVAL_RECORDS)
-    flags = [*COMMON, "--max-steps", "2", "--eval-dataset", dataset, "--eval-every", "1"]
-    toolkit("sft", *flags, "--output", str(tmp_path / "local"))
+    root = tmp_path_factory.mktemp("eval")
+    dataset = write_jsonl(root / "eval.jsonl", EVAL_RECORDS)
+    flags = [*COMMON, "--max-steps", "2", "--eval-dataset", str(dataset), "--eval-every", "1"]
+    toolkit("sft", *flags, "--output", str(root / "local"))
+    return flags, root / "local"
+
+
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"]], ids=["tp2", "pp2"])
+def test_evaluation_during_training_equals_local(layout, eval_local_run, tmp_path):
+    # 5 held-out examples in micro-batches of 2: a short last group, which pipeline stages cannot pass as is
+    flags, local = eval_local_run
     toolkit("sft", *flags, "--output", str(tmp_path / "run"), "--strategy", "megatron", *layout, nproc=2)
-    expected, got = metrics(tmp_path / "local"), metrics(tmp_path / "run")
+    expected, got = metrics(local), metrics(tmp_path / "run")
     assert [m["step"] for m in got] == [1, 2]
     for a, b in zip(expected, got, strict=True):
         assert b["eval/examples"] == 5

@@ -63,6 +63,7 @@ def save_mcore(models: list[Any], directory: str | Path, hf_config: Any, layout:
     state = model_sharded_state_dict(models)
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state, **_optimizer_format(optimizer))
+    _start_results_queue()
     options: dict[str, Any] = {"async_sharded_save": async_save}
     if async_save and "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:
         # megatron-core 0.19 defaults to "nvrx" (nvidia-resiliency-ext); its own "mcore" worker needs nothing more
@@ -162,6 +163,22 @@ def _optimizer_format(optimizer: Any) -> dict[str, Any]:
 
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
     return {"sharding_type": "dp_reshardable"} if any(isinstance(o, DistributedOptimizer) for o in inner) else {}
+
+
+def _start_results_queue() -> None:
+    """Start the queue Megatron-Core's file writer reports its write results through, from this process by fork.
+
+    Megatron-Core starts it on first use as a ``multiprocessing`` manager by ``spawn``: a fresh interpreter, which
+    imports torch to unpickle the first results it holds (3.5 s of CPU in every process that saves, at every run).
+    Forked, the manager has torch already; it runs the manager's server loop only, nothing of torch or CUDA (the
+    writer processes are forked by Megatron-Core itself). :func:`stop_checkpoint_workers` ends it as before.
+    """
+    import multiprocessing
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:  # not started yet (absent: a release without it)
+        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
 
 
 def stop_checkpoint_workers() -> None:
