@@ -115,7 +115,8 @@ def test_cpu_compat_redirects_cuda_sites_only_inside():
 
 def test_the_checkpoint_writers_results_queue_is_forked_not_spawned():
     """Megatron-Core starts the manager of its write-results queue by spawn: a fresh interpreter that imports torch
-    to unpickle the results, 3.5 s of CPU in every process that saves. save_mcore starts it by fork first."""
+    to unpickle the results, 3.5 s of CPU in every process that saves. save_mcore starts it by fork first (CPU-only
+    processes: a CUDA one keeps the spawn)."""
     import multiprocessing
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -127,7 +128,8 @@ def test_the_checkpoint_writers_results_queue_is_forked_not_spawned():
         managers = [c for c in multiprocessing.active_children() if c.name.startswith("SyncManager")]
         assert filesystem_async._results_queue is not None and managers
         assert {type(c._popen).__module__ for c in managers} == {"multiprocessing.popen_fork"}
-        assert filesystem_async._get_write_results_queue() is filesystem_async._results_queue
+        get_queue = getattr(filesystem_async, "get_write_results_queue", None) or filesystem_async._get_write_results_queue
+        assert get_queue() is filesystem_async._results_queue  # megatron-core 0.19 names it without the underscore
     finally:
         stop_checkpoint_workers()
     assert filesystem_async._results_queue is None

@@ -166,17 +166,21 @@ def _optimizer_format(optimizer: Any) -> dict[str, Any]:
 
 
 def _start_results_queue() -> None:
-    """Start the queue Megatron-Core's file writer reports its write results through, from this process by fork.
+    """On a CPU-only process, start the queue Megatron-Core's file writer reports its write results through by fork.
 
     Megatron-Core starts it on first use as a ``multiprocessing`` manager by ``spawn``: a fresh interpreter, which
     imports torch to unpickle the first results it holds (3.5 s of CPU in every process that saves, at every run).
-    Forked, the manager has torch already; it runs the manager's server loop only, nothing of torch or CUDA (the
-    writer processes are forked by Megatron-Core itself). :func:`stop_checkpoint_workers` ends it as before.
+    Forked, the manager has torch already; it runs the manager's server loop only. A process that has initialised
+    CUDA keeps Megatron-Core's spawn: on an H100 (megatron-core 0.19) the first run that saved after its forked
+    manager started hung at that save, 2026-12-07. :func:`stop_checkpoint_workers` ends it either way.
     """
     import multiprocessing
 
+    import torch
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    if torch.cuda.is_initialized():
+        return
     if getattr(filesystem_async, "_results_queue", False) is None:  # not started yet (absent: a release without it)
         filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
 
