@@ -77,8 +77,9 @@ class Server:
                 self.process.wait()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory):
+    """One server for the browser and the security tests (which only read from it)."""
     srv = Server(tmp_path_factory.mktemp("webui"))
     yield srv
     srv.stop()

@@ -1,4 +1,8 @@
-"""Runs as subprocesses: curves from metrics.jsonl; stop and resume, also under torchrun with 2 processes."""
+"""Runs as subprocesses: curves from metrics.jsonl; stop and resume, also under torchrun with 2 processes.
+
+The runs start through the test fork server (:mod:`toolkit.forkserver`: torch and transformers imported once);
+the browser tests launch theirs from the page, as fresh interpreters.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from toolkit import forkserver
 from toolkit.errors import EXIT_STOPPED
 from toolkit_webui.runs import Runs, curves, read_metrics
 
@@ -46,7 +51,7 @@ def wait_for_step(run_dir, step, timeout=180):
 def test_stop_saves_and_resume_continues(tmp_path, monkeypatch, nproc):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    runs = Runs(tmp_path)
+    runs = Runs(tmp_path, popen=forkserver.popen)
     run_dir = tmp_path / "r"
     args = ["sft", "--model", "tiny-llama", "--dataset", "demo", "--max-steps", "100000", "--output", str(run_dir)]
     runs.launch(args, run_dir, nproc)
@@ -99,6 +104,7 @@ def test_reward_plot_of_a_grpo_run_launched_from_the_form(tmp_path, monkeypatch)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     app = App(Roots(tmp_path, [EXAMPLES]))
+    app.runs.popen = forkserver.popen
     raw = {f.key: forms.widget_value(f, f.default) for f in app.fields}
     raw.update({"loss": "grpo", "dataset": str(EXAMPLES / "capitals-prompts.jsonl"), "output": "grpo", "max_steps": 3,
                 "seq_len": 64, "grpo.rewards": "answer", "grpo.num_generations": 2, "grpo.prompts_per_rollout": 2,
@@ -122,7 +128,7 @@ def test_a_run_that_fails_is_listed_as_failed(tmp_path, monkeypatch):
     """A launch whose command exits with an error: the runs table says failed, with the exit status, and the
     log shows the CLI's one-line error."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    runs = Runs(tmp_path)
+    runs = Runs(tmp_path, popen=forkserver.popen)
     run_dir = tmp_path / "bad"
     runs.launch(["sft", "--model", "tiny-llama", "--dataset", str(tmp_path / "missing.jsonl"), "--output", str(run_dir)], run_dir)
     try:

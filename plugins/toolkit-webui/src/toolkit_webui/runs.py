@@ -13,12 +13,14 @@ page neither shows what it points at nor launches a run that would write through
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -101,8 +103,11 @@ def _children(pid: int) -> list[int]:
 class Runs:
     """The runs under one directory, and the processes this page started there."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, popen: Callable[..., Any] = functools.partial(subprocess.Popen, start_new_session=True)):
+        """``popen`` starts a run's process (``subprocess.Popen``'s arguments; a session of its own, so a Ctrl-C
+        in the page's terminal reaches the page, which stops its runs with a checkpoint, and not the runs)."""
         self.root = Path(root).resolve()
+        self.popen = popen
         self.processes: dict[Path, subprocess.Popen] = {}
         self.stopping: set[Path] = set()
 
@@ -118,8 +123,7 @@ class Runs:
             log.write(f"\n$ {' '.join(command)}\n".encode())
             log.flush()
             env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       cwd=self.root, env=env, start_new_session=True)
+            process = self.popen(command, stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=self.root, env=env)
         (run_dir / LAUNCH_FILE).write_text(json.dumps({"args": args, "nproc": nproc, "pid": process.pid}, indent=1))
         self.processes[run_dir] = process
         self.stopping.discard(run_dir)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from toolkit.errors import ToolkitError
@@ -36,23 +37,37 @@ def runs_tab(app: Any) -> Any:
     log = gr.Code(label="log (webui.log)", elem_id="run-log", interactive=False)
     timer = gr.Timer(REFRESH_SECONDS)
 
-    known = gr.State([])  # the run choices this browser tab has: sent again only when they change
+    # what this browser tab was sent: each tick sends only what changed, so an idle page (a stopped run, another
+    # tab) neither re-sends its curves nor has the browser redraw them every second
+    shown = gr.State({})
 
-    def refresh(selected: str | None, shown: list) -> list:
+    def refresh(selected: str | None, before: dict) -> list:
         try:
             rows, choices, *curves, text = app.run_view(selected)
         except Exception:  # a run directory vanishing mid-read: the next tick shows it again
             return [gr.skip() for _ in range(len(plots) + 4)]
-        choices = [list(c) for c in choices]
+        digests = [hashlib.sha1(frame.to_json(orient="values").encode()).hexdigest() for frame in curves]
+        now = {"rows": rows, "choices": [list(c) for c in choices], "log": text, "plots": digests,
+               "plots before": before.get("plots")}
+        # a plot is sent on the tick its data changed and on the next one: Gradio 6's LinePlot draws the data of
+        # the update before the newest (a run whose last steps came in one tick kept showing the previous curve)
+        recent = [before.get("plots") or [None] * len(curves), before.get("plots before") or [None] * len(curves)]
         # colors_in_legend on every update redraws the plot with a colour for each series: an update of
         # the data alone keeps the colour scale of the first drawing (none, if that had no data yet)
-        plotted = [gr.update(value=frame, colors_in_legend=sorted(set(frame["series"])) or None) for frame in curves]
-        return [rows, gr.update(choices=choices) if choices != shown else gr.skip(), choices, *plotted, text]
+        plotted = [gr.update(value=frame, colors_in_legend=sorted(set(frame["series"])) or None)
+                   if any(digest != sent[index] for sent in recent) else gr.skip()
+                   for index, (frame, digest) in enumerate(zip(curves, digests))]
 
-    outputs = [table, select, known, *plots, log]
+        def changed(key: str, update: Any) -> Any:
+            return update if key not in before or before[key] != now[key] else gr.skip()
+
+        return [changed("rows", rows), changed("choices", gr.update(choices=now["choices"])), now, *plotted,
+                changed("log", text)]
+
+    outputs = [table, select, shown, *plots, log]
     once = {"concurrency_id": "runs-refresh", "concurrency_limit": 1, "trigger_mode": "always_last"}
-    timer.tick(refresh, [select, known], outputs, show_progress="hidden", **once)
-    select.change(refresh, [select, known], outputs, show_progress="hidden", **once)
+    timer.tick(refresh, [select, shown], outputs, show_progress="hidden", **once)
+    select.change(refresh, [select, shown], outputs, show_progress="hidden", **once)
 
     def do_stop(selected: str | None) -> str:
         try:
