@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import ipaddress
 import os
 import signal
@@ -69,9 +70,13 @@ def serve(runs_dir: Path, data_dirs: list[Path], host: str, port: int, block: bo
     from starlette.middleware import Middleware
 
     middleware = [Middleware(LoopbackHostOnly)] if is_loopback(host) else []
+    # Gradio then asks its own server once, with a 3 s timeout, whether localhost answers, and refuses to go on
+    # without a share link when it does not: a loaded machine (load 14, 2026-12-07) failed that check with the server
+    # up. The page is served here and never shared, so the check is skipped where this Gradio lets it be.
+    unchecked = {"_frontend": False} if "_frontend" in inspect.signature(page.launch).parameters else {}
     page.launch(server_name=host, server_port=port, share=False, ssr_mode=False, allowed_paths=[], show_error=False,
                 inbrowser=False, prevent_thread_lock=True, quiet=not block, css=PLOT_CSS,
-                app_kwargs={"middleware": middleware})
+                app_kwargs={"middleware": middleware}, **unchecked)
     if not block:
         return page
     previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM too ends Gradio's loop, so runs below are stopped
