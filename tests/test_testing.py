@@ -250,9 +250,22 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_test_processes_of_a_session_share_one_fork_server_per_import_environment(tmp_path):
+@pytest.fixture
+def fork_dir():
+    """A directory for shared fork servers: short, as a socket's path must be (pytest's tmp_path is too long)."""
+    import shutil
+    import tempfile
+
+    directory = Path(tempfile.mkdtemp(prefix="tf-"))
+    yield directory
+    forkserver.stop_shared(directory)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_test_processes_of_a_session_share_one_fork_server_per_import_environment(fork_dir):
     """With TOOLKIT_TEST_FORK_DIR, test processes that agree on the import-time environment use one server (the
     second does not start its own); one that disagrees gets another; stop_shared ends both."""
+    tmp_path = fork_dir
     env = {**os.environ, "TOOLKIT_TEST_FORK_DIR": str(tmp_path), "TOOLKIT_TEST_PRELOAD": "json", "HF_HUB_OFFLINE": "1"}
     first, second = _server_of_a_job(env), _server_of_a_job(env)
     other = _server_of_a_job({**env, "HF_HUB_OFFLINE": "0"})
@@ -266,7 +279,8 @@ def test_test_processes_of_a_session_share_one_fork_server_per_import_environmen
     assert not _running(first) and not _running(other) and not tmp_path.exists()
 
 
-def test_a_shared_fork_server_ends_when_idle_and_the_next_job_starts_another(tmp_path):
+def test_a_shared_fork_server_ends_when_idle_and_the_next_job_starts_another(fork_dir):
+    tmp_path = fork_dir
     env = {**os.environ, "TOOLKIT_TEST_FORK_DIR": str(tmp_path), "TOOLKIT_TEST_PRELOAD": "json",
            "TOOLKIT_TEST_FORK_IDLE": "0.5"}
     first = _server_of_a_job(env)
@@ -277,4 +291,9 @@ def test_a_shared_fork_server_ends_when_idle_and_the_next_job_starts_another(tmp
     assert not list(tmp_path.glob("*/socket"))  # it took its socket with it
     second = _server_of_a_job(env)
     assert second != first and _running(second)
-    forkserver.stop_shared(tmp_path)
+
+
+def test_a_shared_fork_directory_too_long_for_a_socket_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOOLKIT_TEST_FORK_DIR", str(tmp_path / ("x" * 100)))
+    with pytest.raises(RuntimeError, match="TOOLKIT_TEST_FORK_DIR=.* is too long a path"):
+        forkserver._Server()

@@ -149,6 +149,9 @@ class _Server:
             self.directory = tempfile.mkdtemp(prefix="toolkit-fork-")
             atexit.register(self.stop)
         self.address = os.path.join(self.directory, "socket")
+        if shared and len(os.fsencode(self.address)) > 100:  # AF_UNIX paths end at 107 bytes
+            raise RuntimeError(f"{SHARED_DIR_VARIABLE}={shared} is too long a path for the fork server's socket "
+                               f"({self.address}); use a shorter directory (tempfile.mkdtemp() under /tmp)")
         if not shared:
             self.process = self._start(idle=None)
 
