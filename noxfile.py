@@ -159,7 +159,7 @@ def run_suites(session: nox.Session, suites: list[tuple[str, Path, list[str], di
     import tempfile
 
     failed = []
-    forks = tempfile.mkdtemp(prefix="toolkit-forks-")
+    forks = tempfile.mkdtemp(prefix="toolkit-forks-", dir="/tmp" if os.path.isdir("/tmp") else None)  # a socket path is short
     try:
         for name, path, extra, env in suites:
             if not selected(name):
