@@ -111,5 +111,6 @@ def page(browser, server):
     tab.set_default_timeout(60_000)
     tab.goto(server.url)
     tab.wait_for_selector("#recipe-yaml")
+    tab.wait_for_function("(document.querySelector('#recipe-yaml')?.innerText || '').includes('model:')")  # page.load done
     yield tab
     context.close()

@@ -22,6 +22,9 @@ FIRST = ("model", "dataset", "output", "loss", "tuner", "strategy", "optimizer",
          "micro_batch_size", "global_batch_size", "seq_len", "packing", "precision", "save_every", "log_every", "export")
 
 
+DESCRIBE = "recipe-describe"
+"""The queue of the events that redraw the recipe: one at a time, in order."""
+
 def elem_id(field: forms.Field) -> str:
     return f"field-{field.section or 'recipe'}-{field.name}"
 
@@ -210,7 +213,7 @@ def build(app: App) -> Any:
             with gr.Tab("Chat", id="chat"):
                 chat_tab(app)
         launch_button, inputs, nproc, message, initial = recipe
-        page.load(*initial)
+        page.load(*initial, concurrency_limit=1, concurrency_id=DESCRIBE)
 
         @shows_errors(gr.update(), gr.update())
         def launch(*raw: Any) -> tuple:
@@ -262,7 +265,10 @@ def _recipe_tab(app: App) -> tuple:
     def describe(*raw: Any) -> tuple:
         return app.describe(_by_key(app, raw[:-1]), raw[-1])
 
-    gr.on([w.change for w in inputs] + [nproc.change], describe, [*inputs, nproc], [yaml_box, command_box, status])
+    # one at a time, in the order sent, with the page's first describe (page.load): a field changed while that first
+    # one still ran had its recipe overwritten by the older one's (a loaded CI machine, 2026-12-07)
+    gr.on([w.change for w in inputs] + [nproc.change], describe, [*inputs, nproc], [yaml_box, command_box, status],
+          concurrency_limit=1, concurrency_id=DESCRIBE)
     groups_list = list(groups.values())
 
     def visibility(*raw: Any) -> list:  # the options of what the recipe chooses or names (a reward, a tracker)
