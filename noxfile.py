@@ -20,6 +20,8 @@ A plugin takes part without being listed here. Its ``pyproject.toml`` may carry 
     extras = ["test"]           # extras of the plugin to install (default ["test"])
     python = "3.12"             # interpreter for its own session (default: the one running nox)
     pytest-args = ["-x"]        # added to its pytest command
+    workers = 1                 # pytest-xdist workers for its suite at most (default: TOOLKIT_TEST_WORKERS); 1 runs it in
+                                # the pytest process itself, e.g. a suite whose tests share one browser and server
     env = {VLLM_TARGET_DEVICE = "cpu"}
     skip = "needs a GPU"        # not tested by nox; the reason is printed
     cost = 300                  # rough CPU seconds of its suite: scripts/test_pool.py starts the costliest first (default 60)
@@ -78,6 +80,7 @@ class Plugin:
     skip: str | bool = False
     cost: int = 60
     suite_session: str | None = None
+    workers: int | None = None
 
     @property
     def short(self) -> str:
@@ -117,9 +120,14 @@ PLUGINS = discover_plugins()
 BY_NAME = {p.name: p for p in PLUGINS}
 
 
-def pytest_args(session: nox.Session) -> list[str]:
+def pytest_args(session: nox.Session, most: int | None = None) -> list[str]:
+    """The pytest options of every suite; ``most``: a plugin's ``workers`` (pytest-xdist processes at most)."""
     markers = "not gpu and not slow" if os.environ.get("TOOLKIT_TEST_FAST") else "not gpu"
     workers = os.environ.get("TOOLKIT_TEST_WORKERS")  # pytest-xdist processes per suite, for machines with cores to spare
+    if workers and most is not None:
+        workers = str(min(int(workers), most))
+    if workers == "1":  # one process: no xdist controller and worker, the suite runs in pytest's own process
+        workers = None
     # --dist loadscope: a module's tests stay on one worker, so a module- or class-scoped fixture (a torchrun
     # job whose report several tests read, a reference run) runs once, not once per worker
     distributed = ["-n", workers, "--dist", "loadscope"] if workers else []
@@ -153,7 +161,7 @@ def test_jobs() -> list[tuple[str, str, int]]:
 TEST_ENV = {"HF_HUB_OFFLINE": "1", "PYTHONDONTWRITEBYTECODE": ""}
 
 
-def run_suites(session: nox.Session, suites: list[tuple[str, Path, list[str], dict[str, str]]]) -> None:
+def run_suites(session: nox.Session, suites: list[tuple[str, Path, list[str], dict[str, str], int | None]]) -> None:
     """Run each package's tests in its own pytest process (test module names may repeat across
     packages) and fail at the end, naming every suite that failed. ``TOOLKIT_TEST_SUITES`` picks some.
 
@@ -165,14 +173,14 @@ def run_suites(session: nox.Session, suites: list[tuple[str, Path, list[str], di
     failed = []
     forks = tempfile.mkdtemp(prefix="toolkit-forks-", dir="/tmp" if os.path.isdir("/tmp") else None)  # a socket path is short
     try:
-        for name, path, extra, env in suites:
+        for name, path, extra, env, workers in suites:
             if not selected(name):
                 continue
             if not path.is_dir():
                 session.log(f"{name}: no tests/ directory")
                 continue
             try:
-                session.run("pytest", str(path), *pytest_args(session), *extra,
+                session.run("pytest", str(path), *pytest_args(session, workers), *extra,
                             env={**TEST_ENV, "TOOLKIT_TEST_FORK_DIR": forks, **env})
             except CommandFailed:
                 failed.append(name)
@@ -273,8 +281,13 @@ def tests(session: nox.Session) -> None:
     for plugin in PLUGINS:
         if plugin.skip:
             session.log(f"{plugin.name}: skipped ({plugin.skip})")
-    run_suites(session, [("toolkit", ROOT / "tests", [], {})] +
-               [(p.name, p.tests, p.pytest_args, p.env) for p in shared if not p.suite_session])
+    run_suites(session, [("toolkit", ROOT / "tests", [], {}, None)] +
+               [suite(p) for p in shared if not p.suite_session])
+
+
+def suite(plugin: Plugin) -> tuple[str, Path, list[str], dict[str, str], int | None]:
+    """What :func:`run_suites` needs of ``plugin``'s suite."""
+    return plugin.name, plugin.tests, plugin.pytest_args, plugin.env, plugin.workers
 
 
 def suite_session(plugin: Plugin) -> str:
@@ -320,7 +333,7 @@ def _own_session(name: str, members: list[Plugin], guests: list[Plugin]) -> None
         uninstall = sorted({pkg for p in members for pkg in p.uninstall})
         if uninstall:
             uninstall_packages(session, *uninstall)
-        run_suites(session, [(p.name, p.tests, p.pytest_args, p.env) for p in [*guests, *members]])
+        run_suites(session, [suite(p) for p in [*guests, *members]])
 
     plugin_tests.__doc__ = (f"{', '.join(p.name for p in members)} in their own venv ([tool.toolkit.nox] own-session)"
                             + (f", with the suites of {', '.join(p.name for p in guests)} (suite-session)." if guests else "."))

@@ -3,7 +3,7 @@
 # plugins/ with their [test] extras (-c constraints.txt) into fresh venvs and runs every
 # package's tests, through the `tests`-tagged nox sessions (noxfile.py discovers the plugins).
 #   TOOLKIT_TEST_FAST=1 bash scripts/test.sh       skip tests marked slow
-#   TOOLKIT_TEST_WORKERS=4 bash scripts/test.sh    pytest-xdist workers per suite of the shared session (default: 2)
+#   TOOLKIT_TEST_WORKERS=4 bash scripts/test.sh    pytest-xdist workers per suite (default: 2; a plugin's `workers` caps it)
 #   TOOLKIT_TEST_LANES=1 bash scripts/test.sh      run the sessions one after another (default 2 lanes: the shared
 #                                                  session beside the plugins' own sessions, whose log follows it)
 #   TOOLKIT_TEST_POOL=1 bash scripts/test.sh       every suite in its own nox call, pooled over TOOLKIT_TEST_LANES lanes
@@ -35,9 +35,11 @@ if [[ "${TOOLKIT_TEST_LANES:-2}" == 1 || ${#own[@]} == 0 ]]; then
   TOOLKIT_TEST_WORKERS="${TOOLKIT_TEST_WORKERS:-2}" exec "${nox[@]}" -t tests -- "$@"
 fi
 log=$(mktemp -t toolkit-own-sessions.XXXXXX.log)
-# the plugins' own sessions (mostly installs of their engines) run beside the shared one, their suites on one
-# worker each; their output is printed after the shared session's, in one piece
-"${nox[@]}" -s "${own[@]}" -- "$@" > "$log" 2>&1 &
+# the plugins' own sessions run beside the shared one, their suites on two pytest-xdist workers too: on one each, the
+# lanes left CPU unused while one suite waited on its engine or browser (ci12 against ci13, 2026-12-07, idle machine:
+# the vllm session's suites 477 s -> 293 s of wall; the whole run 19.7 -> 15.4 min, part of it a faster host); their
+# output is printed after the shared session's, in one piece
+TOOLKIT_TEST_WORKERS="${TOOLKIT_TEST_WORKERS:-2}" "${nox[@]}" -s "${own[@]}" -- "$@" > "$log" 2>&1 &
 lane=$!
 status=0
 TOOLKIT_TEST_WORKERS="${TOOLKIT_TEST_WORKERS:-2}" "${nox[@]}" -s tests -- "$@" || status=$?

@@ -199,3 +199,34 @@ def test_the_pool_runs_each_suite_after_its_install_within_its_lanes(tmp_path, m
     edges = sorted([(c["start"], 1) for c in calls] + [(c["end"], -1) for c in calls])
     running = [sum(step for _, step in edges[:i + 1]) for i in range(len(edges))]
     assert max(running) == 2
+
+
+def test_a_plugins_workers_cap_its_suites_processes(noxfile, tmp_path, pytester, monkeypatch):
+    """``workers = 1`` runs the suite in pytest's own process (no xdist worker); a larger cap limits
+    TOOLKIT_TEST_WORKERS and never raises it."""
+    pytest.importorskip("xdist")
+    for name, cap in [("toolkit-alone", 1), ("toolkit-three", 3), ("toolkit-free", None)]:
+        write_plugin(tmp_path, name, "" if cap is None else f"[tool.toolkit.nox]\nworkers = {cap}\n")
+    plugins = {p.name: p for p in noxfile.discover_plugins(tmp_path)}
+    session = type("Session", (), {"posargs": []})()
+
+    def processes(name: str) -> str | None:
+        args = noxfile.pytest_args(session, plugins[name].workers)
+        return args[args.index("-n") + 1] if "-n" in args else None
+
+    monkeypatch.setenv("TOOLKIT_TEST_WORKERS", "2")
+    assert [processes(n) for n in ("toolkit-alone", "toolkit-three", "toolkit-free")] == [None, "2", "2"]
+    monkeypatch.setenv("TOOLKIT_TEST_WORKERS", "4")
+    assert [processes(n) for n in ("toolkit-alone", "toolkit-three", "toolkit-free")] == [None, "3", "4"]
+    seen = pytester.path / "seen.txt"
+    pytester.makepyfile(test_where=f"""
+        import os
+
+        def test_where():
+            with open({str(seen)!r}, "a") as f:
+                f.write(os.environ.get("PYTEST_XDIST_WORKER", "main") + "\\n")
+    """)
+    monkeypatch.delenv("TOOLKIT_TEST_FAST", raising=False)
+    pytester.runpytest_subprocess(*noxfile.pytest_args(session, 1), "-p", "no:cacheprovider").assert_outcomes(passed=1)
+    assert seen.read_text().split() == ["main"]
+
