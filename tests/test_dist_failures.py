@@ -12,7 +12,7 @@ import nan_plugin
 import pytest
 from test_numerics import write_dataset
 
-from toolkit.testing import free_port, run_distributed, write_plugin_distribution
+from toolkit.testing import free_port, run_distributed, run_python, write_plugin_distribution
 
 TIMEOUT = 6
 STARTUP = 240  # seconds two CPU ranks may take to import torch and build the tiny model on a loaded machine;
@@ -72,14 +72,15 @@ def launch(tmp_path, toolkit_manager):
     write_plugin_distribution(site, "toolkit-nan-test", Path(nan_plugin.__file__).read_text(), module="toolkit_nan_test")
 
     def run(data: Path) -> tuple[subprocess.CompletedProcess, float]:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+        command = ["-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
                    "-m", "toolkit", "train", "--model", "tiny-llama", "--dataset", str(data), "--dataset-format", "poisoned",
                    "--loss", "nan-sft", "--output", str(tmp_path / "run"), "--seq-len", "64", "--max-steps", "6",
                    "--micro-batch-size", "1", "--global-batch-size", "2", "--dist-timeout", str(TIMEOUT)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), *sys.path]), "TOOLKIT_PLUGINS": "nan-test",
                "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
         start = time.monotonic()
-        result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=STARTUP + TIMEOUT + 60)
+        # torchrun's own process forked from the test fork server (no import of torch); its ranks are torchrun's
+        result = run_python(command, env=env, timeout=STARTUP + TIMEOUT + 60)
         return result, time.monotonic() - start
 
     return run

@@ -69,31 +69,34 @@ ENV = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 FLAGS = ["sft", "--model", "tiny-llama", "--dataset", "demo", "--seq-len", "64", "--micro-batch-size", "2", "--lr", "1e-3"]
 
 
-def start(*args, **popen):
+def start(*args, **streams):
+    """``toolkit sft ...`` forked from the test fork server (no import of torch and transformers of its own)."""
     import os
-    import subprocess
     import sys
 
-    return subprocess.Popen([sys.executable, "-m", "toolkit", *FLAGS, *map(str, args)], env={**os.environ, **ENV}, **popen)
+    from toolkit import forkserver
+
+    return forkserver.popen([sys.executable, "-m", "toolkit", *FLAGS, *map(str, args)], env={**os.environ, **ENV}, **streams)
 
 
 def test_a_dead_log_reader_then_ctrl_c_still_saves_and_exits_stopped(tmp_path):
     import os
     import signal
-    import subprocess
     import time
 
     from toolkit.errors import EXIT_STOPPED
 
     run = tmp_path / "run"
     # `toolkit sft ... 2>&1 | tee log`, then Ctrl-C: tee dies first, the run's next prints hit a closed pipe
-    process = start("--max-steps", "100000", "--log-every", "1", "--output", run, stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT)
-    assert process.stdout.readline()  # the run is talking
+    read_end, write_end = os.pipe()
+    process = start("--max-steps", "100000", "--log-every", "1", "--output", run, stdout=write_end, stderr=write_end)
+    os.close(write_end)
+    reader = os.fdopen(read_end, "rb")
+    assert reader.readline()  # the run is talking
     deadline = time.time() + 120
     while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().count("\n") >= 2):
         time.sleep(0.1)
-    process.stdout.close()
+    reader.close()
     time.sleep(1.0)  # a few step lines are written to the closed pipe
     process.send_signal(signal.SIGINT)
     assert process.wait(timeout=300) == EXIT_STOPPED
@@ -152,17 +155,22 @@ def test_ctrl_c_under_toolkit_launch_stops_every_rank_cleanly_with_status_75(tmp
     import sys
     import time
 
+    from toolkit import forkserver
     from toolkit.testing import free_port
 
     run = tmp_path / "run"
     command = [sys.executable, "-m", "toolkit", "launch", "--nproc", "2", "--master-port", str(free_port()), *FLAGS,
                "--max-steps", "100000", "--output", str(run)]
-    process = subprocess.Popen(command, env={**os.environ, **ENV}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 180
-    while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().count("\n") >= 2):
-        time.sleep(0.2)
-    process.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends
-    _, err = process.communicate(timeout=180)
+    # the launcher forked from the test fork server (no import of torch of its own); its ranks are torchrun's
+    with (tmp_path / "err").open("w+") as log:
+        process = forkserver.popen(command, env={**os.environ, **ENV}, stdout=subprocess.DEVNULL, stderr=log)
+        deadline = time.time() + 180
+        while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().count("\n") >= 2):
+            time.sleep(0.2)
+        process.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends
+        process.wait(timeout=180)
+        log.seek(0)
+        err = log.read()
     assert process.returncode == 75, err[-3000:]
     assert "Traceback" not in err and "SignalException" not in err and "stopped at step" in err
     (checkpoint,) = ckpt.list_checkpoints(run, "sha256")

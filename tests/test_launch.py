@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from toolkit import forkserver
 from toolkit.commands.launch import torchrun_command
 from toolkit.testing import free_port, run_python
 
@@ -33,46 +34,46 @@ def test_bad_launch_flags_are_usage_errors():
     assert "--node-rank must be in 0..1" in proc.stderr and "--master-addr" in proc.stderr
 
 
-@pytest.mark.slow
-def test_two_node_torchrun_job_on_localhost():
+def run_nodes(args: list[str], env: dict[str, str], tmp_path: Path, timeout: float) -> list[tuple[str, str]]:
+    """``toolkit launch --nproc 1 --nnodes 2 ... ARGS`` for node ranks 0 and 1 at once on localhost; (stdout, stderr)
+    of each. The two launchers are forked from the test fork server (no import of torch each); their ranks are
+    torchrun's own processes."""
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    nodes = [subprocess.Popen([sys.executable, "-m", "toolkit", "launch", "--nproc", "1", "--nnodes", "2",
-                               "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
-                               "--script", str(WORKER)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for rank in (0, 1)]
+    nodes = []
+    for rank in (0, 1):
+        out, err = (open(tmp_path / f"node{rank}.{name}", "w+") for name in ("out", "err"))  # noqa: SIM115
+        command = [sys.executable, "-m", "toolkit", "launch", "--nproc", "1", "--nnodes", "2", "--node-rank", str(rank),
+                   "--master-addr", "127.0.0.1", "--master-port", str(port), *args]
+        nodes.append((forkserver.popen(command, env=env, cwd=tmp_path, stdout=out, stderr=err), out, err))
     outputs = []
     try:
-        for node in nodes:
-            out, err = node.communicate(timeout=180)
-            assert node.returncode == 0, err[-3000:]
-            outputs.append(out)
+        for node, out, err in nodes:
+            node.wait(timeout=timeout)
+            out.seek(0), err.seek(0)
+            outputs.append((out.read(), err.read()))
+            assert node.returncode == 0, outputs[-1][1][-3000:]
     finally:
-        for node in nodes:
+        for node, out, err in nodes:
             if node.poll() is None:
                 node.kill()
-    results = sorted(line for out in outputs for line in out.splitlines() if line.startswith("RESULT"))
+            out.close(), err.close()
+    return outputs
+
+
+@pytest.mark.slow
+def test_two_node_torchrun_job_on_localhost(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    outputs = run_nodes(["--script", str(WORKER)], env, tmp_path, timeout=180)
+    results = sorted(line for out, _ in outputs for line in out.splitlines() if line.startswith("RESULT"))
     assert results == ["RESULT rank=0 world=2 node=0 sum=3", "RESULT rank=1 world=2 node=1 sum=3"]
 
 
 @pytest.mark.slow
 def test_two_node_toolkit_training_step(tmp_path):
-    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     args = ["pt", "--model", "tiny-llama", "--strategy", "auto", "--max-steps", "1", "--seq-len", "64",
             "--output", str(tmp_path / "run")]
-    nodes = [subprocess.Popen([sys.executable, "-m", "toolkit", "launch", "--nproc", "1", "--nnodes", "2",
-                               "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port), *args],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
-             for rank in (0, 1)]
-    try:
-        for node in nodes:
-            out, err = node.communicate(timeout=300)
-            assert node.returncode == 0, err[-3000:]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
+    run_nodes(args, env, tmp_path, timeout=300)
     import json
 
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
@@ -85,9 +86,8 @@ def test_two_node_toolkit_training_step(tmp_path):
 @pytest.mark.slow
 def test_an_input_error_of_a_launched_job_prints_once_without_a_torchrun_traceback(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run([sys.executable, "-m", "toolkit", "launch", "--nproc", "2", "--master-port", str(free_port()),
-                             "sft", "--dataset", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "run")],
-                            capture_output=True, text=True, env=env, timeout=180)
+    result = run_python(["-m", "toolkit", "launch", "--nproc", "2", "--master-port", str(free_port()), "sft", "--dataset",
+                         str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "run")], env=env, timeout=180)
     assert result.returncode == 1
     assert result.stderr.count("is neither a file nor a bundled dataset") == 1, result.stderr
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr, result.stderr

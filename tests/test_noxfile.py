@@ -220,11 +220,9 @@ def test_a_plugins_workers_cap_its_suites_processes(noxfile, tmp_path, pytester,
     assert [processes(n) for n in ("toolkit-alone", "toolkit-three", "toolkit-free")] == [None, "3", "4"]
     seen = pytester.path / "seen.txt"
     pytester.makepyfile(test_where=f"""
-        import os
-
-        def test_where():
+        def test_where(request):  # an xdist worker's config has workerinput (PYTEST_XDIST_WORKER may be inherited)
             with open({str(seen)!r}, "a") as f:
-                f.write(os.environ.get("PYTEST_XDIST_WORKER", "main") + "\\n")
+                f.write(("worker" if hasattr(request.config, "workerinput") else "main") + "\\n")
     """)
     monkeypatch.delenv("TOOLKIT_TEST_FAST", raising=False)
     pytester.runpytest_subprocess(*noxfile.pytest_args(session, 1), "-p", "no:cacheprovider").assert_outcomes(passed=1)

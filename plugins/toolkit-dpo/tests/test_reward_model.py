@@ -59,7 +59,8 @@ def test_rm_training_and_hf_rm_export(tmp_path):
     from toolkit.train.logps import CausalLMLogps, token_logps
     from toolkit_dpo.functional import pair_indices
 
-    torch.set_num_threads(2)
+    # threads as the process has them (OMP_NUM_THREADS=1 in the test sessions): a second thread here spin-waits
+    # against the other busy processes of a 2-core CI machine (and set_num_threads would outlive the test)
     base = materialize_preset("tiny-llama")
     tokenizer = AutoTokenizer.from_pretrained(base)
     # Scoring parity needs the answer and the number's last digit combined at the final token, which a
