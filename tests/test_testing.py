@@ -293,6 +293,29 @@ def test_a_shared_fork_server_ends_when_idle_and_the_next_job_starts_another(for
     assert second != first and _running(second)
 
 
+BURN_AND_COUNT = """
+import resource, subprocess, sys, time
+from toolkit import forkserver
+forkserver.run([sys.executable, "-c", "import time\\nt = time.process_time()\\nwhile time.process_time() - t < 1.0: pass"],
+               check=True)
+time.sleep(3.0)  # the shared server ends, idle
+subprocess.run(["true"])  # reaps this process's finished children, as any later subprocess of a test session does
+children = resource.getrusage(resource.RUSAGE_CHILDREN)
+print(children.ru_utime + children.ru_stime, forkserver.forked_cpu_seconds)
+"""
+
+
+def test_a_forked_jobs_cpu_is_counted_once_after_its_shared_server_ends(fork_dir):
+    """CpuReport adds the jobs' CPU (forked_cpu_seconds); the shared server that forked them, its own CPU holding
+    theirs, must not be reaped into the test process's children too (it is detached, not a child)."""
+    env = {**os.environ, "TOOLKIT_TEST_FORK_DIR": str(fork_dir), "TOOLKIT_TEST_PRELOAD": "json",
+           "TOOLKIT_TEST_FORK_IDLE": "0.5"}
+    done = subprocess.run([sys.executable, "-c", BURN_AND_COUNT], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    children, forked = map(float, done.stdout.split()[-2:])
+    assert forked >= 1.0 and children < 0.5, (children, forked)
+
+
 def test_a_shared_fork_directory_too_long_for_a_socket_is_named(tmp_path, monkeypatch):
     monkeypatch.setenv("TOOLKIT_TEST_FORK_DIR", str(tmp_path / ("x" * 100)))
     with pytest.raises(RuntimeError, match="TOOLKIT_TEST_FORK_DIR=.* is too long a path"):

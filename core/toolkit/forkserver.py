@@ -155,10 +155,19 @@ class _Server:
         if not shared:
             self.process = self._start(idle=None)
 
-    def _start(self, idle: float | None) -> subprocess.Popen:
+    def _start(self, idle: float | None) -> subprocess.Popen | None:
+        """Start this process's own server (``idle`` None: a child, stopped at exit), or a shared one, detached: its
+        parent is init, not this process, which it outlives, and which therefore never reaps it. Reaped here, its CPU
+        (its imports, and every job it forked, each already in :data:`forked_cpu_seconds`) would land in whichever
+        test next started a subprocess (:class:`toolkit.testing.CpuReport`: 40 s on a test that used 0.3 s)."""
+        argv = [sys.executable, __file__, self.address, self.preload, *([str(idle)] if idle else [])]
         with open(os.path.join(self.directory, "server.log"), "wb") as log:
-            return subprocess.Popen([sys.executable, __file__, self.address, self.preload, *([str(idle)] if idle else [])],
-                                    env=_BASE_ENV, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+            if idle is None:
+                return subprocess.Popen(argv, env=_BASE_ENV, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                        start_new_session=True)
+            subprocess.run([sys.executable, "-S", "-c", _DETACH, *argv], env=_BASE_ENV, stdin=subprocess.DEVNULL,
+                           stdout=log, stderr=log, check=True)
+        return None
 
     def alive(self) -> bool:
         """Own server: whether it runs. Shared: always (:meth:`connect` starts one if it has ended)."""
@@ -180,15 +189,15 @@ class _Server:
             except RuntimeError:
                 if os.path.exists(self.address):  # a server that ended (idle, killed) left its socket
                     os.unlink(self.address)
-                self.process = self._start(idle=SHARED_IDLE_S)
-                with open(os.path.join(self.directory, "pid"), "w") as pid:
-                    pid.write(str(self.process.pid))
-                try:
-                    return self._connect(timeout)
-                finally:
-                    self.process = None  # not this process's to stop: whoever shares it may be using it
+                pid_file = os.path.join(self.directory, "pid")
+                if os.path.exists(pid_file):
+                    os.unlink(pid_file)
+                self._start(idle=SHARED_IDLE_S)  # it writes its pid there first (stop_shared, and _connect's check)
+                return self._connect(timeout, pid_file)
 
-    def _connect(self, timeout: float) -> socket.socket:
+    def _connect(self, timeout: float, pid_file: str | None = None) -> socket.socket:
+        """Connect to the server; wait up to ``timeout`` for one starting: this process's own (``self.process``) or a
+        detached one that wrote ``pid_file``, either of which ending first is an error with its log."""
         deadline = time.monotonic() + timeout
         while True:
             connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -197,11 +206,12 @@ class _Server:
                 return connection
             except (FileNotFoundError, ConnectionRefusedError):
                 connection.close()
-                started = self.process is not None
-                if (started and self.process.poll() is not None) or time.monotonic() >= deadline:
+                ended = self.process is not None and self.process.poll() is not None
+                ended = ended or (pid_file is not None and not _running(pid_file))
+                if ended or time.monotonic() >= deadline:
                     log = Path(self.directory, "server.log")
                     tail = log.read_text(errors="replace")[-4000:] if log.exists() else ""
-                    code = self.process.returncode if started else None
+                    code = self.process.returncode if self.process is not None else None
                     raise RuntimeError(f"the test fork server did not start ({code}):\n{tail}") from None
                 time.sleep(0.05)
 
@@ -214,6 +224,25 @@ class _Server:
         for name in os.listdir(self.directory):
             os.unlink(os.path.join(self.directory, name))
         os.rmdir(self.directory)
+
+
+_DETACH = "import os, sys\nif os.fork() == 0:\n    os.setsid()\n    os.execv(sys.argv[1], sys.argv[1:])\n"
+"""``python -S -c _DETACH ARGV...``: runs ARGV as a grandchild that leads its own session, then exits at once."""
+
+
+def _running(pid_file: str) -> bool:
+    """Whether the process whose pid ``pid_file`` holds runs; True while the file is not yet written."""
+    try:
+        pid = int(Path(pid_file).read_text())
+    except (FileNotFoundError, ValueError):
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _shared_key(preload: str) -> str:
@@ -540,4 +569,8 @@ def _exit_like_the_interpreter(code: int, threading: Any) -> None:
 
 if __name__ == "__main__":
     sys.path.pop(0)  # this file's directory (core/toolkit) must not shadow top-level modules
+    if len(sys.argv) > 3:  # shared (detached): its pid, for stop_shared and for the client waiting on its start
+        with open(os.path.join(os.path.dirname(sys.argv[1]), "pid.tmp"), "w") as handle:
+            handle.write(str(os.getpid()))
+        os.replace(os.path.join(os.path.dirname(sys.argv[1]), "pid.tmp"), os.path.join(os.path.dirname(sys.argv[1]), "pid"))
     _serve(sys.argv[1], [m for m in sys.argv[2].split(",") if m], float(sys.argv[3]) if len(sys.argv) > 3 else None)
