@@ -130,10 +130,24 @@ def pytest_args(session: nox.Session, most: int | None = None) -> list[str]:
         workers = None
     # --dist loadscope: a module's tests stay on one worker, so a module- or class-scoped fixture (a torchrun
     # job whose report several tests read, a reference run) runs once, not once per worker
-    distributed = ["-n", workers, "--dist", "loadscope"] if workers else []
+    distributed = [*worker_processes(session, workers), "--dist", "loadscope"] if workers else []
     # --toolkit-cpu-report (toolkit.testing): CPU seconds per test with its subprocesses, which a busy machine
     # does not inflate as it does --durations' wall times: where the suite's time goes
     return ["-m", markers, "--durations=10", "--toolkit-cpu-report=15", *distributed, *session.posargs]
+
+
+def worker_processes(session: nox.Session, workers: str) -> list[str]:
+    """pytest-xdist's option for ``workers`` processes: forked from the session's test fork server (toolkit.testworker:
+    torch, transformers and megatron-core imported once per session, not once per worker) in a venv of the session,
+    ``-n`` otherwise (``--no-venv``)."""
+    import shlex
+
+    directory = getattr(session, "bin", None) if getattr(session, "venv_backend", "none") != "none" else None
+    if not directory:
+        return ["-n", workers]
+    # pytest's notice that a preloaded module with a pytest plugin (anyio's) was imported before it could rewrite it
+    quiet = ["-W", "ignore:Module already imported so cannot be rewritten:pytest.PytestAssertRewriteWarning"]
+    return ["--tx", f"{workers}*popen//python={shlex.quote(str(Path(directory) / 'python'))} -m toolkit.testworker", *quiet]
 
 
 CORE_COST = 530

@@ -228,3 +228,32 @@ def test_a_plugins_workers_cap_its_suites_processes(noxfile, tmp_path, pytester,
     pytester.runpytest_subprocess(*noxfile.pytest_args(session, 1), "-p", "no:cacheprovider").assert_outcomes(passed=1)
     assert seen.read_text().split() == ["main"]
 
+
+
+def test_the_sessions_workers_are_forked_from_its_fork_server(noxfile, pytester, monkeypatch):
+    """In a session's venv the pytest-xdist workers start as toolkit.testworker: forked from the session's shared fork
+    server, with its preloaded modules already imported (here colorsys, which nothing else imports)."""
+    import tempfile
+
+    from toolkit import forkserver
+
+    pytest.importorskip("xdist")
+    forks = tempfile.mkdtemp(prefix="tw-")
+    for name, value in {"TOOLKIT_TEST_FORK_DIR": forks, "TOOLKIT_TEST_PRELOAD": "colorsys", "TOOLKIT_TEST_WORKERS": "2"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TOOLKIT_TEST_FAST", raising=False)
+    session = type("Session", (), {"posargs": [], "venv_backend": "uv", "bin": str(Path(sys.executable).parent)})()
+    args = noxfile.pytest_args(session)
+    assert "toolkit.testworker" in args[args.index("--tx") + 1]
+    pytester.makepyfile(test_forked="""
+        import sys
+        import pytest
+
+        @pytest.mark.parametrize("i", range(4))
+        def test_preloaded(i, request):
+            assert hasattr(request.config, "workerinput") and "colorsys" in sys.modules
+    """)
+    try:
+        pytester.runpytest_subprocess(*args, "-p", "no:cacheprovider").assert_outcomes(passed=4)
+    finally:
+        forkserver.stop_shared(forks)
