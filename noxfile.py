@@ -142,9 +142,9 @@ def worker_processes(session: nox.Session, workers: str) -> list[str]:
     ``-n`` otherwise (``--no-venv``)."""
     import shlex
 
-    directory = getattr(session, "bin", None) if getattr(session, "venv_backend", "none") != "none" else None
-    if not directory:
+    if session.venv_backend == "none":
         return ["-n", workers]
+    directory = session.bin
     # pytest's notice that a preloaded module with a pytest plugin (anyio's) was imported before it could rewrite it
     quiet = ["-W", "ignore:Module already imported so cannot be rewritten:pytest.PytestAssertRewriteWarning"]
     return ["--tx", f"{workers}*popen//python={shlex.quote(str(Path(directory) / 'python'))} -m toolkit.testworker", *quiet]

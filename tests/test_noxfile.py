@@ -132,7 +132,7 @@ def test_a_module_fixture_runs_once_on_the_workers_the_test_sessions_use(noxfile
         def test_other(i):
             time.sleep(0.1)
     """)
-    args = noxfile.pytest_args(type("Session", (), {"posargs": []})())
+    args = noxfile.pytest_args(type("Session", (), {"posargs": [], "venv_backend": "none"})())
     assert args[args.index("-n") + 1] == "2"
     result = pytester.runpytest_subprocess(*args, "-p", "no:cacheprovider")
     result.assert_outcomes(passed=16)
@@ -208,7 +208,7 @@ def test_a_plugins_workers_cap_its_suites_processes(noxfile, tmp_path, pytester,
     for name, cap in [("toolkit-alone", 1), ("toolkit-three", 3), ("toolkit-free", None)]:
         write_plugin(tmp_path, name, "" if cap is None else f"[tool.toolkit.nox]\nworkers = {cap}\n")
     plugins = {p.name: p for p in noxfile.discover_plugins(tmp_path)}
-    session = type("Session", (), {"posargs": []})()
+    session = type("Session", (), {"posargs": [], "venv_backend": "none"})()
 
     def processes(name: str) -> str | None:
         args = noxfile.pytest_args(session, plugins[name].workers)
@@ -227,7 +227,6 @@ def test_a_plugins_workers_cap_its_suites_processes(noxfile, tmp_path, pytester,
     monkeypatch.delenv("TOOLKIT_TEST_FAST", raising=False)
     pytester.runpytest_subprocess(*noxfile.pytest_args(session, 1), "-p", "no:cacheprovider").assert_outcomes(passed=1)
     assert seen.read_text().split() == ["main"]
-
 
 
 def test_the_sessions_workers_are_forked_from_its_fork_server(noxfile, pytester, monkeypatch):

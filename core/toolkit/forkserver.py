@@ -570,7 +570,8 @@ def _exit_like_the_interpreter(code: int, threading: Any) -> None:
 if __name__ == "__main__":
     sys.path.pop(0)  # this file's directory (core/toolkit) must not shadow top-level modules
     if len(sys.argv) > 3:  # shared (detached): its pid, for stop_shared and for the client waiting on its start
-        with open(os.path.join(os.path.dirname(sys.argv[1]), "pid.tmp"), "w") as handle:
+        pid_file = os.path.join(os.path.dirname(sys.argv[1]), "pid")
+        with open(pid_file + ".tmp", "w") as handle:
             handle.write(str(os.getpid()))
-        os.replace(os.path.join(os.path.dirname(sys.argv[1]), "pid.tmp"), os.path.join(os.path.dirname(sys.argv[1]), "pid"))
+        os.replace(pid_file + ".tmp", pid_file)
     _serve(sys.argv[1], [m for m in sys.argv[2].split(",") if m], float(sys.argv[3]) if len(sys.argv) > 3 else None)

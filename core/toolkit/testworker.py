@@ -37,12 +37,7 @@ def main(argv: list[str]) -> int:
     worker = forkserver.popen(command, env=env, stdin=0, stdout=1, stderr=2)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda number, _frame: worker.send_signal(number))
-    while True:
-        try:
-            status = worker.wait()
-            break
-        except InterruptedError:  # a signal passed on above; keep waiting for the worker
-            continue
+    status = worker.wait()  # a signal passed on above interrupts no wait: Python retries the call (PEP 475)
     return status if status >= 0 else 128 - status
 
 
