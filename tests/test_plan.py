@@ -71,8 +71,8 @@ TINY_CONFIGS = {
                                     "tiny-qwen2-moe", "tiny-deepseek-v3"])
 def test_lora_parameter_count_matches_peft(family):
     """LoRA on every linear: PEFT's trainable parameters, fused Phi-3/GLM-4 modules (one adapter each) included, and
-    transformers 5's fused experts as PEFT adapts them (router and experts through target_parameters, gate_up at
-    twice the rank; dense MLPs and shared experts losing their targets; none for qwen2_moe's experts). ``tiny-*``:
+    transformers 5's fused experts as PEFT (>= 0.22) adapts them (router and experts through target_parameters,
+    gate_up at twice the rank; dense MLPs and shared experts as linears). ``tiny-*``:
     the embedded presets ``toolkit plan --model tiny-...`` reads."""
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
@@ -686,8 +686,8 @@ def test_lora_training_flops_match_torch_flop_counter(family, recompute):
     """Issue 27: LoRA's training FLOPs (forward + backward, recompute) against torch's FLOP counter on a PEFT model
     (r=4 on every linear, as toolkit-peft's default), so every matmul PEFT and autograd actually run counts: the
     frozen base's input gradients without weight gradients (none through the first layer's input projections), the
-    adapters, top-k routed experts (frozen in qwen2_moe; folded ``W + s*A_e B_e`` in qwen3_moe/mixtral/deepseek,
-    whose folded weights do get a gradient), the router, shared experts and their gate, dense layers between MoE
+    adapters, top-k routed experts (folded ``W + s*A_e B_e`` by PEFT >= 0.22 on every MoE family, whose folded
+    weights do get a gradient), the router, shared experts and their gate, dense layers between MoE
     layers. The counter counts the attention scores over the whole square, the planner the pairs the causal mask
     allows (the strict upper triangle, added below). Without recompute the counts agree exactly. With recompute torch's non-reentrant
     checkpoint stops re-running a layer once backward has every tensor it saved, so the trailing matmul of each

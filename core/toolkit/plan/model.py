@@ -27,14 +27,8 @@ EAGER_ATTENTION_FAMILIES = ("gemma2",)
 # model_type -> HF linears that hold several projections (LoRA adapts the fused module: one A for all its parts)
 FUSED_LINEARS = {"phi3": {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")},
                  "glm4": {"gate_up_proj": ("gate_proj", "up_proj")}}
+# MoE families: transformers 5 keeps each layer's experts as 3-D parameters (gate_up_proj, down_proj)
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
-# MoE families whose experts transformers 5 fuses into 3-D parameters and whose LoRA targets PEFT (>= 0.18) rewrites
-# for them (peft.utils.transformers_weight_conversion): under all-linear the router's ``gate.weight`` gets rank r,
-# the experts' fused ``gate_up_proj`` rank 2r (gate and up each keep rank r) and ``down_proj`` rank r, one A/B per
-# expert; the gate_proj/up_proj/down_proj targets move onto the experts, so the dense MLPs and shared experts get
-# none. The other MoE family (qwen2_moe) is not converted: its fused experts and its router are no nn.Linear, so
-# only attention, the shared expert and its gate get adapters. tests/test_plan.py checks both against PEFT.
-PEFT_FUSED_EXPERT_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention
 # model_type -> every layer attends within ``sliding_window`` when it is set (transformers' modeling code ignores
 # ``layer_types`` for these; qwen3_moe only with ``use_sliding_window``)
@@ -205,8 +199,12 @@ class ModelShape:
         return linears
 
     def lora_params(self, rank: int) -> int:
-        """Adapter parameters PEFT creates for LoRA with ``target_modules="all-linear"`` (transformers 5's fused
-        experts as PEFT adapts them: see :data:`PEFT_FUSED_EXPERT_FAMILIES`)."""
+        """Adapter parameters PEFT (>= 0.22) creates for LoRA with ``target_modules="all-linear"``: rank ``r`` on
+        every linear (dense MLPs, shared experts and Qwen2-MoE's shared-expert gate included) and, on every MoE
+        family transformers 5 fuses (:data:`MOE_FAMILIES`), the router's ``gate.weight`` at rank r and the experts'
+        3-D parameters through PEFT's ``target_parameters`` (``peft.utils.transformers_weight_conversion``): one
+        A/B per expert, ``gate_up_proj`` at rank 2r (gate and up keep rank r each) and ``down_proj`` at rank r.
+        tests/test_plan.py checks every family against PEFT."""
         mlp_names = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
         linears = self.linear_params_per_layer(False)
         attention = sum(rank * (i + o) for name, (i, o) in linears.items() if name not in mlp_names)
@@ -214,12 +212,11 @@ class ModelShape:
         if not self.is_moe:
             return self.layers * (attention + dense_mlp)
         h, e, ffn = self.hidden, self.experts, self.expert_ffn
-        if self.model_type in PEFT_FUSED_EXPERT_FAMILIES:
-            experts = rank * (h + e) + e * 2 * rank * (h + 2 * ffn) + e * rank * (ffn + h)
-            return self.moe_layers * (attention + experts) + self.dense_layers * attention
+        router_and_experts = rank * (h + e) + e * 2 * rank * (h + 2 * ffn) + e * rank * (ffn + h)
         shared = 3 * rank * (h + self.shared_expert_ffn) if self.shared_expert_ffn else 0
         gate = rank * (h + 1) if self.shared_expert_ffn and self.shared_expert_gate else 0
-        return self.moe_layers * (attention + shared + gate) + self.dense_layers * (attention + dense_mlp)
+        return (self.moe_layers * (attention + router_and_experts + shared + gate)
+                + self.dense_layers * (attention + dense_mlp))
 
     def describe(self) -> str:
         kind = (f"MoE {self.experts} experts top-{self.experts_per_token}, expert FFN {self.expert_ffn}"

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from toolkit.plan.hardware import Cluster
 from toolkit.plan.memory import Layout, Workload, fused_kernels, params_on_stage
-from toolkit.plan.model import PEFT_FUSED_EXPERT_FAMILIES, ModelShape
+from toolkit.plan.model import ModelShape
 
 BASE_EFFICIENCY = {"local": 0.435, "fsdp": 0.45, "deepspeed": 0.45, "megatron": 0.38}
 """Fraction of the bf16 peak reached by large matmuls in training, calibrated on one H200.
@@ -128,19 +128,16 @@ def lora_flops_per_token(shape: ModelShape, workload: Workload, recompute: bool)
     """(dense, routed-expert) matmul FLOPs of one token's forward and backward with LoRA on every linear (toolkit-peft's
     default ``all-linear``, through PEFT), causal attention scores left out. The base weights are frozen: a plain
     adapted linear ``y = x W^T + s B A x`` computes no gradient for ``W``, only the input's (none in the first layer's
-    input projections) and the adapter's. PEFT adapts transformers 5's fused experts and the router of
-    :data:`~toolkit.plan.model.PEFT_FUSED_EXPERT_FAMILIES` differently: it folds the adapter into the weight once per
-    forward (``W + s * A_e B_e``, a batched matmul over experts) and multiplies by the folded weight, which therefore
-    gets a weight gradient (passed on to ``A`` and ``B``); that fold, counted per micro-batch, is spread over its
-    tokens. qwen2_moe's experts and router stay frozen, its shared expert and gate get adapters. Checked against
-    torch's FLOP counter on PEFT models in tests/test_plan.py."""
+    input projections) and the adapter's. PEFT (>= 0.22) adapts transformers 5's fused experts and the router of
+    every MoE family differently: it folds the adapter into the weight once per forward (``W + s * A_e B_e``, a
+    batched matmul over experts) and multiplies by the folded weight, which therefore gets a weight gradient (passed
+    on to ``A`` and ``B``); that fold, counted per micro-batch, is spread over its tokens. Dense MLPs, shared experts
+    and Qwen2-MoE's shared-expert gate are plain adapted linears. Checked against torch's FLOP counter on PEFT models
+    in tests/test_plan.py."""
     r, h, passes = workload.lora_rank, shape.hidden, 2 if recompute else 1
 
     def adapted(i: int, o: int, input_grad: bool = True) -> float:
         return passes * 2 * (i * o + r * (i + o)) + 4 * r * o + 2 * r * i + (2 * i * o + 2 * r * i if input_grad else 0)
-
-    def frozen(i: int, o: int) -> float:
-        return (2 * passes + 2) * i * o
 
     def folded(i: int, o: int) -> float:  # per token: forward, input gradient and weight gradient
         return (2 * passes + 4) * i * o
@@ -152,23 +149,18 @@ def lora_flops_per_token(shape: ModelShape, workload: Workload, recompute: bool)
     # (enable_input_require_grads), so the first layer's inputs get one like every other layer's.
     first_layer = 0 if recompute else sum(adapted(i, o) - adapted(i, o, input_grad=False)
                                           for name, (i, o) in linears.items() if name in FIRST_LAYER_INPUTS)
-    converted = shape.is_moe and shape.model_type in PEFT_FUSED_EXPERT_FAMILIES
-    dense_mlp = sum((frozen if converted else adapted)(i, o) for name, (i, o) in linears.items() if name in mlp_names)
+    dense_mlp = sum(adapted(i, o) for name, (i, o) in linears.items() if name in mlp_names)
     dense = shape.layers * attention - first_layer + shape.dense_layers * dense_mlp + 4 * shape.vocab * h
     if not shape.is_moe:
         return dense, 0.0
     e, f, shared = shape.experts, shape.expert_ffn, shape.shared_expert_ffn
-    if converted:  # router and experts folded; shared experts (DeepSeek) and dense MLPs keep no adapter
-        router = folded(h, e) + 3 * frozen(h, shared)
-        expert = folded(h, 2 * f) + folded(f, h)
-        # Router rank r, experts' gate_up 2r and down r. The experts' fold runs twice per forward: torch's
-        # register_parametrization, which PEFT calls on every forward, evaluates it once to check its shape.
-        fold = (2 * passes + 4) * r * h * e + (4 * passes + 4) * e * (2 * r * h * 2 * f + r * f * h)
-        router += fold / workload.micro_batch_tokens
-    else:
-        gate = adapted(h, 1) if shared and shape.shared_expert_gate else 0.0
-        router = frozen(h, e) + (2 * adapted(h, shared) + adapted(shared, h) if shared else 0.0) + gate
-        expert = frozen(h, 2 * f) + frozen(f, h)
+    gate = adapted(h, 1) if shared and shape.shared_expert_gate else 0.0
+    router = folded(h, e) + (2 * adapted(h, shared) + adapted(shared, h) if shared else 0.0) + gate
+    expert = folded(h, 2 * f) + folded(f, h)
+    # Router rank r, experts' gate_up 2r and down r. The experts' fold runs twice per forward: torch's
+    # register_parametrization, which PEFT calls on every forward, evaluates it once to check its shape.
+    fold = (2 * passes + 4) * r * h * e + (4 * passes + 4) * e * (2 * r * h * 2 * f + r * f * h)
+    router += fold / workload.micro_batch_tokens
     return dense + shape.moe_layers * router, shape.moe_layers * shape.experts_per_token * expert
 
 

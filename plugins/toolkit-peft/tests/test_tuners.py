@@ -184,46 +184,33 @@ def test_target_matching_nothing_lists_the_linear_layers(source, load_base):
     assert len(too_wide) == 1 and "model.layers.0.mlp.act_fn" in too_wide[0] and "cannot take an adapter" in too_wide[0]
 
 
-@pytest.mark.parametrize(("overrides", "targets", "refused"), [
-    ({"num_hidden_layers": 3, "mlp_only_layers": [1]}, ["all-linear"], True),
-    ({"num_hidden_layers": 3, "mlp_only_layers": [1]}, ["q_proj", "gate_proj", "up_proj", "down_proj"], True),
-    ({"num_hidden_layers": 3, "mlp_only_layers": [1]}, ["q_proj", "k_proj", "v_proj", "o_proj"], False),
-    ({}, ["all-linear"], False),  # every layer MoE: the MLP targets all land on experts
+@pytest.mark.parametrize(("preset", "overrides", "targets", "dense"), [
+    ("tiny-qwen3-moe", {"num_hidden_layers": 3, "mlp_only_layers": [1]}, ["all-linear"], "layers.1.mlp.gate_proj"),
+    ("tiny-qwen3-moe", {"num_hidden_layers": 3, "mlp_only_layers": [1]}, ["q_proj", "gate_proj", "up_proj", "down_proj"],
+     "layers.1.mlp.down_proj"),
+    ("tiny-deepseek-v3", {}, ["all-linear"], "layers.1.mlp.shared_experts.up_proj"),
 ])
-def test_dense_mlps_between_moe_layers_that_peft_would_skip_are_refused(overrides, targets, refused):
-    """PEFT itself (get_peft_model on the real model) leaves the dense MLPs of a mixed Qwen3-MoE without adapters
-    when gate/up/down_proj are targeted; validate() says so before the model loads instead of training without them."""
-    import peft
+def test_dense_mlps_and_shared_experts_beside_fused_experts_get_adapters(preset, overrides, targets, dense):
+    """MLP targets on a MoE family whose experts transformers 5 fuses reach both the fused experts (through PEFT's
+    target_parameters) and the linear MLPs beside them: a dense layer's MLP (Qwen3-MoE's mlp_only_layers, DeepSeek's
+    first_k_dense_replace) and DeepSeek's shared experts. PEFT before 0.22 moved those targets onto the experts
+    only, training a model whose dense MLPs never moved; toolkit-peft requires 0.22, and this fails on an older one."""
     from transformers import AutoModelForCausalLM
 
     from toolkit.contracts import ModelSource
     from toolkit.models import preset_config
+    from toolkit_peft.adapters import inject
 
-    config = preset_config("tiny-qwen3-moe", **overrides)
-    tuner = LoRATuner(LoRAConfig(target_modules=targets))
-    problems = tuner.validate(None, ModelSource(reference="mixed", directory=None, config=config, tokenizer=None,
-                                                                  weight_files=[]))
-    model = peft.get_peft_model(AutoModelForCausalLM.from_config(config), peft.LoraConfig(
-        r=2, target_modules="all-linear" if targets == ["all-linear"] else targets))
+    config = preset_config(preset, **overrides)
+    lora = LoRAConfig(rank=2, target_modules=targets)
+    source = ModelSource(reference=preset, directory=None, config=config, tokenizer=None, weight_files=[])
+    assert LoRATuner(lora).validate(None, source) == []
+    model = inject(AutoModelForCausalLM.from_config(config), lora, use_dora=False)
     adapted = {name.split(".lora_")[0] for name, _ in model.named_parameters() if "lora_" in name}
-    assert refused == bool(problems), problems
-    if refused:  # what PEFT really does: the dense layer's MLP, targeted, gets no adapter (its experts' layers do)
-        assert not any(".layers.1.mlp." in name for name in adapted) and any(".layers.0.mlp.experts" in n for n in adapted)
-        assert "PEFT would give no adapter to model.layers.1.mlp.gate_proj" in problems[0]
-        assert "--lora-target-modules q_proj,k_proj,v_proj,o_proj" in problems[0]
-
-
-def test_deepseek_all_linear_refusal_suggests_its_own_attention_targets():
-    """DeepSeek's dense first layers and shared experts lose their targets to PEFT's MoE conversion: the refusal's
-    suggestion names its latent attention's linears (no k_proj/v_proj), and that suggestion is accepted."""
-    from toolkit.contracts import ModelSource
-    from toolkit.models import preset_config
-
-    source = ModelSource(reference="v3", directory=None, config=preset_config("tiny-deepseek-v3"), tokenizer=None, weight_files=[])
-    (problem,) = LoRATuner(LoRAConfig()).validate(None, source)
-    suggested = "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj"
-    assert f"--lora-target-modules {suggested})" in problem and "shared experts" in problem
-    assert LoRATuner(LoRAConfig(target_modules=suggested.split(","))).validate(None, source) == []
+    assert f"model.{dense}" in adapted
+    experts = {name for name in adapted if ".mlp.experts" in name}
+    assert experts and {name.split(".mlp.")[0] for name in experts} == {f"model.layers.{i}" for i in range(config.num_hidden_layers)
+                                                            if f"model.layers.{i}.mlp.experts" in dict(model.named_modules())}
 
 
 def test_bad_options_are_reported_together(source):
@@ -323,22 +310,23 @@ def test_initial_adapters_refuse_inits_that_read_the_base(source):
     assert LoRATuner(LoRAConfig(init="gaussian")).validate(megatron, source) == []
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "phimoe"])
 def test_moe_experts_left_without_adapters_are_named(family, capsys):
-    """PEFT moves all-linear targets onto Qwen3-MoE's fused experts but gives Qwen2-MoE's none: the run says so
-    (one line naming the experts and what trains) instead of training a model whose experts never move."""
+    """PEFT moves all-linear targets onto the fused experts of Qwen2-MoE and Qwen3-MoE but gives PhiMoE's none: the
+    run says so (one line naming the experts and what trains) instead of training a model whose experts never move."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from toolkit_peft.adapters import inject
 
     config = AutoConfig.for_model(family, vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                                   shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                  num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, head_dim=8)
+                                  num_key_value_heads=2, num_experts=4, num_local_experts=4, num_experts_per_tok=2,
+                                  head_dim=8)
     model = inject(AutoModelForCausalLM.from_config(config), LoRAConfig(rank=2), use_dora=False)
     adapted = [name for name, _ in model.named_parameters() if "lora_" in name]
     experts_adapted = any(".mlp.experts." in name for name in adapted)
     notice = capsys.readouterr().err
-    assert experts_adapted == (family == "qwen3_moe")
+    assert experts_adapted == (family != "phimoe")
     if experts_adapted:
         assert "routed experts" not in notice
     else:

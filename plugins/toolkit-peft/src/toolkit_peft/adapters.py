@@ -85,7 +85,7 @@ MLP_TARGETS = {"gate_proj", "up_proj", "down_proj", "gate_up_proj", "w1", "w2", 
 def experts_without_adapters(model: torch.nn.Module, config: LoRAConfig) -> list[str]:
     """Routed-expert modules (``*.experts``) left without an adapter although the targets name MLP linears
     (``all-linear`` or gate/up/down): PEFT moves such targets onto transformers 5's fused experts for most MoE
-    families, but not for every one (Qwen2-MoE's experts get none)."""
+    families, but not for every one (PEFT 0.22 gives PhiMoE's, GPT-OSS's, Jamba's and Llama 4's experts none)."""
     targets = set(config.target_modules)
     if targets != {"all-linear"} and not targets & MLP_TARGETS:
         return []

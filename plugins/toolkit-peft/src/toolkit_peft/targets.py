@@ -77,15 +77,6 @@ def target_problems(config: LoRAConfig, source: ModelSource | None = None, model
         for name in config.target_modules:
             if name != "all-linear" and name not in on_experts and not any(_matches(name, key) for key in linears):
                 problems.append(f"target_modules: {name!r} matches no linear layer; {available}")
-    dropped = [] if problems else dropped_by_peft(config, model)
-    if dropped:
-        # this model's own attention linears (DeepSeek's latent attention has no k_proj/v_proj)
-        attention = ",".join(dict.fromkeys(n.rsplit(".", 1)[-1] for n in linears if ".self_attn." in n)) or "q_proj,k_proj,v_proj,o_proj"
-        problems.append(f"PEFT would give no adapter to {', '.join(dropped[:3])}{' and more' if len(dropped) > 3 else ''}, "
-                        "which target_modules names: for this MoE family it moves gate_proj/up_proj/down_proj targets onto "
-                        "the experts transformers fuses, so the dense MLPs between MoE layers (mlp_only_layers, "
-                        "decoder_sparse_step, first_k_dense_replace) and shared experts would not train. Adapt the "
-                        f"attention only (--lora-target-modules {attention}) or train fully (--tuner full)")
     module_names = [key for key, _ in model.named_modules() if key]
     for name in config.modules_to_save:
         if not any(_matches(name, key) for key in module_names):
@@ -94,50 +85,23 @@ def target_problems(config: LoRAConfig, source: ModelSource | None = None, model
     return problems
 
 
-def _converted(config: LoRAConfig, model: torch.nn.Module) -> tuple[Any, Any] | None:
-    """(our options as PEFT's config, that config after PEFT's conversion for transformers 5), or None when this
-    PEFT has no conversion."""
+def moved_to_experts(config: LoRAConfig, model: torch.nn.Module) -> set[str]:
+    """Target names PEFT turns into targets of the fused experts' parameters only (transformers 5 keeps a MoE
+    layer's experts as 3-d ``gate_up_proj`` / ``down_proj`` tensors, not linear layers): Qwen3-MoE's ``gate_proj``,
+    Mixtral's ``w1``. Asked of PEFT's own conversion of the config for transformers 5; a name that also matches
+    linear layers (a dense MLP's, a shared expert's) stays a module target there as well (PEFT >= 0.22)."""
     import copy
 
-    try:
-        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
-    except ImportError:
-        return None
+    from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+
     from toolkit_peft.adapters import peft_lora_config
 
     wanted = peft_lora_config(config, use_dora=False)
     converted = copy.deepcopy(wanted)
     convert_peft_config_for_transformers(converted, model=model, conversions=None)
-    return wanted, converted
-
-
-def moved_to_experts(config: LoRAConfig, model: torch.nn.Module) -> set[str]:
-    """Target names PEFT turns into targets of the fused experts' parameters (transformers 5 keeps a MoE layer's
-    experts as 3-d ``gate_up_proj`` / ``down_proj`` tensors, not linear layers): Qwen3-MoE's ``gate_proj``,
-    Mixtral's ``w1``."""
-    both = _converted(config, model)
-    if both is None or not both[1].target_parameters or not isinstance(both[0].target_modules, (list, set)):
+    if not converted.target_parameters or not isinstance(wanted.target_modules, (list, set)):
         return set()
-    return set(both[0].target_modules) - set(both[1].target_modules or ())
-
-
-def dropped_by_peft(config: LoRAConfig, model: torch.nn.Module) -> list[str]:
-    """Linear layers the targets name that PEFT would leave without an adapter, asked of PEFT's own conversion of
-    the config for transformers 5 (for MoE families whose experts transformers fuses, it rewrites MLP targets
-    into targets of the fused experts, dropping every other module of those names)."""
-    from peft.tuners.tuners_utils import check_target_module_exists
-
-    both = _converted(config, model)
-    if both is None:  # a PEFT without that conversion drops nothing
-        return []
-    wanted, converted = both
-    if converted.target_modules == wanted.target_modules:
-        return []
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    heads = {name for name, module in model.named_modules() if head is not None and module is head}
-    named = [key for key in linear_layer_names(model) if key not in heads
-             and (wanted.target_modules == "all-linear" or check_target_module_exists(wanted, key))]
-    return [key for key in named if not check_target_module_exists(converted, key)]
+    return set(wanted.target_modules) - set(converted.target_modules or ())
 
 
 def meta_model(source: ModelSource | None) -> Any:
