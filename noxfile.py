@@ -29,8 +29,8 @@ A plugin takes part without being listed here. Its ``pyproject.toml`` may carry 
                                 # suite runs in that own session instead, installed there with its requires: it moves
                                 # the suite to scripts/test.sh's other lane (default: the shared session runs it)
 
-Every install uses ``-c constraints.txt`` (it pins torch). The test sessions build the wheels of
-the core and the plugins into dist/ and install those (not editable), resolved once per venv, and
+Every install uses ``-c constraints.txt`` (it pins torch and caps the fast-moving libraries). The test sessions
+build the wheels of the core and the plugins into dist/ and install those (not editable), resolved once per venv, and
 the shared session smoke-tests that install (scripts/smoke_wheels.py) before the suites.
 ``TOOLKIT_TEST_FAST=1`` deselects tests marked ``slow``; ``TOOLKIT_TEST_WORKERS=4`` runs each suite on 4 pytest-xdist workers
 (``--dist loadscope``: a module's tests share a worker, so its module-scoped fixtures run once); tests marked
