@@ -6,7 +6,7 @@
 # - deepspeed: published as an sdist only; built here into a pure-Python wheel with DS_BUILD_OPS=0 (no op
 #   compiled; the toolkit's deepspeed engine steps torch's AdamW, fused on GPU, so ZeRO-3 needs no DeepSpeed op).
 # - liger-kernel and torchao (pure-Python wheels) for bench/speed.py's liger and fp8 cases.
-# - trl and datasets for bench/userpath.py (the TRL baselines; the toolkit reads data through datasets).
+# - trl and datasets for bench/userpath.py (the TRL baselines; the toolkit reads data through datasets); peft 0.22.
 # - deepspeed's imports that the image may lack (hjson, msgpack, einops, py-cpuinfo, pydantic and its pins),
 #   as cp312 / pure-Python wheels in .whl/deps/: gpu_setup.sh installs each one only if it does not import.
 set -euo pipefail
@@ -24,9 +24,10 @@ fi
 if ! ls .whl/liger_kernel-*.whl .whl/torchao-*.whl >/dev/null 2>&1; then
   "$PY" -m pip download -q --no-deps "${GPU_PLATFORM[@]}" -d .whl 'liger-kernel==0.8.5' 'torchao==0.18.0'
 fi
-# bench/userpath.py's baselines and the toolkit's reading layer: datasets (+ dill, multiprocess) and trl
-if ! ls .whl/trl-*.whl .whl/datasets-*.whl >/dev/null 2>&1; then
-  "$PY" -m pip download -q --no-deps "${GPU_PLATFORM[@]}" -d .whl 'trl==1.16.0' 'datasets==5.2.0'
+# bench/userpath.py's baselines and the toolkit's reading layer: datasets (+ dill, multiprocess) and trl; peft at
+# the release toolkit-peft requires (the image's may be older: 0.21 adapts other modules of MoE models)
+if ! ls .whl/trl-*.whl .whl/datasets-*.whl .whl/peft-*.whl >/dev/null 2>&1; then
+  "$PY" -m pip download -q --no-deps "${GPU_PLATFORM[@]}" -d .whl 'trl==1.16.0' 'datasets==5.2.0' 'peft==0.22.0'
 fi
 # bitsandbytes (--tuner qlora, --optimizer adamw-8bit) only when asked: its wheel is large (WITH_BNB=1 bash bench/wheels.sh)
 if [ "${WITH_BNB:-0}" = 1 ] && ! ls .whl/bitsandbytes-*.whl >/dev/null 2>&1; then
