@@ -75,7 +75,8 @@ def local_precision(recipe: Any) -> dict:
 
 def local_speed(recipe: Any) -> dict:
     """The ``local`` engine's speed levers (and the megatron engine's fused head) as they resolve on a GPU, as
-    Workload fields: ``auto`` kernels are Triton, the ``auto`` fused losses are on; either way a fused head
+    Workload fields: ``auto`` kernels are Triton, ``auto`` packed attention FlexAttention, the ``auto`` fused losses
+    are on; either way a fused head
     serves only a loss that declares a uniform token gradient (pt, sft)."""
     local = recipe.section("local") if hasattr(recipe, "section") else {}
     megatron = recipe.section("megatron") if hasattr(recipe, "section") else {}
@@ -83,6 +84,7 @@ def local_speed(recipe: Any) -> dict:
     fused, megatron_fused = local.get("fused_loss", "auto"), megatron.get("fused_loss", "auto")
     uniform = _uniform_loss(getattr(recipe, "loss", "sft"))
     return {"kernels": planned_kernels(kernels),
+            "packed_attention": planned_packed_attention(str(local.get("packed_attention", "auto") or "auto")),
             "fused_loss": (fused == "auto" or bool(fused)) and uniform,
             "megatron_fused_loss": (megatron_fused == "auto" or bool(megatron_fused)) and uniform}
 
@@ -90,6 +92,11 @@ def local_speed(recipe: Any) -> dict:
 def planned_kernels(choice: str) -> str:
     """``--local-kernels`` as it resolves on the GPU being planned for: ``auto`` is ``triton``."""
     return "triton" if choice == "auto" else choice
+
+
+def planned_packed_attention(choice: str) -> str:
+    """``--local-packed-attention`` as it resolves on the GPU being planned for: ``auto`` is ``flex``."""
+    return "flex" if choice == "auto" else choice
 
 
 def _uniform_loss(name: str) -> bool:

@@ -27,6 +27,9 @@ from toolkit.plan.memory import STRATEGIES, TUNERS
 @click.option("--local-logps-chunk-tokens", type=int, default=2048, show_default=True, help="Tokens per log-prob chunk.")
 @click.option("--local-kernels", type=click.Choice(["auto", "triton", "liger", "torch", "none"]), default="auto",
               show_default=True, help="local strategy: fused RMSNorm/SwiGLU kernels (auto: triton, as on a GPU).")
+@click.option("--local-packed-attention", type=click.Choice(["auto", "flex", "sdpa-mask"]), default="auto",
+              show_default=True, help="local strategy: attention of packed rows and of Gemma 2's soft-capped scores "
+                                      "(auto: flex, as on a GPU; sdpa-mask keeps Gemma 2 eager, its scores kept).")
 @click.option("--local-fused-loss/--no-local-fused-loss", default=True, show_default=True,
               help="local strategy: fused linear + cross-entropy head (the engine's GPU default for pt/sft).")
 @click.option("--megatron-fused-loss/--no-megatron-fused-loss", default=True, show_default=True,
@@ -37,7 +40,8 @@ from toolkit.plan.memory import STRATEGIES, TUNERS
 def plan_command(model: str, gpus: int, nodes: int, gpu_kind: str, gpu_memory: str | None, seq_len: int,
                  micro_batch_size: int, global_batch_size: int, tuner: str, lora_rank: int, local_master_weights: bool,
                  local_bf16_mode: str | None,
-                 local_recompute_logits: bool, local_logps_chunk_tokens: int, local_kernels: str, local_fused_loss: bool,
+                 local_recompute_logits: bool, local_logps_chunk_tokens: int, local_kernels: str,
+                 local_packed_attention: str, local_fused_loss: bool,
                  megatron_fused_loss: bool, strategies: str, top: int, as_json: bool) -> None:
     """Recommend parallel layouts: per-GPU memory, estimated step time and the reasons.
 
@@ -45,7 +49,7 @@ def plan_command(model: str, gpus: int, nodes: int, gpu_kind: str, gpu_memory: s
     """
     import json
 
-    from toolkit.plan.auto import planned_kernels
+    from toolkit.plan.auto import planned_kernels, planned_packed_attention
     from toolkit.plan.hardware import make_cluster
     from toolkit.plan.memory import Workload
     from toolkit.plan.model import load_shape
@@ -61,6 +65,7 @@ def plan_command(model: str, gpus: int, nodes: int, gpu_kind: str, gpu_memory: s
                         bf16_mode=scheme,
                         recompute_logits=local_recompute_logits, logps_chunk_tokens=local_logps_chunk_tokens,
                         kernels=planned_kernels(local_kernels), fused_loss=local_fused_loss,
+                        packed_attention=planned_packed_attention(local_packed_attention),
                         megatron_fused_loss=megatron_fused_loss)
     chosen = tuple(s.strip() for s in strategies.split(",") if s.strip())
     result = plan(load_shape(model), cluster, workload, chosen, model=trainable_reference(model))

@@ -80,6 +80,10 @@ class Workload:
     """``--local-kernels`` as it resolves on the target (``auto`` is ``triton`` on a GPU): ``triton`` or
     ``liger`` fuse RMSNorm and SwiGLU (less kept for backward in :data:`KERNEL_FAMILIES`) and write the
     fused loss's softmax gradient over the chunk's logits; ``torch``/``none`` compute what HF computes."""
+    packed_attention: str = "sdpa-mask"
+    """``--local-packed-attention`` (and FSDP's, DeepSpeed's) as it resolves on the target (``auto`` is ``flex`` on a
+    GPU): ``flex`` runs Gemma 2's soft-capped attention through FlexAttention, which keeps no scores for backward;
+    ``sdpa-mask`` leaves it eager (:data:`~toolkit.plan.model.EAGER_ATTENTION_FAMILIES`), as a CPU run does."""
 
     @property
     def micro_batch_tokens(self) -> int:
@@ -267,7 +271,7 @@ def _hf_activation_bytes_per_token_layer(shape: ModelShape, layout: Layout, work
     if layout.strategy == "megatron":
         # bf16 everywhere; with sequence parallelism every saved tensor is split over TP.
         return (12 * h + 4 * kv + mlp + lora + extra) / (layout.tp * layout.cp)
-    if shape.model_type in EAGER_ATTENTION_FAMILIES:
+    if shape.model_type in EAGER_ATTENTION_FAMILIES and workload.packed_attention != "flex":
         # eager attention: per query token and head a row of capped scores (bf16), their fp32 softmax and its bf16
         # cast (8 bytes a key), and the keys and values repeated to every query head (4 (q - kv) more than SDPA);
         # whole rows in sliding-window layers too: eager computes the full square and masks it

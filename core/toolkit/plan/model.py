@@ -22,7 +22,8 @@ QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "gemma3_text")
 # model_type -> RMSNorms computed in fp32 throughout and scaled by (1 + weight) (Gemma): they keep an fp32 normalised value
 ZERO_CENTERED_NORM_FAMILIES = ("gemma", "gemma2", "gemma3_text")
 # model_type -> transformers runs it with eager attention (SDPA has no attention soft-capping): the [b, h, s, s] scores
-# are kept for backward on the HF-module strategies (the Megatron bridge caps them inside FlexAttention on a GPU)
+# are kept for backward on the HF-module strategies under --local-packed-attention sdpa-mask (and on CPU); FlexAttention
+# (the GPU's auto) and the Megatron bridge cap the scores inside the kernel and keep none
 EAGER_ATTENTION_FAMILIES = ("gemma2",)
 # model_type -> HF linears that hold several projections (LoRA adapts the fused module: one A for all its parts)
 FUSED_LINEARS = {"phi3": {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")},

@@ -85,10 +85,6 @@ def resolve_packed_attention(choice: str, model: Any, device: torch.device, flag
     if choice == "auto" and getattr(device, "type", str(device)) != "cuda":
         return "sdpa-mask"
     problems = flex_problems(model, device)
-    if choice == "auto" and softcaps_attention(getattr(model, "config", None)):
-        # transformers' flex_attention for soft-capped scores is tested on CPU against eager but not yet measured on a
-        # GPU (docs/training.md): asked for by name only, until it is
-        return "sdpa-mask"
     if not problems:
         return "flex"
     if choice == "auto":

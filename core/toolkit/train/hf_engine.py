@@ -53,7 +53,8 @@ class LocalConfig:
         "auto", help="Rows holding several samples (--packing, or padded rows): flex (FlexAttention with a "
         "block-causal BlockMask built from the sequence ids: the compiled kernel skips masked blocks), sdpa-mask (a "
         "dense [B,1,T,T] boolean mask for HF's sdpa attention: no flash/cuDNN kernel) or auto (flex on a "
-        "CUDA device when torch has FlexAttention and the model runs sdpa attention, else sdpa-mask). A micro-batch "
+        "CUDA device when torch has FlexAttention and the model runs sdpa attention, or eager for Gemma 2's soft cap, "
+        "else sdpa-mask). A micro-batch "
         "whose rows each hold one sample (right-padded or not) always takes is_causal SDPA.")
     fp8: bool = option(
         False, help="float8 training of the decoder's linear layers (torchao, dynamic tensorwise scaling; output head "
