@@ -69,7 +69,8 @@ def report_levers(config: Any, kernel_ops: Any, fused_loss: bool, loss: Any, pac
     if config.attention != "auto":
         on.append(f"attention {config.attention} first")
     if packed_attention == "flex":
-        on.append("packed rows through FlexAttention" + (" (auto)" if config.packed_attention == "auto" else ""))
+        on.append("packed rows through FlexAttention" + (" (auto)" if config.packed_attention == "auto" else "")
+                  + " (the first step compiles its kernels: a minute or more)")
     if on:
         off = [flag for flag, active in (("--local-compile", config.compile), ("--local-fp8", config.fp8)) if not active]
         print(f"toolkit: local engine speed levers: {', '.join(on)}" + (f"; off: {', '.join(off)}" if off else "")
