@@ -138,3 +138,35 @@ def test_a_run_that_fails_is_listed_as_failed(tmp_path, monkeypatch):
         assert "missing.jsonl" in (run_dir / "webui.log").read_text()
     finally:
         runs.close()
+
+
+def test_the_runs_tab_ticks_every_second_only_while_a_run_trains(tmp_path):
+    """A tick of the Runs tab costs the browser about half a CPU-second in this page: with no run training it looks
+    every 5 s, and a run that trains (here one the page did not start: its metrics.jsonl is fresh) brings it back
+    to every second. The tick's own handler sets the interval, and only when it changes."""
+    import gradio as gr
+
+    from toolkit_webui import tabs
+    from toolkit_webui.app import App, build
+    from toolkit_webui.paths import Roots
+
+    app = App(Roots(tmp_path))
+    page = build(app)
+    (timer,) = [block for block in page.blocks.values() if isinstance(block, gr.Timer)]
+    (tick,) = [fn for fn in page.fns.values() if any(event == "tick" for _, event in fn.targets)]
+    at, shown_at = tick.outputs.index(timer), 2
+
+    def interval(result: list) -> float | None:
+        update = result[at]
+        return update.value if isinstance(update, gr.Timer) else None
+
+    idle = tick.fn(None, {})
+    assert interval(idle) == tabs.IDLE_REFRESH_SECONDS > tabs.REFRESH_SECONDS
+    assert interval(tick.fn(None, idle[shown_at])) is None  # unchanged: not sent again
+    run = tmp_path / "cli-run"
+    run.mkdir()
+    (run / "recipe.yaml").write_text("model: tiny-llama\n")
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+    live = tick.fn(None, idle[shown_at])
+    assert live[0][0][:2] == ["cli-run", "running (not from this page)"]
+    assert interval(live) == tabs.REFRESH_SECONDS
