@@ -56,7 +56,7 @@ def runs_tab(app: Any) -> Any:
         try:
             rows, choices, *curves, text = app.run_view(selected)
         except Exception:  # a run directory vanishing mid-read: the next tick shows it again
-            return [gr.skip() for _ in range(len(plots) + 5)]
+            return [gr.skip() for _ in outputs]
         digests = [hashlib.sha1(frame.to_json(orient="values").encode()).hexdigest() for frame in curves]
         now = {"rows": rows, "choices": [list(c) for c in choices], "log": text, "plots": digests,
                "plots before": before.get("plots"), "tick": refresh_seconds(rows)}
