@@ -183,3 +183,59 @@ def test_launch_runs_the_command_shown_on_n_processes(fields, tmp_path, monkeypa
 
     torchrun = process_command(args, nproc)
     assert "--nproc-per-node=3" in torchrun and torchrun[-len(args):] == args
+
+
+def test_an_edit_is_one_event_that_sends_only_the_sections_it_shows_or_hides(tmp_path):
+    """Each event costs the browser time in proportion to its inputs and outputs (Gradio 6 walks the page's tree for
+    each), so an edit of the form redraws the YAML, the command line and the option sections in one event, and sends
+    a section only when its visibility changes."""
+    import gradio as gr
+
+    from toolkit_webui.app import App, build
+    from toolkit_webui.paths import Roots
+
+    app = App(Roots(tmp_path))
+    page = build(app)
+    loss = next(block for block in page.blocks.values() if getattr(block, "elem_id", None) == "field-recipe-loss")
+    on_edit = [fn for fn in page.fns.values() if any(target == loss._id and event == "change" for target, event in fn.targets)]
+    assert len(on_edit) == 1
+    (describe,) = on_edit
+    ids = [getattr(block, "elem_id", None) for block in describe.outputs]
+    sections = [i for i, name in enumerate(ids) if name and name.startswith("section-")]
+    state_at = len(ids) - 1
+    raw = {f.key: forms.widget_value(f, f.default) for f in app.fields}
+    inputs = [raw[f.key] for f in app.fields]
+
+    def sent(result: tuple) -> dict:
+        return {ids[i]: result[i] for i in sections if result[i] != gr.skip()}
+
+    first = describe.fn(*inputs, 1, [])  # a page that shows no section yet
+    shown = first[state_at]
+    assert "loss: sft" in first[0] and set(shown) == forms.form_sections(app.fields, raw)
+    assert sent(first) == {f"section-{name}": gr.update(visible=True) for name in shown}
+    assert sent(describe.fn(*inputs, 1, shown)) == {}  # nothing to show or hide: no section is sent
+
+    inputs[[f.key for f in app.fields].index("loss")] = "focal"
+    focal = describe.fn(*inputs, 1, shown)
+    assert sent(focal) == {"section-focal": gr.update(visible=True)}
+    assert focal[1].strip().splitlines()[-1].startswith("toolkit focal ")
+    assert set(focal[state_at]) == set(shown) | {"focal"}
+
+
+def test_a_loaded_recipe_changes_only_the_fields_it_sets(tmp_path):
+    """Loading a recipe sends every field's value; each that differs from what the page holds is a change, and each
+    change redraws the recipe: a value given in another form than the widget's (None for an empty optional number
+    shown as text) cost a redraw per such field (10 on every load, 9 s of a CI machine's browser)."""
+    from toolkit_webui.app import App, build, elem_id
+    from toolkit_webui.paths import Roots
+
+    app = App(Roots(tmp_path))
+    page = build(app)
+    by_elem = {getattr(block, "elem_id", None): block for block in page.blocks.values()}
+    held = {f.key: by_elem[elem_id(f)].value for f in app.fields}
+    raw = {f.key: forms.widget_value(f, f.default) for f in app.fields}
+    raw.update({"max_steps": 7, "output": "loaded"})
+    app.save(raw, "recipes/seven.yaml")
+    loaded = app.load("recipes/seven.yaml")
+    changed = {key for key, value in loaded.items() if value != held[key]}
+    assert changed == {"max_steps", "output"}, {key: (held[key], loaded[key]) for key in changed}

@@ -140,10 +140,10 @@ def test_a_run_that_fails_is_listed_as_failed(tmp_path, monkeypatch):
         runs.close()
 
 
-def test_the_runs_tab_ticks_every_second_only_while_a_run_trains(tmp_path):
+def test_the_runs_tab_ticks_fast_only_while_a_run_trains(tmp_path):
     """A tick of the Runs tab costs the browser about half a CPU-second in this page: with no run training it looks
     every 5 s, and a run that trains (here one the page did not start: its metrics.jsonl is fresh) brings it back
-    to every second. The tick's own handler sets the interval, and only when it changes."""
+    to every 2 s. The tick's own handler sets the interval, and only when it changes."""
     import gradio as gr
 
     from toolkit_webui import tabs

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 from toolkit.errors import ConfigError, ToolkitError
 from toolkit_webui import forms, tools
@@ -40,10 +40,7 @@ def widget(field: forms.Field, value: Any = None) -> Any:
         return gr.Dropdown(choices=list(field.choices), allow_custom_value=field.custom, **common)
     if shape == "bool":
         return gr.Checkbox(**common)
-    if shape in ("int", "float") and type(None) in get_args(field.type):
-        # a Number sends 0 for an empty box: "none" (grpo's epsilon: the default clip range; an MoE's
-        # aux_loss_coef: the model's own) would silently become 0, so an optional number is typed as text
-        common["value"] = "" if value is None else str(value)
+    if field.typed_as_text:
         return gr.Textbox(placeholder="empty: none", **common)
     if shape in ("int", "float"):
         return gr.Number(precision=0 if shape == "int" else None, **common)
@@ -261,21 +258,28 @@ def _recipe_tab(app: App) -> tuple:
                 save_button = gr.Button("Save recipe", elem_id="save-recipe")
                 load_button = gr.Button("Load recipe", elem_id="load-recipe")
     inputs = [widgets[f.key] for f in app.fields]
+    sections = list(groups)
+    shown_state = gr.State(sorted(shown))  # the sections this browser tab shows now
 
     def describe(*raw: Any) -> tuple:
-        return app.describe(_by_key(app, raw[:-1]), raw[-1])
+        """The recipe's YAML, command line and status, and the option sections it shows (those of what it chooses
+        or names: a loss, a reward, a tracker), sending only the sections whose visibility changes."""
+        *values, count, before = raw
+        by_key = _by_key(app, tuple(values))
+        yaml_text, command, status = app.describe(by_key, count)
+        now = forms.form_sections(app.fields, by_key)
+        visible = [gr.update(visible=section in now) if (section in now) != (section in before) else gr.skip()
+                   for section in sections]
+        return yaml_text, command, status, *visible, sorted(now)
 
-    # one at a time, in the order sent, with the page's first describe (page.load): a field changed while that first
-    # one still ran had its recipe overwritten by the older one's (a loaded CI machine, 2026-12-07)
-    gr.on([w.change for w in inputs] + [nproc.change], describe, [*inputs, nproc], [yaml_box, command_box, status],
-          concurrency_limit=1, concurrency_id=DESCRIBE)
-    groups_list = list(groups.values())
-
-    def visibility(*raw: Any) -> list:  # the options of what the recipe chooses or names (a reward, a tracker)
-        shown = forms.form_sections(app.fields, _by_key(app, raw))
-        return [gr.update(visible=section in shown) for section in groups]
-
-    gr.on([w.change for w in inputs], visibility, inputs, [g for _, g in groups_list])
+    # One event per edit, on a queue of its own: one at a time, in the order sent, with the page's first describe
+    # (page.load), as a field changed while that first one still ran had its recipe overwritten by the older one's (a
+    # loaded CI machine, 2026-12-07). Each event costs the browser time in proportion to its inputs and outputs times
+    # the page's components (Gradio 6 finds each by a walk of the page's tree): the YAML and the sections were two
+    # events of 225 inputs each, 2.7 CPU-s of headless chromium per edit, now one
+    redraw = [*inputs, nproc, shown_state], [yaml_box, command_box, status, *(group for _, group in groups.values()), shown_state]
+    gr.on([w.change for w in inputs] + [nproc.change], describe, *redraw, concurrency_limit=1, concurrency_id=DESCRIBE,
+          show_progress="hidden")
     save_button.click(shows_errors()(lambda *raw: app.save(_by_key(app, raw[:-1]), raw[-1])), [*inputs, path], message)
 
     def load(path_value: str) -> list:
@@ -286,7 +290,7 @@ def _recipe_tab(app: App) -> tuple:
         return [f"Loaded {path_value}.", *[values[f.key] for f in app.fields]]
 
     load_button.click(load, path, [message, *inputs])
-    return launch_button, inputs, nproc, message, (describe, [*inputs, nproc], [yaml_box, command_box, status])
+    return launch_button, inputs, nproc, message, (describe, *redraw)
 
 
 def _grid(fields: list[forms.Field], values: dict[str, Any] | None = None, columns: int = 3) -> dict[str, Any]:

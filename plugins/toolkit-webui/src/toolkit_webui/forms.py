@@ -66,6 +66,12 @@ class Field:
             return "mapping"
         return {bool: "bool", int: "int", float: "float"}.get(tp, "text")
 
+    @property
+    def typed_as_text(self) -> bool:
+        """An optional number: the page shows it as text, as a number box sends 0 for an empty box and "none"
+        (grpo's epsilon: the default clip range; an MoE's aux_loss_coef: the model's own) would silently become 0."""
+        return self.shape in ("int", "float") and type(None) in get_args(self.type)
+
 
 def _without_none(tp: Any) -> Any:
     if get_origin(tp) in (typing.Union, types.UnionType):
@@ -218,6 +224,8 @@ def widget_value(field: Field, value: Any) -> Any:
         return ", ".join(str(v) for v in value or [])
     if field.shape == "mapping":
         return "\n".join(f"{k}={v}" for k, v in (value or {}).items())
+    if field.typed_as_text:  # as the page holds it: a loaded recipe that sent None would count as a change
+        return "" if value is None else str(value)
     if value is None:
         return None if field.shape in ("int", "float") else ""
     if isinstance(value, bool) and field.shape == "choice":

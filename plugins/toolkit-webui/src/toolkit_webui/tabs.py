@@ -8,12 +8,14 @@ from typing import Any
 from toolkit.errors import ToolkitError
 from toolkit_webui import forms, tools
 
-REFRESH_SECONDS = 1.0
-"""How often the Runs tab looks for changes while a run of the directory trains or stops."""
+REFRESH_SECONDS = 2.0
+"""How often the Runs tab looks for changes while a run of the directory trains or stops. A tick costs the browser
+about half a CPU-second in a page of this size, more while the curves it draws grow: every second, an open page
+of a training run kept most of a core of the user's machine busy (headless chromium, 2026-12-07)."""
 IDLE_REFRESH_SECONDS = 5.0
-"""How often it looks while none does: a tick costs the browser about half a CPU-second in a page of this size (an
-open Runs tab with nothing to show took 0.7 of a core ticking every second, 0.3 every 5 s; headless chromium,
-2026-12-07). A run launched meanwhile shows within this many seconds, and is then followed every second."""
+"""How often it looks while none does (an open Runs tab with nothing to show took 0.7 of a core ticking every
+second, 0.3 every 5 s). A run launched meanwhile shows within this many seconds, and is then followed every
+:data:`REFRESH_SECONDS`."""
 LIVE_STATES = ("running", "stopping")
 
 
@@ -49,7 +51,7 @@ def runs_tab(app: Any) -> Any:
     timer = gr.Timer(REFRESH_SECONDS)
 
     # what this browser tab was sent: each tick sends only what changed, so an idle page (a stopped run, another
-    # tab) neither re-sends its curves nor has the browser redraw them every second
+    # tab) neither re-sends its curves nor has the browser redraw them on every tick
     shown = gr.State({})
 
     def refresh(selected: str | None, before: dict) -> list:
