@@ -96,6 +96,19 @@ def test_a_suite_session_runs_a_shared_plugins_suite_in_another_lane(noxfile, tm
         noxfile.own_sessions(noxfile.discover_plugins(tmp_path))
 
 
+def test_a_suite_on_one_process_runs_first_in_its_lane(noxfile, tmp_path):
+    """The own sessions run one after another beside the shared one: the session holding a suite that runs on one
+    process (workers = 1) goes first, and that suite first within it, so the end of the run, once the shared session
+    is done, is left to suites that use both cores."""
+    write_plugin(tmp_path, "toolkit-alpha", '[tool.toolkit.nox]\nown-session = true\n')
+    write_plugin(tmp_path, "toolkit-guest", '[tool.toolkit.nox]\nsuite-session = "zeta"\n')
+    write_plugin(tmp_path, "toolkit-zeta", '[tool.toolkit.nox]\nown-session = true\nworkers = 1\n')
+    sessions = noxfile.own_sessions(noxfile.discover_plugins(tmp_path))
+    assert list(sessions) == ["tests-zeta", "tests-alpha"]
+    members, guests = sessions["tests-zeta"]
+    assert [p.name for p in noxfile.one_process_first([*guests, *members])] == ["toolkit-zeta", "toolkit-guest"]
+
+
 def test_the_repositorys_suites_each_run_in_exactly_one_session(noxfile):
     sessions = noxfile.own_sessions(noxfile.PLUGINS)
     runs = [p.name for members, guests in sessions.values() for p in [*members, *guests]]
