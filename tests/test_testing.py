@@ -320,3 +320,44 @@ def test_a_shared_fork_directory_too_long_for_a_socket_is_named(tmp_path, monkey
     monkeypatch.setenv("TOOLKIT_TEST_FORK_DIR", str(tmp_path / ("x" * 100)))
     with pytest.raises(RuntimeError, match="TOOLKIT_TEST_FORK_DIR=.* is too long a path"):
         forkserver._Server()
+
+
+def _resident_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+def test_a_fresh_toolkit_process_of_a_test_is_forked_and_dies_with_its_stand_in(tmp_path, monkeypatch):
+    """In a session that shares fork servers, a test's plain ``subprocess`` ``python -m toolkit ...`` (torchrun's
+    ranks, runs the web UI launches) hands itself to the running server: the process its parent holds stays a small
+    stand-in without torch (a fresh interpreter that trained holds several hundred MiB), and killing it ends the job."""
+    shared = tmp_path / "forks"
+    shared.mkdir()
+    monkeypatch.setenv(forkserver.SHARED_DIR_VARIABLE, str(shared))
+    site = str(Path(forkserver.__file__).with_name("_forksite"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([site, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]))
+    monkeypatch.setattr(forkserver, "_server", None)
+    monkeypatch.setattr(forkserver, "_BASE_ENV", dict(os.environ))
+    assert forkserver.run([sys.executable, "-c", "pass"]).returncode == 0  # the shared server, started and warm
+    run = tmp_path / "run"
+    stand_in = subprocess.Popen([sys.executable, "-m", "toolkit", "sft", "--model", "tiny-llama", "--dataset", "demo",
+                                 "--seq-len", "32", "--max-steps", "100000", "--output", str(run)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "metrics.jsonl").is_file() or not (run / "metrics.jsonl").read_text().strip():
+            assert stand_in.poll() is None and time.monotonic() < deadline, "the run never logged a step"
+            time.sleep(0.2)
+        assert _resident_mib(stand_in.pid) < 100  # torch alone is more
+        stand_in.kill()
+        stand_in.wait()
+        time.sleep(2)  # the server's watcher ends the job within 0.05 s of losing its client
+        size = (run / "metrics.jsonl").stat().st_size
+        time.sleep(3)
+        assert (run / "metrics.jsonl").stat().st_size == size, "the job trained on after its stand-in was killed"
+    finally:
+        stand_in.kill()
+        forkserver.stop_shared(shared)

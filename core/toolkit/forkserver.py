@@ -57,7 +57,9 @@ _IMPORT_SENSITIVE = ("PYTHON", "HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "P
 _APPLIED = {"PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONWARNINGS", "OMP_NUM_THREADS", "PYTHONFAULTHANDLER"}
 # ... and these are read when used, not at import; libraries also set the last two in the test process itself
 # (torch's inductor when it first compiles, ``import deepspeed``), which would stop every later child from forking
-_READ_WHEN_USED = {"TORCH_EXTENSIONS_DIR", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK"}
+_READ_WHEN_USED = {"TORCH_EXTENSIONS_DIR", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK",
+                   "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
+_READ_WHEN_USED_PREFIXES = ("TORCHELASTIC_",)  # what torchrun gives its workers, read by torch.distributed.elastic
 # ... and these prefixes only where the library that reads them is installed: megatron-core sets NVTE_*_ATTN in the
 # test process whenever it builds a model, for Transformer Engine
 _ONLY_WITH = {"NVTE": "transformer_engine"}
@@ -290,7 +292,7 @@ def forkable(args: Sequence[Any], env: dict[str, str] | None) -> bool:
 
 
 def _read_at_import(key: str) -> bool:
-    if not key.startswith(_IMPORT_SENSITIVE) or key in _APPLIED or key in _READ_WHEN_USED:
+    if not key.startswith(_IMPORT_SENSITIVE) or key in _APPLIED or key in _READ_WHEN_USED or key.startswith(_READ_WHEN_USED_PREFIXES):
         return False
     owner = next((module for prefix, module in _ONLY_WITH.items() if key.startswith(prefix)), None)
     return owner is None or _installed(owner)
@@ -325,10 +327,44 @@ def popen(args: Sequence[Any], *, env: dict[str, str] | None = None, cwd: str | 
         return subprocess.Popen(args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr)
     if _server is None or not _server.alive():
         _server = _Server()
+    return _request(_server.connect(), args, env, cwd, streams)
+
+
+def attach(args: Sequence[Any], env: dict[str, str]) -> ForkedProcess | None:
+    """Start ``args`` with this process's standard streams and working directory on the shared server of
+    ``TOOLKIT_TEST_FORK_DIR`` that agrees with ``env``, if one runs (never a new one, whose imports would cost
+    more than the one process it forks saves); None otherwise (see :mod:`toolkit._forksite.sitecustomize`)."""
+    args = [str(a) for a in args]
+    if not os.environ.get(SHARED_DIR_VARIABLE) or not forkable(args, env):
+        return None
+    server = _Server()
+    if not _same_namespaces(os.path.join(server.directory, "pid")):
+        return None
+    try:
+        connection = server._connect(0.0)
+    except RuntimeError:
+        return None
+    return _request(connection, args, env, None, (0, 1, 2))
+
+
+def _same_namespaces(pid_file: str) -> bool:
+    """Whether the server whose pid ``pid_file`` holds sees the files, users, processes and network this process
+    does: a CLI run in a mount namespace of its own (a test's small tmpfs) would not find that tmpfs in a job the
+    server forked outside it."""
+    try:
+        pid = int(Path(pid_file).read_text())
+        return all(os.readlink(f"/proc/{pid}/ns/{kind}") == os.readlink(f"/proc/self/ns/{kind}")
+                   for kind in ("mnt", "user", "pid", "net", "ipc", "uts"))
+    except (OSError, ValueError):
+        return False
+
+
+def _request(connection: socket.socket, args: list[str], env: dict[str, str] | None, cwd: str | os.PathLike | None,
+             streams: tuple[Any, Any, Any]) -> ForkedProcess:
+    """Send the server one job (argv, environment, directory, the three streams) and take its pid."""
     request = json.dumps({"args": args, "env": dict(os.environ if env is None else env),
                           "cwd": os.path.abspath(cwd if cwd is not None else os.getcwd())}).encode()
     fds = [_stream(s, default) for s, default in zip(streams, (0, 1, 2), strict=True)]
-    connection = _server.connect()
     try:
         socket.send_fds(connection, [struct.pack("!Q", len(request)) + request], [fd for fd, _ in fds])
     finally:

@@ -183,6 +183,11 @@ class TinyModels:
 def pytest_configure(config: Any) -> None:
     """Each test session tokenizes into a cache of its own (:mod:`toolkit.data.cache`), never the user's."""
     os.environ.setdefault("TOOLKIT_CACHE", tempfile.mkdtemp(prefix="toolkit-test-cache-"))
+    if os.environ.get(forkserver.SHARED_DIR_VARIABLE):  # fresh `python -m toolkit` of the tests forked too (_forksite)
+        site = os.path.join(os.path.dirname(__file__), "_forksite")
+        paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        if site not in paths:
+            os.environ["PYTHONPATH"] = os.pathsep.join([site, *paths])
     config.pluginmanager.register(CpuReport(config.getoption("toolkit_cpu_report", 0)), "toolkit-cpu-report")
 
 
