@@ -334,8 +334,9 @@ def test_a_fresh_toolkit_process_of_a_test_is_forked_and_dies_with_its_stand_in(
     """In a session that shares fork servers, a test's plain ``subprocess`` ``python -m toolkit ...`` (torchrun's
     ranks, runs the web UI launches) hands itself to the running server: the process its parent holds stays a small
     stand-in without torch (a fresh interpreter that trained holds several hundred MiB), and killing it ends the job."""
-    shared = tmp_path / "forks"
-    shared.mkdir()
+    import tempfile
+
+    shared = Path(tempfile.mkdtemp(prefix="forks-", dir="/tmp"))  # a socket's path ends at 107 bytes: not tmp_path
     monkeypatch.setenv(forkserver.SHARED_DIR_VARIABLE, str(shared))
     site = str(Path(forkserver.__file__).with_name("_forksite"))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([site, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]))

@@ -359,6 +359,14 @@ def _same_namespaces(pid_file: str) -> bool:
         return False
 
 
+def warm() -> None:
+    """Start this session's shared server now (``TOOLKIT_TEST_FORK_DIR``; nothing without it): a fixture that starts a
+    long-lived ``python -m toolkit ...`` before any test forked (toolkit-webui's server, which then launches runs) has
+    it handed over (:func:`attach`) only to a server that runs already."""
+    if os.environ.get(SHARED_DIR_VARIABLE):
+        run([sys.executable, "-c", "pass"], check=True)
+
+
 def _request(connection: socket.socket, args: list[str], env: dict[str, str] | None, cwd: str | os.PathLike | None,
              streams: tuple[Any, Any, Any]) -> ForkedProcess:
     """Send the server one job (argv, environment, directory, the three streams) and take its pid."""

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from toolkit import forkserver
 from toolkit.train.distributed import free_port
 
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
@@ -52,6 +53,7 @@ class Server:
         self.log = root / "webui-server.log"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "GRADIO_ANALYTICS_ENABLED": "False", "OMP_NUM_THREADS": "1",
                "TOKENIZERS_PARALLELISM": "false"}
+        forkserver.warm()  # so that the server, and every run it launches, is forked from it (toolkit._forksite)
         with open(self.log, "wb") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "toolkit", "webui", "--runs-dir", str(self.runs), "--data-dir", str(self.data),
