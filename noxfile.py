@@ -83,6 +83,11 @@ class Plugin:
     workers: int | None = None
 
     @property
+    def one_process(self) -> bool:
+        """Whether its suite runs in pytest's own process (``workers = 1``), leaving a lane's second core unused."""
+        return self.workers == 1
+
+    @property
     def short(self) -> str:
         return self.name.removeprefix("toolkit-")
 
@@ -328,12 +333,12 @@ def own_sessions(plugins: list[Plugin]) -> dict[str, tuple[list[Plugin], list[Pl
             sessions[name][1].append(plugin)
     # the session with a suite on one process first: that suite cannot use the lane's second core, so at the end of
     # the run, with the shared session done, it left a core idle (the webui suite alone for a minute, 2026-12-07)
-    return dict(sorted(sessions.items(), key=lambda item: not any(p.workers == 1 for p in [*item[1][0], *item[1][1]])))
+    return dict(sorted(sessions.items(), key=lambda item: not any(p.one_process for p in [*item[1][0], *item[1][1]])))
 
 
 def one_process_first(plugins: list[Plugin]) -> list[Plugin]:
     """``plugins`` with the suites that run on one process first (see :func:`own_sessions`)."""
-    return sorted(plugins, key=lambda p: p.workers != 1)
+    return sorted(plugins, key=lambda p: not p.one_process)
 
 
 def _own_session(name: str, members: list[Plugin], guests: list[Plugin]) -> None:

@@ -359,6 +359,26 @@ def _same_namespaces(pid_file: str) -> bool:
         return False
 
 
+def flags_as_env(env: dict[str, str], flags: Sequence[str]) -> dict[str, str]:
+    """``env`` with what the interpreter flags ``-u`` and ``-B`` among ``flags`` would have set, for a job the
+    server runs in place of ``python FLAGS ...`` (the server's interpreter took no such flags)."""
+    env = dict(env)
+    if "-u" in flags:
+        env["PYTHONUNBUFFERED"] = "1"
+    if "-B" in flags:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def stand_in(job: ForkedProcess, signals: Sequence[int]) -> int:
+    """Be ``job``'s stand-in: pass ``signals`` on to it, wait for it, and return its status as this process's exit
+    code (128 + N for a job that signal N ended), as :mod:`toolkit.testworker` and :mod:`toolkit._forksite` do."""
+    for number in signals:
+        signal.signal(number, lambda sig, _frame: job.send_signal(sig))
+    status = job.wait()  # a signal passed on above interrupts no wait: Python retries the call (PEP 475)
+    return status if status >= 0 else 128 - status
+
+
 def warm() -> None:
     """Start this session's shared server now (``TOOLKIT_TEST_FORK_DIR``; nothing without it): a fixture that starts a
     long-lived ``python -m toolkit ...`` before any test forked (toolkit-webui's server, which then launches runs) has

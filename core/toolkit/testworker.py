@@ -25,20 +25,13 @@ from toolkit import forkserver
 
 def main(argv: list[str]) -> int:
     """``argv``: what execnet appends to the interpreter (``-u -c BOOTSTRAP``, maybe ``-B``)."""
-    env = dict(os.environ)
-    if "-u" in argv:
-        env["PYTHONUNBUFFERED"] = "1"
-    if "-B" in argv:
-        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env = forkserver.flags_as_env(dict(os.environ), argv[:argv.index("-c")])
     code = argv[argv.index("-c") + 1]
     command = [sys.executable, "-c", code]
     if not forkserver.forkable(command, env):
         return subprocess.call([sys.executable, *argv])
     worker = forkserver.popen(command, env=env, stdin=0, stdout=1, stderr=2)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda number, _frame: worker.send_signal(number))
-    status = worker.wait()  # a signal passed on above interrupts no wait: Python retries the call (PEP 475)
-    return status if status >= 0 else 128 - status
+    return forkserver.stand_in(worker, (signal.SIGINT, signal.SIGTERM))
 
 
 if __name__ == "__main__":

@@ -33,18 +33,10 @@ def _hand_over() -> None:
 
     from toolkit import forkserver
 
-    env = dict(os.environ)
-    if "-u" in argv[1:start]:
-        env["PYTHONUNBUFFERED"] = "1"
-    if "-B" in argv[1:start]:
-        env["PYTHONDONTWRITEBYTECODE"] = "1"
-    job = forkserver.attach([sys.executable, *argv[start:]], env)
-    if job is None:
-        return
-    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(number, lambda sig, _frame: job.send_signal(sig))
-    status = job.wait()  # a signal passed on above interrupts no wait: Python retries the call (PEP 475)
-    os._exit(status if status >= 0 else 128 - status)
+    job = forkserver.attach([sys.executable, *argv[start:]], forkserver.flags_as_env(dict(os.environ), argv[1:start]))
+    if job is not None:
+        os._exit(forkserver.stand_in(job, (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+                                           signal.SIGUSR2)))
 
 
 _hand_over()
