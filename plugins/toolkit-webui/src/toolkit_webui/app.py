@@ -276,7 +276,7 @@ def _recipe_tab(app: App) -> tuple:
     # (page.load), as a field changed while that first one still ran had its recipe overwritten by the older one's (a
     # loaded CI machine, 2026-12-07). Each event costs the browser time in proportion to its inputs and outputs times
     # the page's components (Gradio 6 finds each by a walk of the page's tree): the YAML and the sections were two
-    # events of 225 inputs each, 2.7 CPU-s of headless chromium per edit, now one
+    # events of 225 inputs each, 2.9 CPU-s of headless chromium per edit, now one (1.2)
     redraw = [*inputs, nproc, shown_state], [yaml_box, command_box, status, *(group for _, group in groups.values()), shown_state]
     gr.on([w.change for w in inputs] + [nproc.change], describe, *redraw, concurrency_limit=1, concurrency_id=DESCRIBE,
           show_progress="hidden")
